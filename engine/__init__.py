@@ -1,0 +1,1 @@
+"""colossal_lab.engine: Booster, plugins, Gemini, pipelines, checkpoints, telemetry, models."""

@@ -1,0 +1,322 @@
+"""The reference model: a compact decoder-only transformer, nanoGPT-short.
+
+RMSNorm, rotary positions, SwiGLU MLP, no biases; ``tie_embeddings=False`` by default. Tests,
+benchmarks and tutorials share it, so it also carries what the parallel plugins need:
+
+* ``GPT.tp_plan()`` — Megatron-style column/row sharding for DTensor's ``parallelize_module``
+  (heads are inferred from the local width, so a sharded block runs unchanged);
+* ``GPT.split_points(n)`` / ``GPT.pipeline_stage(i, n)`` — stage boundaries and a stage module
+  that keeps only its own parts. Blocks live in an ``nn.ModuleDict`` keyed by layer index, so a
+  stage's parameter names equal the full model's (checkpoints line up across layouts), as in
+  torchtitan. With tied embeddings the first and last stage each hold a copy of the tied
+  weight; the pipeline runtime must sum their gradients to keep them in sync.
+
+Attention and RMSNorm go through ``colossal_lab.kernels`` when it provides them (Triton on
+CUDA, the best torch path elsewhere).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+    activation_checkpointing: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    mlp_hidden: Optional[int] = None  # default: SwiGLU's 8/3 * n_embd rounded up to 64
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"GPTConfig: head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        h = int(8 * self.n_embd / 3)
+        return (h + 63) // 64 * 64
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPTConfig":
+        """A named size: ``tiny`` (tests), ``small``, ``124m``, ``350m``, ``774m``, ``1.5b``, ``2.7b``."""
+        if name not in PRESETS:
+            raise ValueError(f"GPTConfig.preset({name!r}): unknown preset; choose one of {sorted(PRESETS)}")
+        return replace(PRESETS[name], **overrides)
+
+
+PRESETS: Dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    "small": GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256),
+    "124m": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280),
+    "1.5b": GPTConfig(n_layer=48, n_head=25, n_embd=1600),
+    "2.7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, block_size=2048),
+}
+
+
+def _kernels():
+    try:
+        from colossal_lab import kernels
+    except Exception:  # kernels are optional for the model
+        return None
+    return kernels
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = _kernels()
+        if k is not None and hasattr(k, "rms_norm"):
+            return k.rms_norm(x, self.weight, eps=self.eps)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = torch.outer(torch.arange(length, dtype=torch.float32), inv)  # (T, hd/2)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, hd); rotate channel pairs (2i, 2i+1) by position-dependent angles."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """Per-layer keys and values for incremental decoding (``GPT.generate``)."""
+
+    k: Dict[str, torch.Tensor] = field(default_factory=dict)
+    v: Dict[str, torch.Tensor] = field(default_factory=dict)
+    pos: int = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = ""):
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
+        q = apply_rope(self.wq(x).view(B, T, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        causal = True
+        if cache is not None:
+            if key in cache.k:
+                k = torch.cat([cache.k[key], k], dim=2)
+                v = torch.cat([cache.v[key], v], dim=2)
+            cache.k[key], cache.v[key] = k, v
+            causal = T > 1 and k.shape[2] == T  # one new token attends to every cached one
+            if T > 1 and k.shape[2] != T:
+                raise NotImplementedError("KVCache: prefill must start from an empty cache")
+        kern = _kernels()
+        if kern is not None and hasattr(kern, "flash_attention") and self.training is False and cache is None:
+            y = kern.flash_attention(q, k, v, causal=causal)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+            )
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = ""):
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, key))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    """``logits, loss = GPT(cfg)(idx, targets)``; ``loss`` is None without targets.
+
+    A pipeline stage (``pipeline_stage``) has ``tok_emb``/``norm``/``lm_head`` set to None
+    where it does not own them; it then takes and returns hidden states instead of ids/logits.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: Optional[nn.Embedding] = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.norm: Optional[RMSNorm] = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.lm_head: Optional[nn.Linear] = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None):
+        T = idx.shape[1]
+        start = cache.pos if cache is not None else 0
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"GPT: sequence of {start + T} tokens exceeds block_size={self.cfg.block_size}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        h = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx
+        for key, block in self.blocks.items():
+            if self.cfg.activation_checkpointing and self.training and cache is None:
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            else:
+                h = block(h, cos, sin, cache, key)
+        if cache is not None:
+            cache.pos += T
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is None:
+            return h, None  # a middle pipeline stage hands hidden states on
+        logits = self.lm_head(h)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    # ---- what the parallel plugins need -------------------------------------------------
+
+    def tp_plan(self) -> dict:
+        """Megatron column/row plan for ``torch.distributed.tensor.parallel.parallelize_module``.
+
+        Embedding and head stay replicated (small models; the vocab is the data-parallel
+        hot spot only at scale).
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {}
+        for key in self.blocks.keys():
+            p = f"blocks.{key}"
+            for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+                plan[f"{p}.{n}"] = ColwiseParallel()
+            for n in ("attn.wo", "mlp.w2"):
+                plan[f"{p}.{n}"] = RowwiseParallel()
+        return plan
+
+    def split_points(self, num_stages: int) -> List[int]:
+        """Layer indices where stages 1..n-1 begin (even split; blocks must divide evenly)."""
+        L = self.cfg.n_layer
+        if num_stages < 1:
+            raise ValueError(f"split_points: num_stages={num_stages} must be >= 1")
+        if L % num_stages:
+            valid = [d for d in range(1, L + 1) if L % d == 0]
+            raise ValueError(
+                f"GPT: n_layer={L} cannot be split evenly into {num_stages} pipeline stages; "
+                f"use a number of stages (pp_size * num_model_chunks) in {valid}"
+            )
+        per = L // num_stages
+        return [per * i for i in range(1, num_stages)]
+
+    def pipeline_stage(self, stage: int, num_stages: int) -> "GPT":
+        """A deep copy holding only stage ``stage``'s blocks (and the embedding/head at the ends)."""
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"pipeline_stage: stage={stage} must be in [0, {num_stages})")
+        bounds = [0] + self.split_points(num_stages) + [self.cfg.n_layer]
+        lo, hi = bounds[stage], bounds[stage + 1]
+        m = copy.deepcopy(self)
+        for key in list(m.blocks.keys()):
+            if not lo <= int(key) < hi:
+                del m.blocks[key]
+        if stage != 0:
+            m.tok_emb = None
+        if stage != num_stages - 1:
+            m.norm = None
+            m.lm_head = None
+        return m
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None, use_cache: bool = True) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``idx`` (B, T); greedy when ``temperature == 0``."""
+        was_training = self.training
+        self.eval()
+        cache = KVCache() if use_cache else None
+        out = idx
+        step_in = idx
+        for _ in range(max_new_tokens):
+            if cache is not None and cache.pos + step_in.shape[1] > self.cfg.block_size:
+                cache, step_in = KVCache(), out[:, -self.cfg.block_size + 1:]
+            if cache is None:
+                step_in = out[:, -self.cfg.block_size:]
+            logits, _ = self(step_in, cache=cache)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            out = torch.cat([out, nxt], dim=1)
+            step_in = nxt
+        self.train(was_training)
+        return out

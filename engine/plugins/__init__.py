@@ -1,0 +1,1 @@
+"""Booster plugins: DDP, ZeRO-1/2, Gemini, hybrid parallel."""

@@ -1,0 +1,30 @@
+"""Telemetry: small event dataclasses, an in-process bus, and JSONL traces.
+
+    from colossal_lab.engine import telemetry
+    unsubscribe = telemetry.subscribe(print)
+    telemetry.emit(telemetry.StepMetrics(rank=0, step=1, loss=2.3, tokens=512, seconds=0.1))
+    with telemetry.record("trace.jsonl"):
+        ...                                    # every event of this process goes to the file
+    events = telemetry.read_trace("trace.jsonl")
+"""
+
+from .bus import emit, has_subscribers, subscribe
+from .events import (
+    EVENT_TYPES,
+    SPAN_KINDS,
+    TIERS,
+    ChunkEvent,
+    Event,
+    MemorySample,
+    StageSpan,
+    StepMetrics,
+    from_dict,
+    to_dict,
+)
+from .trace import read_trace, record, write_trace
+
+__all__ = [
+    "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",
+    "SPAN_KINDS", "emit", "subscribe", "has_subscribers", "record", "read_trace", "write_trace",
+    "to_dict", "from_dict",
+]

@@ -1,0 +1,113 @@
+"""Telemetry event types: the one contract between the engine and the widgets.
+
+Plain, frozen dataclasses with JSON-safe fields only, so an event can cross a process
+boundary (the live relay), land in a JSONL trace, and come back as the same object. The
+engine emits them and never knows who listens (see DESIGN.md, "Telemetry").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+TIERS = ("cuda", "cpu", "nvme")
+SPAN_KINDS = ("F", "B", "W", "send", "recv", "optim")
+
+
+@dataclass(frozen=True)
+class ChunkEvent:
+    """Where one chunk is: after warm-up, once per step, and on every move.
+
+    ``tier`` is ``"cuda"``, ``"cpu"`` or ``"nvme"``; ``state`` is the chunk's tensor state
+    (e.g. ``"compute"``, ``"hold"``, ``"free"``); ``params`` names the parameters packed in it.
+    """
+
+    rank: int
+    step: int
+    chunk_id: int
+    tier: str
+    state: str
+    nbytes: int
+    params: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"ChunkEvent.tier={self.tier!r}; expected one of {TIERS}")
+        object.__setattr__(self, "params", tuple(self.params))
+
+
+@dataclass(frozen=True)
+class StageSpan:
+    """One measured action of a pipeline stage.
+
+    ``kind`` is one of ``F``, ``B`` (input grad), ``W`` (weight grad), ``send``, ``recv``,
+    ``optim``; ``start``/``end`` are wall-clock seconds on that rank (``time.time()``), measured,
+    never simulated. ``microbatch`` is -1 for actions that belong to the whole step (optim).
+    """
+
+    rank: int
+    stage: int
+    step: int
+    microbatch: int
+    kind: str
+    start: float
+    end: float
+
+    def __post_init__(self):
+        if self.kind not in SPAN_KINDS:
+            raise ValueError(f"StageSpan.kind={self.kind!r}; expected one of {SPAN_KINDS}")
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock)."""
+
+    rank: int
+    time: float
+    tier: str
+    used: int
+    capacity: int
+
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"MemorySample.tier={self.tier!r}; expected one of {TIERS}")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step: its loss (None where this rank has none), tokens and seconds."""
+
+    rank: int
+    step: int
+    loss: Optional[float]
+    tokens: int
+    seconds: float
+
+
+Event = Union[ChunkEvent, StageSpan, MemorySample, StepMetrics]
+EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample, StepMetrics)}
+
+
+def to_dict(event: Event) -> dict:
+    """The event as a JSON-safe dict tagged with its type name under ``"type"``."""
+    d = dataclasses.asdict(event)
+    if "params" in d:
+        d["params"] = list(d["params"])
+    d["type"] = type(event).__name__
+    return d
+
+
+def from_dict(d: dict[str, Any]) -> Event:
+    """Inverse of :func:`to_dict`; unknown keys (from a newer writer) are ignored."""
+    d = dict(d)
+    name = d.pop("type", None)
+    cls = EVENT_TYPES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown telemetry event type {name!r}; known: {sorted(EVENT_TYPES)}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})

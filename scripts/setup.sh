@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh machine that has nothing but Python 3.10+.
+#   bash scripts/setup.sh            # venv + torch + colossal-lab (editable) + test tools
+#   bash scripts/setup.sh --browser  # ... plus Debian's chromium for the browser tests
+# Why torch first: a bare `torch` requirement with nothing installed pulls a multi-GB CUDA
+# build. We install torch==2.13.0 only when no torch is importable, so a machine's own build
+# (CUDA or CPU, seen through --system-site-packages) is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv
+fi
+VPY=.venv/bin/python
+if ! "$VPY" -c "import torch" 2>/dev/null; then
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+fi
+"$VPY" -m pip install -q -e ".[test]"
+
+if [ "${1:-}" = "--browser" ] && ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+echo "colossal-lab set up in .venv ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

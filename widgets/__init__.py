@@ -1,0 +1,1 @@
+"""ipywidgets/plotly views that turn telemetry events into pictures."""
