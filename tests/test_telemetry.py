@@ -73,3 +73,22 @@ def test_validation():
         t.StageSpan(rank=0, stage=0, step=0, microbatch=0, kind="X", start=0, end=1)
     with pytest.raises(ValueError, match="unknown telemetry event type"):
         t.from_dict({"type": "Nope"})
+
+
+def test_bubble_fractions_two_stage_gpipe_shape():
+    # stage 0: F0 [0,1], F1 [1,2], B1 [4,5], B0 [5,6]; stage 1: F0 [1,2] F1 [2,3] B1 [3,4] B0 [4,5]
+    S = t.StageSpan
+    spans = [S(0, 0, 1, 0, "F", 0, 1), S(0, 0, 1, 1, "F", 1, 2), S(0, 0, 1, 1, "B", 4, 5), S(0, 0, 1, 0, "B", 5, 6),
+             S(1, 1, 1, 0, "F", 1, 2), S(1, 1, 1, 1, "F", 2, 3), S(1, 1, 1, 1, "B", 3, 4), S(1, 1, 1, 0, "B", 4, 5),
+             S(1, 1, 1, 0, "recv", 0, 1)]
+    spans_dup = spans + spans[:3]  # duplicates change nothing
+    fr = t.bubble_fractions(spans_dup)
+    assert fr == {1: {0: pytest.approx(2 / 6), 1: pytest.approx(2 / 6)}}
+
+
+def test_chrome_trace_has_one_complete_event_per_span():
+    S = t.StageSpan
+    spans = [S(0, 0, 1, 0, "F", 0.0, 0.5), S(1, 1, 1, -1, "optim", 1.0, 1.25)]
+    tr = t.to_chrome_trace(spans + spans)
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["ts"], e["dur"]) for e in xs] == [("F0", 0.0, 500000.0), ("optim", 1e6, 250000.0)]

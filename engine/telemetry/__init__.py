@@ -22,9 +22,10 @@ from .events import (
     to_dict,
 )
 from .trace import read_trace, record, write_trace
+from .analysis import bubble_fractions, dedupe, to_chrome_trace
 
 __all__ = [
     "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",
     "SPAN_KINDS", "emit", "subscribe", "has_subscribers", "record", "read_trace", "write_trace",
-    "to_dict", "from_dict",
+    "to_dict", "from_dict", "bubble_fractions", "dedupe", "to_chrome_trace",
 ]
