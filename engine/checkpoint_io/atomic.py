@@ -1,0 +1,149 @@
+"""Atomic checkpoint writes: build the checkpoint under a temporary name, then rename.
+
+Why: a save that dies midway (killed job, full disk, preempted node) must leave the previous
+checkpoint readable. Files and directories are written into a temporary sibling of the target
+(same filesystem, so ``os.rename`` is atomic) and swapped in only after every byte is flushed.
+
+A directory cannot be replaced atomically by ``os.replace`` when the target exists, so the swap
+is two renames: ``target -> .target.old-XXXX`` then ``tmp -> target``. A kill between the two
+leaves the old directory under its ``.old-`` name; :func:`recover` (called by every loader)
+renames it back. Multi-rank writes (torch.distributed.checkpoint) share one temporary
+directory chosen by rank 0; the swap happens only when every rank reports success.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+PathLike = Union[str, os.PathLike]
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def recover(path: PathLike) -> Path:
+    """If a swap was interrupted (target missing, ``.name.old-*`` present), restore the old one."""
+    path = Path(path)
+    if not path.exists():
+        olds = sorted(glob.glob(str(path.parent / f".{path.name}.old-*")), key=os.path.getmtime)
+        if olds:
+            os.rename(olds[-1], path)
+    return path
+
+
+def commit_dir(tmp: PathLike, path: PathLike) -> None:
+    """Swap the finished directory ``tmp`` into ``path`` (replacing what is there)."""
+    tmp, path = Path(tmp), Path(path)
+    _fsync_tree(tmp)
+    old = None
+    if path.exists() or path.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rmdir(old)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.unlink(old)
+
+
+def _group_size(group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
+               collective: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary directory next to ``path``; on success it becomes ``path``.
+
+    ``collective=True``: every rank of ``group`` enters, all write into the same temporary
+    directory (chosen by the group's first rank, so the filesystem must be shared), and the
+    swap happens only if no rank raised. Otherwise only the calling process takes part.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    multi = collective and _group_size(group) > 1
+    lead = (not multi) or dist.get_rank(group) == 0
+    name = [str(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))] if lead else [None]
+    if multi:
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                                   group=group)
+    tmp = Path(name[0])
+    failed = False
+    try:
+        yield tmp
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if multi:
+            flag = torch.tensor([1.0 if failed else 0.0])
+            dist.all_reduce(flag, group=group)
+            failed = failed or flag.item() > 0
+        if lead:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                commit_dir(tmp, path)
+        if multi:
+            dist.barrier(group=group)
+    # Reached only by a rank that did not raise itself: if a peer did, the save failed too.
+    if failed:
+        raise RuntimeError(f"checkpoint save to {path} failed on another rank; nothing was replaced")
+
+
+@contextlib.contextmanager
+def atomic_file(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary file path next to ``path``; on success ``os.replace`` moves it in."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
