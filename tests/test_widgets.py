@@ -1,0 +1,243 @@
+"""Widgets: event streams -> figure data, out-of-order and duplicate events, live redraw,
+replay from a JSONL trace, Chrome trace export, static/text fallback."""
+
+import json
+import os
+import random
+import threading
+import time
+
+import plotly.graph_objects as go
+import pytest
+
+from colossal_lab.engine import telemetry as T
+from colossal_lab.engine.telemetry.memory import MemorySampler, MemorySamplerConfig, sample_memory
+from colossal_lab.widgets import ChunkMap, Dashboard, MemoryGauges, PipelineTimeline
+from colossal_lab.widgets.state import TIER_COLORS
+
+MIB = 1 << 20
+
+
+def _trace_by_name(fig, name):
+    (t,) = [t for t in fig.data if t.name == name]
+    return t
+
+
+def _chunk_points(fig):
+    """{(rank, chunk_id): (tier, colour, symbol, outline width)} read back from the figure."""
+    out = {}
+    for t in fig.data:
+        if t.type != "scatter":
+            continue
+        syms = t.marker.symbol if t.marker.symbol is not None else []
+        widths = t.marker.line.width if t.marker.line.width is not None else []
+        for i, (r, c) in enumerate(t.customdata or []):
+            out[(r, c)] = (t.name, t.marker.color, syms[i], widths[i])
+    return out
+
+
+def test_chunk_map_colours_by_tier_and_marks_moves():
+    ev = [T.ChunkEvent(r, 0, c, "cpu", "hold", MIB, (f"layer{c}.w",)) for r in (0, 1) for c in range(4)]
+    ev += [T.ChunkEvent(0, 1, 2, "nvme", "free", MIB, ("layer2.w",)),
+           T.ChunkEvent(1, 1, 3, "cuda", "compute", 2 * MIB, ("layer3.w",))]
+    ev += [T.MemorySample(0, 1.0, "cpu", 5 * MIB, 64 * MIB), T.MemorySample(1, 1.0, "cpu", 7 * MIB, 64 * MIB)]
+    cm = ChunkMap.from_events(ev)
+    pts = _chunk_points(cm.figure)
+    assert len(pts) == 8
+    assert pts[(0, 2)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
+    assert pts[(1, 3)][:3] == ("cuda", TIER_COLORS["cuda"], "square-x")
+    assert pts[(0, 0)][:3] == ("cpu", TIER_COLORS["cpu"], "square")
+    # moved at the newest step -> thick outline; unmoved -> thin
+    assert pts[(0, 2)][3] == 3 and pts[(1, 3)][3] == 3 and pts[(0, 0)][3] < 1
+    hover = [h for t in cm.figure.data if t.name == "nvme" for h in t.hovertext][0]
+    assert "layer2.w" in hover and "1.000 MiB" in hover
+    chunks = _trace_by_name(cm.figure, "chunks")
+    assert dict(zip(chunks.x, chunks.y)) == {"cuda": 2.0, "cpu": 6.0, "nvme": 1.0}
+    cap = _trace_by_name(cm.figure, "capacity")
+    assert dict(zip(cap.x, cap.y))["cpu"] == 128.0
+    assert [(m.rank, m.chunk_id, m.src, m.dst) for m in cm.chunks.moves] == [(0, 2, "cpu", "nvme"), (1, 3, "cpu", "cuda")]
+    cm.close()
+
+
+def test_chunk_map_out_of_order_and_duplicates_give_the_same_picture():
+    ev = []
+    for step in range(5):
+        for c in range(6):
+            tier = ["cpu", "nvme", "cuda"][(c + step) % 3]
+            ev.append(T.ChunkEvent(c % 2, step, c, tier, "hold", (c + 1) * 1000, (f"p{c}",)))
+    in_order = ChunkMap.from_events(ev)
+    shuffled = ev + ev[::3]  # duplicates
+    random.Random(0).shuffle(shuffled)
+    scrambled = ChunkMap.from_events(shuffled)
+    assert _chunk_points(in_order.figure).keys() == _chunk_points(scrambled.figure).keys()
+    a = {k: v[:3] for k, v in _chunk_points(in_order.figure).items()}
+    b = {k: v[:3] for k, v in _chunk_points(scrambled.figure).items()}
+    assert a == b
+    # the newest step wins whatever the arrival order
+    assert a[(0, 0)][0] == ["cpu", "nvme", "cuda"][(0 + 4) % 3]
+    # stale event after the newest one changes nothing
+    before = scrambled.chunks.chunks[(0, 0)]
+    scrambled.update([T.ChunkEvent(0, 1, 0, "nvme", "free", 1, ())])
+    assert scrambled.chunks.chunks[(0, 0)] == before
+
+
+def _pipeline_spans(step=3, t0=100.0, mb=2):
+    """Two stages, GPipe-like, with known busy times: stage 0 busy 0.4 of a 1.0 s window."""
+    s = []
+    for m in range(mb):
+        s.append(T.StageSpan(0, 0, step, m, "F", t0 + 0.1 * m, t0 + 0.1 * m + 0.1))
+        s.append(T.StageSpan(0, 0, step, m, "send", t0 + 0.1 * m + 0.1, t0 + 0.1 * m + 0.12))
+        s.append(T.StageSpan(1, 1, step, m, "recv", t0 + 0.1 * m + 0.1, t0 + 0.1 * m + 0.12))
+        s.append(T.StageSpan(1, 1, step, m, "F", t0 + 0.2 + 0.1 * m, t0 + 0.3 + 0.1 * m))
+        s.append(T.StageSpan(1, 1, step, m, "B", t0 + 0.4 + 0.1 * m, t0 + 0.5 + 0.1 * m))
+        s.append(T.StageSpan(0, 0, step, m, "B", t0 + 0.7 + 0.1 * m, t0 + 0.8 + 0.1 * m))
+    s.append(T.StageSpan(0, 0, step, -1, "optim", t0 + 0.9, t0 + 1.0))
+    s.append(T.StageSpan(1, 1, step, -1, "optim", t0 + 0.9, t0 + 1.0))
+    return s
+
+
+def test_timeline_bars_and_bubbles():
+    spans = _pipeline_spans()
+    tl = PipelineTimeline.from_events(spans)
+    f = _trace_by_name(tl.figure, "F")
+    assert len(f.x) == 4
+    # bars start at ms since the step's first span, length = measured duration
+    bars = sorted(zip(f.y, f.base, f.x))
+    assert bars[0][0].startswith("stage 0 (rank 0)")
+    assert bars[0][1] == pytest.approx(0.0, abs=1e-6) and bars[0][2] == pytest.approx(100.0)
+    assert sorted(_trace_by_name(tl.figure, "B").text) == ["0", "0", "1", "1"]
+    assert _trace_by_name(tl.figure, "optim").text == ("", "")
+    # bubbles: the shared analysis function, and what the row labels say
+    expect = T.bubble_fractions(spans)[3]
+    assert tl.bubbles() == expect
+    assert expect[0] == pytest.approx(1 - 0.5 / 1.0) and expect[1] == pytest.approx(1 - 0.5 / 1.0)
+    assert any("bubble 50%" in y for y in f.y)
+    # duplicates and shuffling do not change the bubbles or the bar count
+    dup = spans + spans[:5]
+    random.Random(1).shuffle(dup)
+    tl2 = PipelineTimeline.from_events(dup)
+    assert tl2.bubbles() == pytest.approx(expect)
+    assert sum(len(t.x) for t in tl2.figure.data) == len(spans)
+
+
+def test_timeline_step_selector_and_chrome_export(tmp_path):
+    tl = PipelineTimeline.from_events(_pipeline_spans(step=1, t0=0.0) + _pipeline_spans(step=2, t0=5.0, mb=3))
+    assert "step 2" in tl.figure.layout.title.text
+    assert len(_trace_by_name(tl.figure, "F").x) == 6
+    tl.select_step(1)
+    assert "step 1" in tl.figure.layout.title.text and len(_trace_by_name(tl.figure, "F").x) == 4
+    with pytest.raises(ValueError, match="select_step"):
+        tl.select_step(99)
+    path = tl.export_chrome_trace(tmp_path / "t.json")
+    trace = json.loads(open(path).read())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(tl.timeline.spans) == 14 + 20
+    assert {e["name"] for e in xs} >= {"F0", "B2", "optim", "send1"}
+    with pytest.raises(FileNotFoundError, match="export_chrome_trace"):
+        tl.export_chrome_trace(tmp_path / "nope" / "t.json")
+
+
+def test_gauges_values_latest_sample_wins():
+    ev = [T.MemorySample(0, 2.0, "cpu", 300 * MIB, 1000 * MIB),
+          T.MemorySample(0, 1.0, "cpu", 100 * MIB, 1000 * MIB),  # older, arrives late
+          T.MemorySample(1, 1.5, "nvme", 50 * MIB, 500 * MIB),
+          T.MemorySample(1, 1.5, "nvme", 50 * MIB, 500 * MIB)]   # duplicate
+    g = MemoryGauges.from_events(ev)
+    assert g.values() == {(0, "cpu"): (300 * MIB, 1000 * MIB), (1, "nvme"): (50 * MIB, 500 * MIB)}
+    inds = {t.name: t for t in g.figure.data}
+    assert set(inds) == {"rank 0 cpu", "rank 1 nvme"}
+    assert inds["rank 0 cpu"].value == pytest.approx(300.0)
+    assert inds["rank 0 cpu"].gauge.axis.range == (0, 1000.0)
+    assert inds["rank 1 nvme"].domain.row == 1 and inds["rank 1 nvme"].domain.column == 1
+
+
+def test_dashboard_curves_and_replay_from_trace(tmp_path):
+    path = tmp_path / "run.jsonl"
+    with T.record(path):
+        for step in range(1, 4):
+            for r in (0, 1):
+                T.emit(T.StepMetrics(r, step, 3.0 - step * 0.5 if r == 1 else None, 256, 0.5 * (r + 1)))
+        for s in _pipeline_spans(step=3):
+            T.emit(s)
+        T.emit(T.ChunkEvent(0, 3, 0, "cpu", "hold", MIB, ("w",)))
+        T.emit(T.MemorySample(0, 1.0, "cpu", MIB, 10 * MIB))
+    d = Dashboard.from_trace(path)
+    loss = _trace_by_name(d.figure, "loss")
+    assert list(loss.x) == [1, 2, 3] and list(loss.y) == [2.5, 2.0, 1.5]
+    assert list(_trace_by_name(d.figure, "rank 0 tok/s").y) == [512.0] * 3
+    assert list(_trace_by_name(d.figure, "rank 1 tok/s").y) == [256.0] * 3
+    assert set(d.figures) == {"metrics", "chunk_map", "timeline", "gauges"}
+    assert d.timeline.bubbles() == T.bubble_fractions(_pipeline_spans(step=3))[3]
+    assert len(d.chunk_map.chunks.chunks) == 1 and d.gauges.values()[(0, "cpu")] == (MIB, 10 * MIB)
+    with pytest.raises(FileNotFoundError, match="from_trace"):
+        ChunkMap.from_trace(tmp_path / "missing.jsonl")
+
+
+def test_static_fallback_outside_a_widget_frontend():
+    d = Dashboard.from_events([T.StepMetrics(0, 1, 2.0, 10, 1.0), T.ChunkEvent(0, 1, 0, "nvme", "hold", MIB, ())])
+    bundle = d._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" not in bundle
+    assert "plotly" in bundle["text/html"].lower() and "ChunkMap: 1 chunks" in bundle["text/plain"]
+    assert "loss 2.0000" in repr(d)
+    assert isinstance(d.figure, go.Figure)
+
+
+def test_live_subscription_redraws_throttled_and_never_blocks_the_emitter():
+    cm = ChunkMap(live=False, max_hz=5)
+    try:
+        n = 3000
+        t0 = time.perf_counter()
+        for i in range(n):
+            T.emit(T.ChunkEvent(i % 2, i // 60, i % 60, ("cpu", "nvme")[i % 2], "hold", 1000, ()))
+        emit_s = time.perf_counter() - t0
+        deadline = time.time() + 10
+        while time.time() < deadline and len(cm.chunks.chunks) < 60:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert len(_chunk_points(cm.figure)) == 60  # the redraw thread drew the latest state
+        # coalesced: thousands of events, a handful of redraws at <= 5 Hz
+        assert cm._throttle.calls <= 2 + 5 * (time.perf_counter() - t0)
+        assert emit_s / n < 1e-3  # the subscriber only queues
+        assert not cm._throttle.errors
+    finally:
+        cm.close()
+    before = len(cm.chunks.chunks)
+    T.emit(T.ChunkEvent(5, 0, 0, "cpu", "hold", 1, ()))
+    cm.flush()
+    assert len(cm.chunks.chunks) == before  # closed: unsubscribed
+
+
+def test_live_figure_widget_updates_from_a_background_thread():
+    g = MemoryGauges(live=True, max_hz=10)
+    try:
+        assert isinstance(g.figure, go.FigureWidget)
+        th = threading.Thread(target=lambda: T.emit(T.MemorySample(3, time.time(), "cpu", 42 * MIB, 84 * MIB)))
+        th.start(); th.join()
+        deadline = time.time() + 5
+        while time.time() < deadline and not g.figure.data:
+            time.sleep(0.05)
+        assert g.figure.data[0].value == pytest.approx(42.0)
+    finally:
+        g.close()
+
+
+def test_memory_sampler_measures_real_host_and_nvme_dir(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "chunk0.bin").write_bytes(b"x" * 123_457)
+    by_tier = {s.tier: s for s in sample_memory(rank=2, nvme_dir=str(tmp_path), cuda=False)}
+    assert set(by_tier) == {"cpu", "nvme"}
+    assert by_tier["nvme"].used == 123_457 and by_tier["nvme"].capacity > by_tier["nvme"].used
+    assert 0 < by_tier["cpu"].used < by_tier["cpu"].capacity and by_tier["cpu"].rank == 2
+    with pytest.raises(FileNotFoundError, match="nvme_dir"):
+        sample_memory(0, nvme_dir=str(tmp_path / "missing"))
+    got = []
+    unsub = T.subscribe(got.append)
+    try:
+        with MemorySampler(MemorySamplerConfig(rank=1, interval=0.05, nvme_dir=str(tmp_path), cuda=False)):
+            time.sleep(0.3)
+    finally:
+        unsub()
+    tiers = [e.tier for e in got if isinstance(e, T.MemorySample)]
+    assert tiers.count("nvme") >= 2 and tiers.count("cpu") >= 2
+    g = MemoryGauges.from_events(got)
+    assert g.values()[(1, "nvme")][0] == 123_457

@@ -1,0 +1,297 @@
+"""The live machinery every widget shares: queue, throttled redraw thread, display fallback.
+
+Why hand-written: ipywidgets and plotly's ``FigureWidget`` give the picture and the comm to
+the browser, but nothing that (a) takes events from a training thread without ever blocking
+it, (b) coalesces a burst of thousands of events into one redraw, and (c) bounds the redraw
+rate so a slow browser tab cannot back-pressure training. That is this file:
+
+* the bus subscriber only appends to a ``deque`` and sets an ``Event`` (O(1), never blocks
+  on the notebook, never raises into the emitter);
+* one daemon thread per view wakes on that event, folds everything queued into the view's
+  state (``widgets/state.py``, cheap), and redraws at most ``max_hz`` times a second, always
+  from the *latest* state, so intermediate states are skipped, not queued;
+* ipykernel sends comm messages from any thread through its IOPub thread, so the redraw
+  reaches JupyterLab while the main thread is busy in a ``%%colossal`` cell or a torch op.
+
+Display: when a widget front end is connected (JupyterLab/Notebook 7 open the
+``jupyter.widget.control`` comm when they attach to the kernel) a view shows as a live
+widget; otherwise (nbconvert/nbclient, a plain terminal) it shows as a static plotly figure
+(``text/html``) plus a text summary. ``set_display_mode("widget"|"static"|"auto")`` or the
+``COLOSSAL_LAB_WIDGETS`` environment variable overrides the guess.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable, List, Optional
+
+import plotly.graph_objects as go
+
+from colossal_lab.engine import telemetry
+
+_MODES = ("auto", "widget", "static")
+_mode: Optional[str] = None
+
+
+def set_display_mode(mode: str) -> None:
+    """``"widget"`` (always live widgets), ``"static"`` (plotly HTML + text) or ``"auto"``."""
+    if mode not in _MODES:
+        raise ValueError(f"set_display_mode(mode={mode!r}): expected one of {_MODES}")
+    global _mode
+    _mode = mode
+
+
+def display_mode() -> str:
+    mode = _mode or os.environ.get("COLOSSAL_LAB_WIDGETS", "auto")
+    if mode not in _MODES:
+        raise ValueError(f"COLOSSAL_LAB_WIDGETS={mode!r}: expected one of {_MODES}")
+    return mode
+
+
+def widget_frontend_present() -> bool:
+    """True when a kernel runs us and a widget manager is attached to it."""
+    mode = display_mode()
+    if mode != "auto":
+        return mode == "widget"
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+    except Exception:
+        return False
+    if ip is None or getattr(ip, "kernel", None) is None:
+        return False
+    from ipywidgets import Widget
+
+    return Widget._control_comm is not None
+
+
+def make_figure(live: bool) -> go.Figure:
+    """A ``FigureWidget`` where it can draw live, else a plain ``Figure`` (same API)."""
+    if live:
+        try:
+            return go.FigureWidget()
+        except Exception:  # no anywidget / broken widget stack: degrade to static
+            pass
+    return go.Figure()
+
+
+def replace_figure(target: go.Figure, new: go.Figure) -> None:
+    """Make ``target`` look like ``new`` in one batched message to the browser.
+
+    Traces are updated in place when the trace list has the same shape (cheap diff on the
+    wire); otherwise they are replaced.
+    """
+    same = (len(target.data) == len(new.data)
+            and all(a.type == b.type for a, b in zip(target.data, new.data)))
+    batch = target.batch_update() if isinstance(target, go.FigureWidget) else _nullctx()
+    with batch:
+        if same:
+            for t, n in zip(target.data, new.data):
+                t.update(n.to_plotly_json(), overwrite=True)
+        else:
+            target.data = ()
+            if new.data:
+                target.add_traces(list(new.data))
+        target.layout = new.layout
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+class Throttle:
+    """A daemon thread that calls ``fn()`` after ``poke()``, at most ``max_hz`` times/second."""
+
+    def __init__(self, fn: Callable[[], None], max_hz: float = 8.0, name: str = "redraw"):
+        if not max_hz > 0:
+            raise ValueError(f"max_hz={max_hz!r}: must be > 0 (redraws per second)")
+        self._fn, self._period = fn, 1.0 / max_hz
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self.calls = 0
+        self.errors: List[BaseException] = []
+        self._thread = threading.Thread(target=self._loop, name=f"colossal-{name}", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(timeout=0.5)
+            if self._stop.is_set():
+                return
+            if not self._wake.is_set():
+                continue
+            self._wake.clear()
+            t0 = time.monotonic()
+            try:
+                self._fn()
+                self.calls += 1
+            except BaseException as exc:  # a drawing bug must not kill the live view
+                self.errors.append(exc)
+                del self.errors[:-10]
+            rest = self._period - (time.monotonic() - t0)
+            if rest > 0:
+                self._stop.wait(rest)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2)
+
+
+class LiveView:
+    """Base of every widget: subscribe, queue, fold into state, redraw throttled, display.
+
+    Subclasses set ``self._fig`` (a figure they own), implement ``_fold(events)`` (update state,
+    return True when something changed), ``build_figure()`` (a fresh ``go.Figure`` from state)
+    and ``summary()`` (text).
+    """
+
+    def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
+                 max_hz: float = 8.0):
+        self._lock = threading.RLock()
+        self._queue: collections.deque = collections.deque()
+        self._live = widget_frontend_present() if live is None else bool(live)
+        self._fig = make_figure(self._live)
+        self._unsubscribe: Optional[Callable[[], None]] = None
+        self._throttle: Optional[Throttle] = None
+        self._closed = False
+        self.redraws = 0
+        self._init_state()
+        self.redraw()
+        if subscribe:
+            self._throttle = Throttle(self._tick, max_hz=max_hz, name=type(self).__name__)
+            self._unsubscribe = telemetry.subscribe(self.feed)
+
+    # ---- subclass hooks -------------------------------------------------------------------
+    def _init_state(self) -> None:
+        raise NotImplementedError
+
+    def _fold(self, events: List[Any]) -> bool:
+        raise NotImplementedError
+
+    def build_figure(self) -> go.Figure:
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        raise NotImplementedError
+
+    # ---- constructors ---------------------------------------------------------------------
+    @classmethod
+    def from_trace(cls, path, **kw):
+        """A view of a saved JSONL trace (``telemetry.record``), not subscribed to the bus."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{cls.__name__}.from_trace(path={os.fspath(path)!r}): no such file")
+        view = cls(subscribe=False, **kw)
+        view.update(telemetry.read_trace(path))
+        return view
+
+    @classmethod
+    def from_events(cls, events: Iterable, **kw):
+        view = cls(subscribe=False, **kw)
+        view.update(events)
+        return view
+
+    # ---- feeding --------------------------------------------------------------------------
+    def feed(self, event) -> None:
+        """Queue one event (the bus subscriber: O(1), never blocks, never draws)."""
+        self._queue.append(event)
+        if self._throttle is not None:
+            self._throttle.poke()
+
+    def update(self, events: Iterable) -> None:
+        """Fold ``events`` in and redraw now (synchronously; for replay and tests)."""
+        with self._lock:
+            self._drain()
+            changed = self._fold(list(events))
+        if changed:
+            self.redraw()
+
+    def flush(self) -> None:
+        """Fold everything queued and redraw now (a live view catches up immediately)."""
+        with self._lock:
+            self._drain()
+        self.redraw()
+
+    def _drain(self) -> bool:
+        batch = []
+        while True:
+            try:
+                batch.append(self._queue.popleft())
+            except IndexError:
+                break
+        return self._fold(batch) if batch else False
+
+    def _tick(self) -> None:
+        with self._lock:
+            changed = self._drain()
+        if changed:
+            self.redraw()
+
+    def redraw(self) -> None:
+        with self._lock:
+            new = self.build_figure()
+            replace_figure(self._fig, new)
+            self.redraws += 1
+
+    # ---- outputs --------------------------------------------------------------------------
+    @property
+    def figure(self) -> go.Figure:
+        """The plotly figure this view draws into (a ``FigureWidget`` when live)."""
+        return self._fig
+
+    def static_figure(self) -> go.Figure:
+        with self._lock:
+            return self.build_figure()
+
+    def widget(self):
+        """The ipywidgets object shown in a notebook (the figure itself for simple views)."""
+        return self._fig
+
+    def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
+        if self._live and widget_frontend_present():
+            bundle = self.widget()._repr_mimebundle_()
+            bundle["text/plain"] = self.summary()
+            return bundle
+        return self._static_bundle()
+
+    def _static_bundle(self) -> dict:
+        return {"text/html": self.static_html(), "text/plain": self.summary()}
+
+    def static_html(self) -> str:
+        return self.static_figure().to_html(full_html=False, include_plotlyjs="cdn")
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening and stop the redraw thread (the last picture stays).
+
+        A live view holds itself alive through its bus subscription on purpose (a widget
+        shown with ``display(ChunkMap())`` must keep drawing); ``close()`` releases it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        if self._throttle is not None:
+            self._throttle.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,120 @@
+"""ChunkMap: where every chunk of the model lives (cuda / cpu / nvme), per rank, live.
+
+Left: a grid per rank, one cell per chunk, coloured by tier and shaped by state; hovering a
+cell names its parameters and bytes; a chunk that changed tier at the newest step is drawn
+with a thick black outline, so moves show as they happen. Right: a bar per tier with the
+bytes of chunks there against the tier's capacity and sampled use (from ``MemorySample``).
+
+The trace list has a fixed shape (one scatter per tier, three bars), so a live redraw is an
+in-place update of a few arrays, not a rebuild of the figure in the browser.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from colossal_lab.engine.telemetry import TIERS
+
+from ._live import LiveView
+from .state import TIER_COLORS, ChunkState, MemoryState, reduce_all
+
+STATE_SYMBOLS = {"compute": "square-x", "hold": "square", "free": "square-open"}
+MIB = float(1 << 20)
+
+
+def _hover(e) -> str:
+    names = list(e.params)
+    shown = ", ".join(names[:8]) + (f", … (+{len(names) - 8})" if len(names) > 8 else "")
+    return (f"rank {e.rank} · chunk {e.chunk_id}<br>tier: {e.tier} · state: {e.state}"
+            f"<br>{e.nbytes / MIB:.3f} MiB ({e.nbytes} B)<br>params: {shown or '—'}")
+
+
+def chunk_map_figure(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) -> go.Figure:
+    """The ChunkMap picture of ``chunks`` and ``memory`` (pure: state in, figure out)."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.1,
+                        subplot_titles=("chunks per rank (colour = tier, shape = state)",
+                                        "MiB per tier"))
+    ranks = chunks.ranks
+    by_rank = {r: sorted((e for (rr, _), e in chunks.chunks.items() if rr == r),
+                         key=lambda e: e.chunk_id) for r in ranks}
+    ncols = max(1, min(max_cols, max((len(v) for v in by_rank.values()), default=1)))
+    last = chunks.last_step()
+    moved = {(m.rank, m.chunk_id) for m in chunks.moves if m.step == last}
+
+    pts: Dict[str, Dict[str, List[Any]]] = {
+        t: {"x": [], "y": [], "text": [], "sym": [], "lw": [], "cd": []} for t in TIERS}
+    tickvals, ticktext, row0 = [], [], 0
+    for r in ranks:
+        tickvals.append(-row0)
+        ticktext.append(f"rank {r}")
+        for i, e in enumerate(by_rank[r]):
+            p = pts[e.tier]
+            p["x"].append(i % ncols)
+            p["y"].append(-(row0 + i // ncols))
+            p["text"].append(_hover(e))
+            p["sym"].append(STATE_SYMBOLS.get(e.state, "diamond"))
+            p["lw"].append(3 if (e.rank, e.chunk_id) in moved else 0.5)
+            p["cd"].append([e.rank, e.chunk_id])
+        row0 += max(1, math.ceil(len(by_rank[r]) / ncols)) + 1  # one blank row between ranks
+
+    for t in TIERS:
+        p = pts[t]
+        fig.add_trace(go.Scatter(
+            name=t, x=p["x"], y=p["y"], mode="markers", hovertext=p["text"],
+            hoverinfo="text", customdata=p["cd"], legendgroup=t,
+            marker=dict(color=TIER_COLORS[t], symbol=p["sym"], size=18,
+                        line=dict(color="black", width=p["lw"]))), row=1, col=1)
+
+    chunk_bytes = chunks.bytes_by_tier()
+    cap, used = memory.capacity_by_tier(), memory.used_by_tier()
+    tiers = list(TIERS)
+    fig.add_trace(go.Bar(name="capacity", x=tiers, y=[cap.get(t, 0) / MIB for t in tiers],
+                         marker_color="#e6e6e6", width=0.8, showlegend=True), row=1, col=2)
+    fig.add_trace(go.Bar(name="used (sampled)", x=tiers, y=[used.get(t, 0) / MIB for t in tiers],
+                         marker_color="#9a9a9a", width=0.6), row=1, col=2)
+    fig.add_trace(go.Bar(name="chunks", x=tiers, y=[chunk_bytes[t] / MIB for t in tiers],
+                         marker_color=[TIER_COLORS[t] for t in tiers], width=0.35), row=1, col=2)
+
+    n_moves_now = len(moved)
+    title = (f"ChunkMap · {len(chunks.chunks)} chunks on {len(ranks)} rank(s)"
+             + (f" · step {last} · {n_moves_now} move(s) this step" if last is not None else
+                " · waiting for ChunkEvents"))
+    fig.update_layout(title=title, barmode="overlay", height=max(320, 60 + 26 * row0),
+                      margin=dict(l=60, r=20, t=70, b=40), hovermode="closest",
+                      legend=dict(orientation="h", y=-0.08))
+    fig.update_xaxes(visible=False, range=[-0.7, ncols - 0.3], row=1, col=1)
+    fig.update_yaxes(tickvals=tickvals, ticktext=ticktext, zeroline=False, showgrid=False,
+                     range=[-(max(row0, 2) - 0.3), 0.7], row=1, col=1)
+    return fig
+
+
+class ChunkMap(LiveView):
+    """Every chunk of every rank, coloured by tier; per-tier bytes vs capacity.
+
+    ``ChunkMap()`` listens to this process's telemetry bus (with the relay attached, that is
+    every rank's events); ``ChunkMap.from_trace(path)`` replays a JSONL trace.
+    """
+
+    def _init_state(self) -> None:
+        self.chunks = ChunkState()
+        self.memory = MemoryState()
+
+    def _fold(self, events) -> bool:
+        return reduce_all(events, chunk=self.chunks, memory=self.memory) > 0
+
+    def build_figure(self) -> go.Figure:
+        return chunk_map_figure(self.chunks, self.memory)
+
+    def summary(self) -> str:
+        if not self.chunks.chunks:
+            return "ChunkMap: no ChunkEvents yet"
+        per = self.chunks.bytes_by_tier()
+        counts = {t: sum(1 for e in self.chunks.chunks.values() if e.tier == t) for t in TIERS}
+        tiers = ", ".join(f"{t}: {counts[t]} chunks / {per[t] / MIB:.1f} MiB"
+                          for t in TIERS if counts[t])
+        return (f"ChunkMap: {len(self.chunks.chunks)} chunks on ranks {self.chunks.ranks} "
+                f"at step {self.chunks.last_step()} ({tiers}); {len(self.chunks.moves)} moves seen")

@@ -1,0 +1,107 @@
+"""Dashboard: loss and tokens/s curves, ChunkMap, PipelineTimeline and MemoryGauges in one.
+
+``Dashboard.figure`` is its own picture (loss and per-rank tokens/s from ``StepMetrics``);
+the three other views are ``.chunk_map``, ``.timeline`` and ``.gauges``, each with its own
+``figure``, queue and redraw thread, so a burst of chunk moves does not delay the loss curve.
+``%colossal dashboard`` attaches the relay to the running cluster and shows one of these.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ._live import LiveView
+from .chunk_map import ChunkMap
+from .gauges import MemoryGauges
+from .state import MetricsState, reduce_all
+from .timeline import PipelineTimeline
+
+
+def metrics_figure(metrics: MetricsState) -> go.Figure:
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("loss", "tokens/s per rank"),
+                        horizontal_spacing=0.12)
+    xs, ys = metrics.loss_curve()
+    fig.add_trace(go.Scatter(name="loss", x=xs, y=ys, mode="lines+markers"), row=1, col=1)
+    for r in metrics.ranks:
+        sx, sy = metrics.tokens_per_s(r)
+        fig.add_trace(go.Scatter(name=f"rank {r} tok/s", x=sx, y=sy, mode="lines+markers"),
+                      row=1, col=2)
+    last = f" · step {xs[-1]} loss {ys[-1]:.4f}" if xs else " · waiting for StepMetrics"
+    fig.update_layout(title="Training" + last, height=300, margin=dict(l=50, r=20, t=60, b=40),
+                      legend=dict(orientation="h", y=-0.25))
+    fig.update_xaxes(title_text="step")
+    return fig
+
+
+class Dashboard(LiveView):
+    """The four views in one layout, all fed from this process's telemetry bus."""
+
+    def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
+                 max_hz: float = 8.0):
+        kw = dict(subscribe=subscribe, live=live, max_hz=max_hz)
+        self.chunk_map = ChunkMap(**kw)
+        self.timeline = PipelineTimeline(**kw)
+        self.gauges = MemoryGauges(**kw)
+        self._box = None
+        super().__init__(**kw)
+
+    @property
+    def views(self) -> Dict[str, LiveView]:
+        return {"metrics": self, "chunk_map": self.chunk_map, "timeline": self.timeline,
+                "gauges": self.gauges}
+
+    @property
+    def figures(self) -> Dict[str, go.Figure]:
+        return {k: (v._fig if v is self else v.figure) for k, v in self.views.items()}
+
+    def _init_state(self) -> None:
+        self.metrics = MetricsState()
+
+    def _fold(self, events) -> bool:
+        return reduce_all(events, metrics=self.metrics) > 0
+
+    def build_figure(self) -> go.Figure:
+        return metrics_figure(self.metrics)
+
+    def update(self, events: Iterable) -> None:
+        events = list(events)
+        super().update(events)
+        for v in (self.chunk_map, self.timeline, self.gauges):
+            v.update(events)
+
+    def flush(self) -> None:
+        super().flush()
+        for v in (self.chunk_map, self.timeline, self.gauges):
+            v.flush()
+
+    @property
+    def redraw_counts(self) -> Dict[str, int]:
+        return {k: v.redraws for k, v in self.views.items()}
+
+    def widget(self):
+        if self._box is None:
+            import ipywidgets as W
+
+            self._box = W.VBox([self._fig, self.chunk_map.widget(), self.timeline.widget(),
+                                self.gauges.widget()])
+        return self._box
+
+    def static_html(self) -> str:
+        return "\n".join(v.static_figure().to_html(full_html=False,
+                                                    include_plotlyjs="cdn" if i == 0 else False)
+                         for i, v in enumerate(self.views.values()))
+
+    def summary(self) -> str:
+        xs, ys = self.metrics.loss_curve()
+        head = (f"Dashboard: step {xs[-1]}, loss {ys[-1]:.4f}" if xs
+                else "Dashboard: no StepMetrics yet")
+        return "\n".join([head, self.chunk_map.summary(), self.timeline.summary(),
+                          self.gauges.summary()])
+
+    def close(self) -> None:
+        for v in (self.chunk_map, self.timeline, self.gauges):
+            v.close()
+        super().close()

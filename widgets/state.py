@@ -1,0 +1,192 @@
+"""Pure reducers: telemetry event stream -> the state each widget draws.
+
+Why a separate layer: the widgets are "pure functions of the event stream plus a throttled
+redraw" (DESIGN.md). Keeping the folding here, free of plotly and ipywidgets, lets the same
+state be built live (events pushed by the bus or the relay), from a replayed JSONL trace, or
+in a test, and lets the tests check numbers instead of pixels.
+
+Every reducer is order- and duplicate-tolerant, because events reach the notebook from many
+ranks over a lossy relay and can be replayed:
+
+* ``ChunkState``: latest place per ``(rank, chunk_id)``; an event from an older step than the
+  one held is ignored, within one step the later arrival wins (a chunk can move twice in a
+  step; ``ChunkEvent`` has no clock). A tier change is recorded as a *move*.
+* ``TimelineState``: a set of ``StageSpan`` (exact duplicates collapse); bubbles come from
+  ``telemetry.bubble_fractions`` so the widget and the pipeline runtime report one number.
+* ``MemoryState``: latest ``MemorySample`` per ``(rank, tier)`` by its own ``time``.
+* ``MetricsState``: one ``StepMetrics`` per ``(rank, step)``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from colossal_lab.engine.telemetry import (
+    TIERS,
+    ChunkEvent,
+    MemorySample,
+    StageSpan,
+    StepMetrics,
+    bubble_fractions,
+)
+
+TIER_COLORS = {"cuda": "#76b900", "cpu": "#1f77b4", "nvme": "#ff7f0e"}
+KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1",
+               "recv": "#c9c9cc", "optim": "#54a24b"}
+
+
+@dataclass(frozen=True)
+class Move:
+    rank: int
+    chunk_id: int
+    step: int
+    src: str
+    dst: str
+
+
+@dataclass
+class ChunkState:
+    chunks: Dict[Tuple[int, int], ChunkEvent] = field(default_factory=dict)
+    moves: List[Move] = field(default_factory=list)
+    max_moves: int = 10_000
+
+    def apply(self, e: ChunkEvent) -> bool:
+        key = (e.rank, e.chunk_id)
+        old = self.chunks.get(key)
+        if old is not None and (e.step < old.step or e == old):
+            return False  # stale (out of order) or an exact duplicate
+        self.chunks[key] = e
+        if old is not None and old.tier != e.tier:
+            self.moves.append(Move(e.rank, e.chunk_id, e.step, old.tier, e.tier))
+            del self.moves[:-self.max_moves]
+        return True
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted({r for r, _ in self.chunks})
+
+    def bytes_by_tier(self, rank: Optional[int] = None) -> Dict[str, int]:
+        out = {t: 0 for t in TIERS}
+        for (r, _), e in self.chunks.items():
+            if rank is None or r == rank:
+                out[e.tier] += e.nbytes
+        return out
+
+    def tiers_in_use(self) -> Set[str]:
+        return {e.tier for e in self.chunks.values()}
+
+    def last_step(self) -> Optional[int]:
+        return max((e.step for e in self.chunks.values()), default=None)
+
+
+@dataclass
+class TimelineState:
+    spans: Set[StageSpan] = field(default_factory=set)
+    keep_steps: int = 64  # spans of older steps are dropped so a long run stays bounded
+
+    def apply(self, e: StageSpan) -> bool:
+        if e in self.spans:
+            return False
+        self.spans.add(e)
+        steps = self.steps
+        if len(steps) > self.keep_steps:
+            cutoff = steps[-self.keep_steps]
+            self.spans = {s for s in self.spans if s.step >= cutoff}
+        return True
+
+    @property
+    def steps(self) -> List[int]:
+        return sorted({s.step for s in self.spans})
+
+    def spans_of(self, step: int) -> List[StageSpan]:
+        return sorted((s for s in self.spans if s.step == step), key=lambda s: (s.stage, s.start))
+
+    def bubbles(self, step: int) -> Dict[int, float]:
+        return bubble_fractions(self.spans_of(step)).get(step, {})
+
+    def stage_ranks(self, step: int) -> Dict[int, int]:
+        return {s.stage: s.rank for s in self.spans_of(step)}
+
+
+@dataclass
+class MemoryState:
+    samples: Dict[Tuple[int, str], MemorySample] = field(default_factory=dict)
+
+    def apply(self, e: MemorySample) -> bool:
+        key = (e.rank, e.tier)
+        old = self.samples.get(key)
+        if old is not None and e.time <= old.time:
+            return False  # older or same instant: keep what we have
+        self.samples[key] = e
+        return True
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted({r for r, _ in self.samples})
+
+    @property
+    def tiers(self) -> List[str]:
+        present = {t for _, t in self.samples}
+        return [t for t in TIERS if t in present]
+
+    def capacity_by_tier(self) -> Dict[str, int]:
+        out: Dict[str, int] = defaultdict(int)
+        for (_, t), s in self.samples.items():
+            out[t] += s.capacity
+        return dict(out)
+
+    def used_by_tier(self) -> Dict[str, int]:
+        out: Dict[str, int] = defaultdict(int)
+        for (_, t), s in self.samples.items():
+            out[t] += s.used
+        return dict(out)
+
+
+@dataclass
+class MetricsState:
+    steps: Dict[Tuple[int, int], StepMetrics] = field(default_factory=dict)
+
+    def apply(self, e: StepMetrics) -> bool:
+        key = (e.rank, e.step)
+        if self.steps.get(key) == e:
+            return False
+        self.steps[key] = e
+        return True
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted({r for r, _ in self.steps})
+
+    def loss_curve(self) -> Tuple[List[int], List[float]]:
+        """Per step, the mean loss over the ranks that report one (the last pipeline stage)."""
+        by_step: Dict[int, List[float]] = defaultdict(list)
+        for (_, step), m in self.steps.items():
+            if m.loss is not None:
+                by_step[step].append(m.loss)
+        xs = sorted(by_step)
+        return xs, [sum(by_step[s]) / len(by_step[s]) for s in xs]
+
+    def tokens_per_s(self, rank: int) -> Tuple[List[int], List[float]]:
+        ms = sorted((m for (r, _), m in self.steps.items() if r == rank), key=lambda m: m.step)
+        ms = [m for m in ms if m.seconds > 0]
+        return [m.step for m in ms], [m.tokens / m.seconds for m in ms]
+
+
+def reduce_all(events: Iterable, chunk: Optional[ChunkState] = None,
+               timeline: Optional[TimelineState] = None, memory: Optional[MemoryState] = None,
+               metrics: Optional[MetricsState] = None) -> int:
+    """Fold ``events`` into whichever states are given; returns how many changed something."""
+    changed = 0
+    for e in events:
+        if isinstance(e, ChunkEvent) and chunk is not None:
+            changed += chunk.apply(e)
+        elif isinstance(e, StageSpan) and timeline is not None:
+            changed += timeline.apply(e)
+        elif isinstance(e, MemorySample):
+            if memory is not None:
+                changed += memory.apply(e)
+        elif isinstance(e, StepMetrics) and metrics is not None:
+            changed += metrics.apply(e)
+    return changed

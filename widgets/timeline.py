@@ -1,0 +1,138 @@
+"""PipelineTimeline: what every pipeline stage did in a step, as a Gantt chart, live.
+
+A row per stage, a bar per measured ``StageSpan`` (F/B/W/send/recv/optim, labelled with its
+microbatch), times in ms from the step's first span. Each row's label carries the stage's
+bubble fraction, computed by ``telemetry.bubble_fractions`` — the same function the pipeline
+runtime logs with, so the widget and the log never disagree. A step selector (a dropdown;
+"latest" follows the run) picks the step; ``export_chrome_trace(path)`` writes every span
+seen as a Chrome/Perfetto trace via ``telemetry.to_chrome_trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import plotly.graph_objects as go
+
+from colossal_lab.engine.telemetry import SPAN_KINDS, to_chrome_trace
+
+from ._live import LiveView
+from .state import KIND_COLORS, TimelineState, reduce_all
+
+
+def _row(stage: int, rank: int, bubble: Optional[float]) -> str:
+    b = "" if bubble is None else f" · bubble {bubble:.0%}"
+    return f"stage {stage} (rank {rank}){b}"
+
+
+def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figure:
+    """The Gantt chart of ``step`` (default: the newest step seen)."""
+    steps = state.steps
+    if step is None and steps:
+        step = steps[-1]
+    spans = state.spans_of(step) if step is not None else []
+    bubbles = state.bubbles(step) if spans else {}
+    stage_rank = state.stage_ranks(step) if spans else {}
+    rows = {s: _row(s, stage_rank[s], bubbles.get(s)) for s in sorted(stage_rank)}
+    t0 = min((s.start for s in spans), default=0.0)
+
+    fig = go.Figure()
+    for kind in SPAN_KINDS:
+        ks = [s for s in spans if s.kind == kind]
+        fig.add_trace(go.Bar(
+            name=kind, orientation="h", y=[rows[s.stage] for s in ks],
+            base=[(s.start - t0) * 1e3 for s in ks], x=[s.duration * 1e3 for s in ks],
+            text=["" if s.microbatch < 0 else str(s.microbatch) for s in ks],
+            textposition="inside", insidetextanchor="middle",
+            customdata=[[s.stage, s.microbatch, s.start, s.end] for s in ks],
+            hovertemplate=(f"{kind}" + " mb %{customdata[1]} · stage %{customdata[0]}"
+                           "<br>%{base:.2f} → %{x:.2f} ms long<extra></extra>"),
+            marker=dict(color=KIND_COLORS[kind], line=dict(color="white", width=0.5))))
+    if spans:
+        mean = sum(bubbles.values()) / max(1, len(bubbles))
+        title = (f"PipelineTimeline · step {step} of {len(steps)} seen · "
+                 f"{len(stage_rank)} stage(s) · mean bubble {mean:.0%}")
+    else:
+        title = "PipelineTimeline · waiting for StageSpans"
+    order = [rows[s] for s in sorted(rows)]
+    fig.update_layout(title=title, barmode="overlay", height=max(260, 90 + 48 * len(rows)),
+                      margin=dict(l=40, r=20, t=60, b=40), legend=dict(orientation="h", y=-0.2),
+                      bargap=0.25)
+    fig.update_xaxes(title_text="ms since the step's first span")
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], automargin=True)
+    return fig
+
+
+class PipelineTimeline(LiveView):
+    """Gantt rows per stage, bubbles per stage, a step selector, Chrome-trace export."""
+
+    def _init_state(self) -> None:
+        self.timeline = TimelineState()
+        self.step: Optional[int] = None  # None = follow the newest step
+        self._selector = None
+
+    def _fold(self, events) -> bool:
+        changed = reduce_all(events, timeline=self.timeline) > 0
+        if changed and self._selector is not None:
+            self._sync_selector()
+        return changed
+
+    def build_figure(self) -> go.Figure:
+        step = self.step if self.step in self.timeline.steps else None
+        return timeline_figure(self.timeline, step)
+
+    def select_step(self, step: Optional[int]) -> None:
+        """Show ``step`` (``None`` follows the newest step)."""
+        if step is not None and step not in self.timeline.steps:
+            raise ValueError(f"select_step(step={step!r}): no spans for that step; "
+                             f"steps seen: {self.timeline.steps[-10:]}")
+        self.step = step
+        self.redraw()
+
+    def bubbles(self, step: Optional[int] = None):
+        """``{stage: bubble fraction}`` of ``step`` (default: the one shown)."""
+        steps = self.timeline.steps
+        step = step if step is not None else (self.step if self.step in steps else
+                                              (steps[-1] if steps else None))
+        return self.timeline.bubbles(step) if step is not None else {}
+
+    def export_chrome_trace(self, path) -> str:
+        """Write every span seen as a Chrome/Perfetto JSON trace; returns the path."""
+        path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"export_chrome_trace(path={path!r}): folder {parent!r} "
+                                    "does not exist")
+        with self._lock:
+            trace = to_chrome_trace(self.timeline.spans)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(trace, f)
+        return path
+
+    def _sync_selector(self) -> None:
+        opts = [("latest", None)] + [(f"step {s}", s) for s in self.timeline.steps]
+        if list(self._selector.options) != opts:
+            self._selector.options = opts
+            self._selector.value = self.step if self.step in self.timeline.steps else None
+
+    def widget(self):
+        if self._selector is None:
+            import ipywidgets as W
+
+            self._selector = W.Dropdown(description="step", options=[("latest", None)],
+                                        value=None, layout=W.Layout(width="220px"))
+            self._sync_selector()
+            self._selector.observe(lambda ch: self.select_step(ch["new"]), names="value")
+            self._box = W.VBox([self._selector, self._fig])
+        return self._box
+
+    def summary(self) -> str:
+        steps = self.timeline.steps
+        if not steps:
+            return "PipelineTimeline: no StageSpans yet"
+        b = self.bubbles(steps[-1])
+        bs = ", ".join(f"stage {s}: {v:.0%}" for s, v in b.items())
+        return (f"PipelineTimeline: {len(self.timeline.spans)} spans over {len(steps)} step(s); "
+                f"step {steps[-1]} bubbles: {bs}")
