@@ -1,0 +1,241 @@
+"""The live relay: telemetry from every rank onto the notebook kernel's bus, while cells run.
+
+    relay = colossal_lab.relay.attach(cluster)   # idempotent per cluster
+    dash = colossal_lab.widgets.Dashboard()      # subscribed to the kernel's bus: sees all ranks
+    cluster.run(train)                           # events stream in while this runs
+    relay.detach()                               # (also done by detach_all() at exit)
+
+Built on pyzmq (already under ipyparallel and ipykernel) rather than ipyparallel's own
+result/IOPub channels, because those deliver only when a task finishes or through stdout,
+not as a stream of small records while the task runs. What is hand-written here is small:
+
+* kernel side: one ``PULL`` socket bound on an OS-picked port (``tcp://HOST:*``, so no
+  find-a-free-port race) and a receiver thread that decodes each JSON record
+  (``telemetry.to_dict``) and calls ``telemetry.emit`` in the kernel;
+* rank side (installed with ``cluster.run(_install, address)``): a bus subscriber that
+  ``PUSH``es each event with ``NOBLOCK`` and a bounded send high-water mark; when the queue
+  is full (a slow or absent notebook) the event is dropped and counted, so training never
+  waits on the notebook. A closed browser tab costs nothing at all: the widgets' redraw
+  thread is the only consumer of the kernel's bus and it is throttled.
+
+Addresses: ranks on the notebook's host reach it on ``127.0.0.1`` (the default). For
+engines on other hosts pass ``attach(cluster, host="10.0.0.5")`` (an address of the kernel's
+machine that the engines can reach), or give the cluster a ``relay_host`` attribute; the
+PULL socket binds on that address.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import zmq
+
+from colossal_lab.engine import telemetry
+
+
+@dataclass
+class RelayConfig:
+    host: str = "127.0.0.1"  # address the PULL socket binds on and the ranks connect to
+    sndhwm: int = 10_000     # events a rank buffers for the notebook before dropping
+    rcvhwm: int = 100_000
+
+
+# ---------------------------------------------------------------- rank side (on engines)
+_rank_lock = threading.Lock()
+_relayed = threading.local()  # set on the receiver thread while it re-emits
+_rank_sink: Optional["_RankSink"] = None
+
+
+class _RankSink:
+    """Bus subscriber on a rank: PUSH each event, never block, count what was dropped."""
+
+    def __init__(self, address: str, sndhwm: int):
+        self.address = address
+        self.sent = 0
+        self.dropped = 0
+        self._lock = threading.Lock()  # zmq sockets are not thread-safe; sends are O(µs)
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._unsubscribe = telemetry.subscribe(self)
+
+    def __call__(self, event) -> None:
+        if getattr(_relayed, "active", False):
+            return  # an event the relay itself re-emitted in this process: never loop it back
+        data = json.dumps(telemetry.to_dict(event), separators=(",", ":")).encode()
+        with self._lock:
+            if self._sock is None:
+                return
+            try:
+                self._sock.send(data, zmq.NOBLOCK)
+                self.sent += 1
+            except zmq.Again:
+                self.dropped += 1
+
+    def close(self) -> Dict[str, Any]:
+        self._unsubscribe()
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+        return self.stats()
+
+    def stats(self) -> Dict[str, Any]:
+        return {"address": self.address, "sent": self.sent, "dropped": self.dropped}
+
+
+def _install(address: str, sndhwm: int) -> Dict[str, Any]:
+    """Run on each rank: (re)point this process's relay sink at ``address``."""
+    global _rank_sink
+    with _rank_lock:
+        if _rank_sink is not None:
+            if _rank_sink.address == address:
+                return _rank_sink.stats()
+            _rank_sink.close()
+        _rank_sink = _RankSink(address, sndhwm)
+        return _rank_sink.stats()
+
+
+def _uninstall(address: str) -> Optional[Dict[str, Any]]:
+    global _rank_sink
+    with _rank_lock:
+        if _rank_sink is None or _rank_sink.address != address:
+            return None
+        stats, _rank_sink = _rank_sink.close(), None
+        return stats
+
+
+def _stats(address: str) -> Optional[Dict[str, Any]]:
+    with _rank_lock:
+        s = _rank_sink
+        return s.stats() if s is not None and s.address == address else None
+
+
+# ---------------------------------------------------------------- kernel side
+class Relay:
+    """Receives every rank's events and re-emits them on this process's telemetry bus."""
+
+    def __init__(self, cluster, config: RelayConfig):
+        self.cluster = cluster
+        self.config = config
+        self.received = 0
+        self.bad = 0
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(f"tcp://{config.host}:*")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise ValueError(f"attach(host={config.host!r}): cannot bind there ({exc}); pass an "
+                             "address of this machine that the engines can reach") from None
+        self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._thread = threading.Thread(target=self._receive, name="colossal-relay", daemon=True)
+        self._thread.start()
+        self.attached = False
+
+    def _receive(self) -> None:
+        _relayed.active = True
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    data = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:
+                    return  # socket closed under us at detach
+                try:
+                    event = telemetry.from_dict(json.loads(data))
+                except (ValueError, TypeError):
+                    self.bad += 1  # a malformed record is skipped, not fatal
+                    continue
+                self.received += 1
+                telemetry.emit(event)
+
+    def _install_on_ranks(self) -> List[Dict[str, Any]]:
+        out = self.cluster.run(_install, self.address, self.config.sndhwm)
+        self.attached = True
+        return out
+
+    def rank_stats(self) -> List[Optional[Dict[str, Any]]]:
+        """Per rank: events sent to the notebook and events dropped because it lagged."""
+        return self.cluster.run(_stats, self.address)
+
+    @property
+    def active(self) -> bool:
+        return not self._stop.is_set()
+
+    def detach(self) -> None:
+        """Remove the rank subscribers (if the cluster still runs) and close the socket."""
+        if self._stop.is_set():
+            return
+        try:
+            if self.attached:
+                self.cluster.run(_uninstall, self.address)
+        except Exception:
+            pass  # a stopped cluster has no subscribers left to remove
+        finally:
+            self.attached = False
+            self._stop.set()
+            self._thread.join(timeout=2)
+            self._sock.close(linger=0)
+            _relays.pop(id(self.cluster), None)
+
+    def __repr__(self) -> str:
+        state = "attached" if self.active else "detached"
+        return f"Relay({state}, {self.address}, received={self.received})"
+
+
+_relays: Dict[int, Relay] = {}
+_relays_lock = threading.Lock()
+
+
+def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000) -> Relay:
+    """Carry telemetry from every rank of ``cluster`` to this process's bus (idempotent).
+
+    ``cluster`` is a :class:`colossal_lab.Cluster` (anything with ``run(fn, *args)`` that runs
+    ``fn`` on every rank). Calling again for the same cluster returns the same relay.
+    """
+    if cluster is None or not callable(getattr(cluster, "run", None)):
+        raise TypeError(f"attach(cluster={cluster!r}): expected a running colossal_lab.Cluster "
+                        "(from cl.launch(...)) with a .run(fn, *args) method")
+    if not (isinstance(sndhwm, int) and sndhwm > 0):
+        raise ValueError(f"attach(sndhwm={sndhwm!r}): must be a positive int (events buffered per rank)")
+    host = host or getattr(cluster, "relay_host", None) or "127.0.0.1"
+    with _relays_lock:
+        relay = _relays.get(id(cluster))
+        if relay is not None and relay.cluster is cluster and relay.active:
+            return relay
+        relay = Relay(cluster, RelayConfig(host=host, sndhwm=sndhwm))
+        try:
+            relay._install_on_ranks()
+        except BaseException:
+            relay.detach()
+            raise
+        _relays[id(cluster)] = relay
+        return relay
+
+
+def detach(cluster) -> None:
+    """Detach the relay of ``cluster`` if there is one."""
+    relay = _relays.get(id(cluster))
+    if relay is not None:
+        relay.detach()
+
+
+def detach_all() -> None:
+    for relay in list(_relays.values()):
+        relay.detach()
+
+
+atexit.register(detach_all)
