@@ -21,7 +21,15 @@ from torch.utils.data import DataLoader, Dataset
 if TYPE_CHECKING:  # pragma: no cover
     from ..checkpoint_io import CheckpointIO
 
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+from ..mixed_precision import PRECISIONS  # noqa: F401  (re-exported: plugins validate against it)
+
+
+def default_device() -> torch.device:
+    """Where a plugin puts the model: this rank's GPU when running on CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Plugin:
@@ -56,6 +64,13 @@ class Plugin:
         return dist.get_rank(self.dp_group)
 
     # ---- the boost -----------------------------------------------------------------------
+    def validate(self, mixed_precision: str) -> None:
+        """Called by ``Booster.__init__`` before any work: raise ``ValueError`` for a precision
+        (or precision/config combination) this plugin cannot run. Override to add checks."""
+        if mixed_precision not in self.supported_precisions:
+            raise ValueError(f"{type(self).__name__} does not support mixed_precision={mixed_precision!r}; "
+                             f"it supports {list(self.supported_precisions)}")
+
     def configure(
         self,
         model: nn.Module,
@@ -114,7 +129,7 @@ class Plugin:
     def get_checkpoint_io(self) -> "CheckpointIO":
         from ..checkpoint_io import GeneralCheckpointIO
 
-        return GeneralCheckpointIO()
+        return GeneralCheckpointIO(self.dp_group)
 
 
 @contextlib.contextmanager

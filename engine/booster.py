@@ -1,0 +1,130 @@
+"""``Booster``: the one entry point that turns a model/optimizer/dataloader into a trained one.
+
+Colossal-AI's shape on purpose (same names, same argument order) so its users feel at home:
+
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2), mixed_precision="bf16")
+    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, ...)
+    booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
+
+Everything is validated in ``__init__``/at the top of ``boost`` — before a process group,
+a device or a byte of memory is touched. The Booster itself holds no parallelism: it forwards
+to its plugin (``plugin=None`` runs the model in this process, wrapped the same way, so a
+notebook can switch between one process and many without changing the loop). Where we differ
+from Colossal-AI: mixed precision keeps fp32 parameters as the master copy and computes under
+autocast (see ``colossal_lab.engine.mixed_precision``); ``save_optimizer`` always writes a
+resharding-friendly torch.distributed.checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch.nn as nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset
+
+from .mixed_precision import require_fp8, validate_precision
+from .plugins.base import Plugin
+
+
+class _SingleProcess(Plugin):
+    """``plugin=None``: the model stays a plain module in this process."""
+
+    supported_precisions = ("fp32", "fp16", "bf16", "fp8")
+
+    def configure(self, model, optimizer, criterion, dataloader, lr_scheduler, mixed_precision):
+        from .plugins.ddp import prepare_module
+        from .wrappers import ModelWrapper, OptimizerWrapper
+
+        wrapped = ModelWrapper(prepare_module(model, mixed_precision), mixed_precision)
+        if optimizer is not None:
+            optimizer = OptimizerWrapper(optimizer, wrapped, mixed_precision, group=self.dp_group)
+        return wrapped, optimizer, criterion, dataloader, lr_scheduler
+
+    def no_sync(self, model, optimizer=None):
+        return contextlib.nullcontext()
+
+
+def _check_sized(dataloader: DataLoader, where: str) -> None:
+    ds = getattr(dataloader, "dataset", None)
+    try:
+        len(ds)
+    except TypeError:
+        raise ValueError(
+            f"{where}: the dataloader's dataset ({type(ds).__name__}) has no length, so it cannot be "
+            "split over data-parallel ranks; give the dataset __len__ and use booster.prepare_dataloader()"
+        ) from None
+
+
+class Booster:
+    def __init__(self, plugin: Optional[Plugin] = None, mixed_precision: str = "fp32"):
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(f"Booster(plugin=...): expected a colossal_lab.engine.plugins.Plugin, "
+                            f"got {type(plugin).__name__}")
+        self.mixed_precision = validate_precision(mixed_precision)
+        self.plugin = plugin if plugin is not None else _SingleProcess()
+        self.plugin.validate(self.mixed_precision)
+        if self.mixed_precision == "fp8":
+            require_fp8()
+        self._boosted = False
+
+    # ---- boost ---------------------------------------------------------------------------
+    def boost(self, model: nn.Module, optimizer: Optional[Optimizer] = None, criterion: Optional[Callable] = None,
+              dataloader: Optional[DataLoader] = None, lr_scheduler: Optional[Any] = None):
+        """Return ``(model, optimizer, criterion, dataloader, lr_scheduler)``, boosted."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"boost(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise TypeError(f"boost(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if dataloader is not None:
+            _check_sized(dataloader, "boost(dataloader=...)")
+        out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
+        self._boosted = True
+        return out
+
+    # ---- the training step ---------------------------------------------------------------
+    def backward(self, loss, optimizer) -> None:
+        self.plugin.backward(loss, optimizer)
+
+    def no_sync(self, model: nn.Module = None, optimizer=None) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation inside the block (gradient accumulation)."""
+        return self.plugin.no_sync(model, optimizer)
+
+    def clip_grad_by_norm(self, optimizer, max_norm: float, norm_type: float = 2.0):
+        return optimizer.clip_grad_by_norm(max_norm, norm_type=norm_type)
+
+    def execute_pipeline(self, data_iter: Iterator, model, criterion, optimizer=None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer,
+                                            return_loss=return_loss, return_outputs=return_outputs)
+
+    def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
+                           drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
+                           **kwargs) -> DataLoader:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"prepare_dataloader(batch_size={batch_size!r}): must be a positive int")
+        return self.plugin.prepare_dataloader(dataset, batch_size, shuffle=shuffle, seed=seed,
+                                              drop_last=drop_last, pin_memory=pin_memory,
+                                              num_workers=num_workers, **kwargs)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_model(self, model, checkpoint, shard: bool = True, size_per_shard: float = 1024) -> None:
+        """HF-style safetensors (shards + index JSON) in directory ``checkpoint``; ``size_per_shard`` in MB."""
+        self.plugin.get_checkpoint_io().save_model(model, checkpoint, shard=shard, size_per_shard=size_per_shard)
+
+    def load_model(self, model, checkpoint, strict: bool = True) -> None:
+        self.plugin.get_checkpoint_io().load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(self, optimizer, checkpoint, **_ignored) -> None:
+        """A torch.distributed.checkpoint directory; loads on any number of ranks."""
+        self.plugin.get_checkpoint_io().save_optimizer(optimizer, checkpoint)
+
+    def load_optimizer(self, optimizer, checkpoint) -> None:
+        self.plugin.get_checkpoint_io().load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler, checkpoint) -> None:
+        self.plugin.get_checkpoint_io().save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler, checkpoint) -> None:
+        self.plugin.get_checkpoint_io().load_lr_scheduler(lr_scheduler, checkpoint)

@@ -1,0 +1,74 @@
+"""``DDPPlugin``: plain data parallelism on ``torch.nn.parallel.DistributedDataParallel``.
+
+Nothing hand-written: DDP already buckets and overlaps the gradient all-reduce with the
+backward. The plugin adds the Booster's shared pieces (autocast + loss scaling + telemetry
+through :mod:`colossal_lab.engine.wrappers`) and the default checkpoint IO. Without an
+initialised process group the model runs unwrapped (one process, same code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ..wrappers import ModelWrapper, OptimizerWrapper
+from .base import Plugin, default_device
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@dataclass
+class DDPPlugin(Plugin):
+    """Arguments are DDP's own (see ``torch.nn.parallel.DistributedDataParallel``)."""
+
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+
+    def __post_init__(self):
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"DDPPlugin(bucket_cap_mb={self.bucket_cap_mb}): must be > 0 MB")
+
+    supported_precisions = ("fp32", "fp16", "bf16", "fp8")
+
+    def _wrap_module(self, module: nn.Module) -> nn.Module:
+        if not _dist():
+            return module
+        dev = default_device()
+        return DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None,
+                   process_group=self.dp_group, broadcast_buffers=self.broadcast_buffers,
+                   bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
+                   gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
+
+    def configure(self, model, optimizer, criterion, dataloader, lr_scheduler, mixed_precision):
+        model = prepare_module(model, mixed_precision)
+        wrapped = ModelWrapper(self._wrap_module(model), mixed_precision)
+        if optimizer is not None:
+            optimizer = OptimizerWrapper(optimizer, wrapped, mixed_precision, group=self.dp_group)
+        return wrapped, optimizer, criterion, dataloader, lr_scheduler
+
+    def no_sync(self, model, optimizer=None):
+        inner = model.unwrap() if hasattr(model, "unwrap") else model
+        if isinstance(inner, DDP):
+            return inner.no_sync()
+        return contextlib.nullcontext()
+
+
+def prepare_module(model: nn.Module, mixed_precision: str) -> nn.Module:
+    """Move ``model`` to this rank's device and apply precision-specific module changes (fp8
+    swaps eligible Linear layers; parameters stay fp32 masters in every mode)."""
+    model = model.to(default_device())
+    if mixed_precision == "fp8":
+        from ..mixed_precision.fp8 import convert_to_fp8
+
+        convert_to_fp8(model)
+    return model

@@ -1,0 +1,192 @@
+"""What ``Booster.boost`` hands back: a model wrapper and an optimizer wrapper.
+
+``ModelWrapper`` runs the forward under the precision's autocast and counts the tokens it is
+fed (for ``StepMetrics``); attribute lookups it does not know fall through to the user's model,
+so ``model.cfg`` or ``model.generate`` keep working. ``OptimizerWrapper`` owns the per-step
+policy every plugin shares: loss scaling (fp16), unscale-before-clip, skipping a step whose
+gradients overflowed on any rank, and emitting one ``StepMetrics`` per ``step()``. Plugins
+differ only in the inner objects (DDP/FSDP module, plain/ZeRO optimizer) they put inside.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from . import telemetry
+from .checkpoint_io.checkpoint_io_base import unwrap_model
+from .mixed_precision import DynamicLossScaler, autocast_dtype, needs_loss_scaling
+
+
+def _count_tokens(args, kwargs) -> int:
+    x = kwargs.get("idx", kwargs.get("input_ids"))
+    if x is None:
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 0
+    if x.is_floating_point():  # embeddings / hidden states: tokens are all dims but the last
+        return x.numel() // x.shape[-1]
+    return x.numel()
+
+
+class ModelWrapper(nn.Module):
+    def __init__(self, module: nn.Module, mixed_precision: str = "fp32"):
+        super().__init__()
+        self.module = module
+        self.mixed_precision = mixed_precision
+        self._dtype = autocast_dtype(mixed_precision)
+        self.tokens = 0  # tokens seen since the last optimizer step
+        self.first_forward: Optional[float] = None
+
+    def unwrap(self) -> nn.Module:
+        """The inner module (DDP/FSDP-wrapped where the plugin wrapped it)."""
+        return self.module
+
+    def forward(self, *args, **kwargs):
+        self.tokens += _count_tokens(args, kwargs)
+        if self.first_forward is None:
+            self.first_forward = time.perf_counter()
+        if self._dtype is None:
+            return self.module(*args, **kwargs)
+        dev = next((p.device.type for p in self.module.parameters()), "cpu")
+        with torch.autocast(device_type=dev, dtype=self._dtype):
+            return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = unwrap_model(self.module)
+            inner = getattr(inner, "module", inner)  # DDP keeps the user's model in .module
+            return getattr(inner, name)
+
+
+def rebuild_optimizer(optimizer: Optimizer, old_names: Dict[int, str], new_params: Dict[str, nn.Parameter],
+                      optimizer_class=None, **extra) -> Optimizer:
+    """The same optimizer (class, hyper-parameters, param groups) over new parameter objects.
+
+    Sharding (fully_shard) replaces parameters with DTensor ones, so the user's optimizer must be
+    rebuilt; ``old_names`` maps ``id(old_param)`` to its name in the model.
+    """
+    if optimizer.state:
+        raise ValueError("boost(optimizer=...): the optimizer has already stepped; boost it before "
+                         "the first step and restore state with booster.load_optimizer()")
+    groups = []
+    for g in optimizer.param_groups:
+        try:
+            params = [new_params[old_names[id(p)]] for p in g["params"]]
+        except KeyError:
+            raise ValueError("boost(optimizer=...): the optimizer holds a parameter that is not in "
+                             "the model; build it from model.parameters()") from None
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    cls = optimizer_class or type(optimizer)
+    return cls(groups, **{**optimizer.defaults, **extra})
+
+
+class OptimizerWrapper:
+    """The boosted optimizer. ``checkpoint_optim`` is the torch optimizer whose ``state`` this
+    rank holds (ZeRO-1: the local shard's optimizer)."""
+
+    def __init__(self, optim: Optimizer, model: Optional[ModelWrapper] = None, mixed_precision: str = "fp32",
+                 group: Optional["dist.ProcessGroup"] = None, checkpoint_optim: Optional[Optimizer] = None,
+                 loss_scaler: Optional[DynamicLossScaler] = None):
+        self.optim = optim
+        self.model = model
+        self.mixed_precision = mixed_precision
+        self.checkpoint_optim = checkpoint_optim or optim
+        self.loss_scaler = loss_scaler or (DynamicLossScaler(group=group) if needs_loss_scaling(mixed_precision) else None)
+        self._unscaled = False
+        self._found_inf = False
+        self._last_loss: Optional[torch.Tensor] = None
+        self._t_last: Optional[float] = None
+        self.step_count = 0
+        self.skipped_last = False
+
+    # ---- torch.optim surface -------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        """This rank's optimizer state (only its shard under ZeRO)."""
+        return self.checkpoint_optim.state
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    def params(self) -> List[torch.Tensor]:
+        return [p for g in self.optim.param_groups for p in g["params"]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        raise RuntimeError("optimizer.state_dict() of a boosted optimizer is ambiguous under sharding; "
+                           "use booster.save_optimizer(optimizer, path)")
+
+    def checkpoint_target(self):
+        return self.checkpoint_optim, (unwrap_model(self.model) if self.model is not None else None)
+
+    # ---- the step policy -----------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self._last_loss = loss.detach()
+        if self.loss_scaler is not None:
+            self.loss_scaler.scale_loss(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def unscale_grad(self) -> bool:
+        """Unscale gradients once per step (fp16); returns whether any rank overflowed."""
+        if self.loss_scaler is not None and not self._unscaled:
+            self._found_inf = self.loss_scaler.unscale_(self.params())
+            self._unscaled = True
+        return self._found_inf
+
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm (unscaled first under fp16); returns the norm before clipping."""
+        self.unscale_grad()
+        params = [p for p in self.params() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def step(self, *args, **kwargs):
+        skip = self.unscale_grad() if self.loss_scaler is not None else False
+        if skip:
+            self.optim.zero_grad(set_to_none=True)  # the overflowed gradients are garbage
+        else:
+            self.optim.step(*args, **kwargs)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(skip)
+        self.skipped_last = skip
+        self._unscaled = self._found_inf = False
+        self._emit()
+
+    def _emit(self) -> None:
+        now = time.perf_counter()
+        start = self._t_last
+        if start is None:
+            start = self.model.first_forward if self.model is not None and self.model.first_forward else now
+        tokens = 0
+        if self.model is not None:
+            tokens, self.model.tokens = self.model.tokens, 0
+        if telemetry.has_subscribers():
+            loss = float(self._last_loss) if self._last_loss is not None else None
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            telemetry.emit(telemetry.StepMetrics(rank=rank, step=self.step_count, loss=loss,
+                                                 tokens=int(tokens), seconds=now - start))
+        self._last_loss = None
+        self._t_last = now
+        self.step_count += 1
+
+    def after_load(self) -> None:
+        """Hook for checkpoint IO after optimizer state was loaded (ZeRO-1 re-syncs groups)."""
+
+    def __repr__(self) -> str:
+        return f"OptimizerWrapper({self.optim!r}, mixed_precision={self.mixed_precision!r})"
