@@ -10,6 +10,7 @@ differ only in the inner objects (DDP/FSDP module, plain/ZeRO optimizer) they pu
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Dict, List, Optional
 
@@ -85,7 +86,16 @@ def rebuild_optimizer(optimizer: Optimizer, old_names: Dict[int, str], new_param
                              "the model; build it from model.parameters()") from None
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
     cls = optimizer_class or type(optimizer)
-    return cls(groups, **{**optimizer.defaults, **extra})
+    return cls(groups, **{**constructor_kwargs(type(optimizer), optimizer.defaults), **extra})
+
+
+def constructor_kwargs(optimizer_class, settings: dict) -> dict:
+    """The entries of ``settings`` (``defaults`` or a param group) the optimizer's ``__init__``
+    accepts: ``defaults`` can hold derived keys (AdamW's ``decoupled_weight_decay``)."""
+    params = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in settings.items() if k != "params"}
+    return {k: v for k, v in settings.items() if k in params and k != "params"}
 
 
 class OptimizerWrapper:

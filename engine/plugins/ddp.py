@@ -44,8 +44,10 @@ class DDPPlugin(Plugin):
         if not _dist():
             return module
         dev = default_device()
+        # broadcast_buffers is passed only when changed: torch 2.13 warns that it is deprecated
+        extra = {} if self.broadcast_buffers else {"broadcast_buffers": False}
         return DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None,
-                   process_group=self.dp_group, broadcast_buffers=self.broadcast_buffers,
+                   process_group=self.dp_group, **extra,
                    bucket_cap_mb=self.bucket_cap_mb, find_unused_parameters=self.find_unused_parameters,
                    gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=self.static_graph)
 

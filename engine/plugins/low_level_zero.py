@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..wrappers import ModelWrapper, OptimizerWrapper, rebuild_optimizer
+from ..wrappers import ModelWrapper, OptimizerWrapper, constructor_kwargs, rebuild_optimizer
 from .base import Plugin, default_device
 from .ddp import prepare_module
 
@@ -112,8 +112,9 @@ def _zero_factory(optimizer_class, group):
 
     def make(groups, **defaults):
         # ZeroRedundancyOptimizer takes the first group at construction, the rest via add_param_group
+        first = {**defaults, **constructor_kwargs(optimizer_class, groups[0])}
         zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
-                                       process_group=group, **{**defaults, **{k: v for k, v in groups[0].items() if k != "params"}})
+                                       process_group=group, **first)
         for g in groups[1:]:
             zero.add_param_group(g)
         return zero
