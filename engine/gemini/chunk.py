@@ -1,0 +1,184 @@
+"""A chunk: parameters packed into one flat, fixed-size buffer, plus per-tensor states.
+
+Why chunks (Colossal-AI's Gemini, PatrickStar): moving, gathering and reducing one large flat
+buffer is far cheaper than doing it per tensor, and a chunk is the unit the placement policy
+reasons about. With ``world > 1`` ranks a sharded chunk keeps only ``1/world`` of its payload
+per rank (ZeRO-3); the full payload exists only while it is gathered.
+
+Storage trick (from FSDP2's unsharded parameters): every parameter's ``.data`` is a view into
+``chunk.full``. Releasing the chunk resizes ``full``'s storage to 0 bytes; gathering resizes it
+back and fills it. The parameters — and any copies autograd saved for backward — keep pointing
+at the same storage, so nothing is re-bound between forward and backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+
+class TensorState(str, enum.Enum):
+    """What a parameter inside a chunk is doing right now (drives gather/release)."""
+
+    FREE = "free"                          # payload not gathered on this rank
+    COMPUTE = "compute"                    # its module is running (forward or backward)
+    HOLD = "hold"                          # gathered, not in use
+    HOLD_AFTER_BWD = "hold_after_bwd"      # frozen parameter whose module ran backward
+    READY_FOR_REDUCE = "ready_for_reduce"  # gradient copied into the chunk, awaiting reduce
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    param: nn.Parameter
+    offset: int            # element offset in the full chunk
+    numel: int
+    shape: torch.Size
+    group: int = 0         # index of its optimizer param group
+    state: TensorState = TensorState.FREE
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass
+class Chunk:
+    """Flat buffer of ``size`` elements (padded so ``size % world == 0`` when sharded)."""
+
+    id: int
+    size: int
+    dtype: torch.dtype
+    world: int
+    rank: int
+    sharded: bool
+    infos: List[TensorInfo] = field(default_factory=list)
+    full: Optional[torch.Tensor] = None          # compute-tier buffer; storage 0 bytes when released
+    shard: Optional[torch.Tensor] = None         # this rank's payload when resident in RAM/device
+    param_home: str = "cpu"                      # tier name holding the authoritative shard
+    optim_home: str = "cpu"                      # tier name holding master/exp_avg/exp_avg_sq/grad
+    gathered: bool = False
+    grad_full: Optional[torch.Tensor] = None     # fp32 gradient of the full chunk (backward only)
+    grads_pending: int = 0                       # trainable params whose grad has not arrived
+    reduced: bool = False
+
+    # ---- geometry --------------------------------------------------------------------------
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.world if self.sharded else self.size
+
+    @property
+    def shard_range(self) -> Tuple[int, int]:
+        if not self.sharded:
+            return 0, self.size
+        return self.rank * self.shard_size, (self.rank + 1) * self.shard_size
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def full_bytes(self) -> int:
+        return self.size * self.elem_bytes
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_size * self.elem_bytes
+
+    @property
+    def aliased(self) -> bool:
+        """True when ``full`` is the shard itself (unsharded chunk resident in the compute tier)."""
+        return self.full is not None and self.shard is not None and self.full.data_ptr() == self.shard.data_ptr() \
+            and self.full.untyped_storage().nbytes() > 0
+
+    @property
+    def trainable(self) -> List[TensorInfo]:
+        return [i for i in self.infos if i.param.requires_grad]
+
+    @property
+    def used_numel(self) -> int:
+        return self.infos[-1].end if self.infos else 0
+
+    def names(self) -> Tuple[str, ...]:
+        return tuple(i.name for i in self.infos)
+
+    def segments(self) -> List[Tuple[TensorInfo, int, int]]:
+        """``(info, lo, hi)`` in shard-local coordinates for each tensor overlapping this shard."""
+        s0, s1 = self.shard_range
+        out = []
+        for info in self.infos:
+            lo, hi = max(info.offset, s0), min(info.end, s1)
+            if lo < hi:
+                out.append((info, lo - s0, hi - s0))
+        return out
+
+    # ---- states -----------------------------------------------------------------------------
+    def set_state(self, state: TensorState, infos=None) -> None:
+        for i in (self.infos if infos is None else infos):
+            i.state = state
+
+    @property
+    def in_use(self) -> bool:
+        """Pinned in the compute tier: some tensor is computing or backward is not done with it."""
+        return any(i.state in (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD) for i in self.infos) \
+            or self.grad_full is not None
+
+    def state_summary(self) -> str:
+        """The chunk's state for telemetry: the 'busiest' tensor state inside it."""
+        if not self.gathered:
+            return TensorState.FREE.value
+        order = [TensorState.COMPUTE, TensorState.READY_FOR_REDUCE, TensorState.HOLD_AFTER_BWD, TensorState.HOLD]
+        present = {i.state for i in self.infos}
+        for s in order:
+            if s in present:
+                return s.value
+        return TensorState.HOLD.value
+
+
+def search_chunk_size(numels: List[int], world: int, max_candidates: int = 64,
+                      max_size: int = 32 << 20) -> int:
+    """Chunk size (elements) that wastes the least padding when packing ``numels`` in order.
+
+    A parameter never straddles chunks, so the size is at least the largest parameter. We scan
+    sizes from the largest parameter up to ``max(largest, max_size)`` elements and keep the one
+    with the least padding (ties -> smaller, which keeps the compute-tier working set small).
+    """
+    if not numels:
+        raise ValueError("Gemini: the model has no parameters to place in chunks")
+    lo = max(numels)
+    hi = max(lo, min(max_size, sum(numels)))
+    best, best_waste = None, None
+    for k in range(max_candidates + 1):
+        size = lo + (hi - lo) * k // max_candidates
+        size = -(-size // world) * world
+        waste = _waste(numels, size)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+    return best
+
+
+def _waste(numels: List[int], size: int) -> int:
+    waste, cur = 0, 0
+    for n in numels:
+        if cur + n > size:
+            waste += size - cur
+            cur = 0
+        cur += n
+    return waste + (size - cur)
+
+
+def pack(numels: List[int], size: int) -> List[List[int]]:
+    """Indices of ``numels`` per chunk, in order, each chunk holding at most ``size`` elements."""
+    chunks: List[List[int]] = [[]]
+    cur = 0
+    for idx, n in enumerate(numels):
+        if cur + n > size and chunks[-1]:
+            chunks.append([])
+            cur = 0
+        chunks[-1].append(idx)
+        cur += n
+    return chunks

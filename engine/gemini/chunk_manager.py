@@ -1,0 +1,502 @@
+"""The chunk manager: gathers, releases, moves and prefetches chunks over the tier stack.
+
+One algorithm for every stack (``cuda→cpu→nvme`` or ``cpu→nvme``):
+
+* every chunk has a home tier for its parameter shard and one for its optimizer state
+  (``placement.py``);
+* to compute, a chunk's full payload must be in the compute tier: it is read from its home
+  (NVMe read by the IO pool, host→device copy on a side stream on GPU) and all-gathered over
+  the data-parallel group when sharded;
+* the compute tier's bytes are accounted against its capacity (``device_memory_limit``);
+  when a chunk needs room, chunks not in use are dropped from the compute tier — under
+  ``auto`` the one whose next use (from the warm-up trace) is furthest, else the least
+  recently used. Parameters only change in the optimizer step, so dropping is free: the
+  home copy is still valid;
+* after a chunk is used, the next ``max_prefetch`` chunks of the trace are loaded in the
+  background when they fit without evicting anything needed sooner;
+* gradients are copied into a full fp32 chunk buffer as each parameter's gradient is
+  accumulated, and when the chunk's last gradient arrives it is reduce-scattered (sharded
+  chunk) or all-reduced (replicated chunk) and handed to the optimizer state's home.
+
+Every change of a chunk's tier is a ``ChunkEvent``; ``snapshot()`` emits one per chunk and a
+``MemorySample`` per tier.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from concurrent.futures import Future
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import telemetry
+from .chunk import Chunk, TensorInfo, TensorState
+from .memstats import AccessTrace, NonModelMemory
+from .nvme import NVMeStore
+from .placement import PlacementConfig, optim_block_bytes
+from .tiers import Tier, TierStack
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+class ChunkManager:
+    def __init__(self, chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig,
+                 device: torch.device, group=None, nvme: Optional[NVMeStore] = None,
+                 pin_memory: bool = True, telemetry_rank: int = 0):
+        self.chunks = chunks
+        self.stack = stack
+        self.cfg = cfg
+        self.device = device
+        self.group = group
+        self.nvme = nvme
+        self.pin = pin_memory and device.type == "cuda"
+        self.rank = telemetry_rank
+        self.world = chunks[0].world if chunks else 1
+        self.trace = AccessTrace()
+        self.nonmodel = NonModelMemory()
+        self.step = 0
+        self.moves = 0
+        self._lru: "collections.OrderedDict[int, None]" = collections.OrderedDict()
+        self._loading: Dict[int, Tuple[Future, Optional[torch.Tensor]]] = {}
+        self._writes: Deque[Tuple[Future, Tier, int, object]] = collections.deque()
+        self._grad_shard: Dict[int, torch.Tensor] = {}       # optim home in RAM
+        self._grad_on_nvme: Dict[int, bool] = {}
+        self._optim_state: Dict[int, torch.Tensor] = {}      # master|exp_avg|exp_avg_sq, optim home in RAM
+        self._in_backward = False
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._events: Dict[int, "torch.cuda.Event"] = {}
+
+    # ---- tiers -----------------------------------------------------------------------------------
+    @property
+    def compute(self) -> Tier:
+        return self.stack.compute
+
+    def tier_of(self, c: Chunk) -> str:
+        """Where the chunk's payload is now: the compute tier while gathered, else its home."""
+        return self.compute.name if c.gathered else c.param_home
+
+    def _alloc_ram(self, tier_name: str, numel: int, dtype) -> torch.Tensor:
+        tier = self.stack.get(tier_name)
+        if tier is self.compute:
+            self._reserve(numel * torch.empty((), dtype=dtype).element_size())
+        t = torch.empty(numel, dtype=dtype, device=tier.device,
+                        pin_memory=self.pin and tier.device.type == "cpu")
+        tier.alloc(t.numel() * t.element_size())
+        return t
+
+    def _free_ram(self, tier_name: str, t: torch.Tensor) -> None:
+        self.stack.get(tier_name).free(t.numel() * t.element_size())
+
+    def _reserve(self, nbytes: int, protect: Tuple[int, ...] = (), before: Optional[float] = None) -> bool:
+        """Make ``nbytes`` room in the compute tier; False (prefetch only) or MemoryError if impossible."""
+        tier = self.compute
+        while tier.room() < nbytes:
+            victim = self._victim(protect)
+            if victim is not None and (before is None or self.trace.next_use(victim.id) > before):
+                self._drop(victim)
+                continue
+            if self._writes:
+                self._finish_oldest_write()
+                continue
+            if before is not None:
+                return False
+            raise MemoryError(
+                f"Gemini: the compute tier ({tier.name}) needs {nbytes} more bytes but holds "
+                f"{tier.used} of device_memory_limit={tier.capacity} with every chunk in use; "
+                "raise device_memory_limit, lower max_prefetch or chunk_size_mb, or offload more "
+                "(placement_policy='auto' with nvme_offload_dir)")
+        return True
+
+    def _victim(self, protect) -> Optional[Chunk]:
+        cands = [c for c in self.chunks if c.gathered and not c.aliased and not c.in_use
+                 and c.id not in protect and c.id not in self._loading]
+        if not cands:
+            return None
+        if self.cfg.policy == "auto" and self.trace.ready and not self.trace.lost:
+            return max(cands, key=lambda c: (self.trace.next_use(c.id), c.id))
+        order = list(self._lru)
+        return min(cands, key=lambda c: order.index(c.id) if c.id in self._lru else -1)
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def materialize(self) -> None:
+        """Pack parameter values into chunk homes and point every parameter into ``chunk.full``."""
+        for c in self.chunks:
+            flat = torch.zeros(c.size, dtype=c.dtype)
+            for info in c.infos:
+                flat[info.offset:info.end].copy_(info.param.detach().reshape(-1).to("cpu", c.dtype))
+            s0, s1 = c.shard_range
+            master = flat[s0:s1].float()
+            c.full = torch.empty(c.size, dtype=c.dtype, device=self.device)
+            for info in c.infos:  # views first: a view needs the storage's full size to exist
+                info.param.data = c.full[info.offset:info.end].view(info.shape)
+            alias = c.param_home == self.compute.name and (not c.sharded or self.world == 1)
+            if alias:
+                c.full.copy_(flat)
+                c.shard = c.full
+                self.compute.alloc(c.full_bytes)
+                c.gathered = True
+                c.set_state(TensorState.HOLD)
+            else:
+                c.full.untyped_storage().resize_(0)
+                if c.param_home == "nvme":
+                    self.nvme.write(f"c{c.id}.param", flat[s0:s1].clone()).result()
+                    c.shard = None
+                else:
+                    c.shard = self._alloc_ram(c.param_home, c.shard_size, c.dtype)
+                    c.shard.copy_(flat[s0:s1])
+            state = torch.zeros(3 * c.shard_size, dtype=torch.float32)
+            state[:c.shard_size].copy_(master)
+            if c.optim_home == "nvme":
+                self.nvme.write(f"c{c.id}.state", state).result()
+            else:
+                st = self._alloc_ram(c.optim_home, 3 * c.shard_size, torch.float32)
+                st.copy_(state)
+                self._optim_state[c.id] = st
+            del flat, state
+        self.nonmodel.chunk_storages = {c.full.untyped_storage().data_ptr() for c in self.chunks}
+
+    # ---- gather / release ------------------------------------------------------------------------
+    def access(self, c: Chunk, infos: List[TensorInfo], state: TensorState) -> None:
+        """Make ``c`` computable now and mark ``infos`` with ``state``; then prefetch ahead."""
+        self.trace.record(c.id)
+        self._ensure_gathered(c)
+        c.set_state(state, infos)
+        self._lru.pop(c.id, None)
+        self._lru[c.id] = None
+        self._prefetch(protect=(c.id,))
+
+    def done(self, c: Chunk, infos: List[TensorInfo], state: TensorState = TensorState.HOLD) -> None:
+        c.set_state(state, infos)
+        self._maybe_release(c)
+
+    def _maybe_release(self, c: Chunk) -> None:
+        if c.aliased or c.in_use or not c.gathered:
+            return
+        if self.cfg.policy == "auto" and self.trace.ready and \
+                self.compute.used + self.nonmodel.peak <= self.compute.capacity:
+            return  # keep it cached; it is evicted by furthest next use when room is needed
+        self._drop(c)
+
+    def _drop(self, c: Chunk) -> None:
+        if c.aliased or not c.gathered:
+            return
+        self._wait_load(c)
+        c.full.untyped_storage().resize_(0)
+        self.compute.free(c.full_bytes)
+        c.gathered = False
+        c.set_state(TensorState.FREE)
+        self._moved(c)
+
+    def _ensure_gathered(self, c: Chunk) -> None:
+        if c.id in self._loading:
+            self._wait_load(c)
+            return
+        if c.gathered:
+            return
+        self._reserve(c.full_bytes, protect=(c.id,))
+        self._start_load(c)
+        self._wait_load(c)
+
+    def _start_load(self, c: Chunk) -> None:
+        """Allocate ``c.full`` in the compute tier and begin filling it (room already reserved)."""
+        c.full.untyped_storage().resize_(c.full_bytes)
+        self.compute.alloc(c.full_bytes)
+        c.gathered = True
+        c.set_state(TensorState.HOLD)
+        if self.world > 1 and c.sharded:
+            if c.param_home == "nvme":
+                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype)
+                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", staging), staging)
+            else:
+                self._loading[c.id] = (None, None)
+            return
+        if c.param_home == "nvme":
+            if self.device.type == "cpu":
+                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", c.full), None)
+            else:
+                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype)
+                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", staging), staging)
+        else:  # host RAM -> device on the side stream
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    c.full.copy_(c.shard, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self._stream)
+                self._events[c.id] = ev
+                self._loading[c.id] = (None, None)
+            else:
+                c.full.copy_(c.shard)
+
+    def _wait_load(self, c: Chunk) -> None:
+        entry = self._loading.pop(c.id, None)
+        if entry is None:
+            return
+        fut, staging = entry
+        if fut is not None:
+            fut.result()
+        ev = self._events.pop(c.id, None)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        if self.world > 1 and c.sharded:
+            src = staging if staging is not None else c.shard
+            _all_gather(c.full, src.to(self.device), self.group)
+        elif staging is not None:
+            c.full.copy_(staging)
+        if staging is not None:
+            self._free_ram(self.stack.host.name, staging)
+        self._moved(c)
+
+    def _prefetch(self, protect: Tuple[int, ...]) -> None:
+        """Start loading the next chunks of the trace if they fit without evicting sooner ones."""
+        if self.cfg.max_prefetch <= 0 or self.cfg.policy != "auto" or self.world > 1:
+            # With several ranks the all-gather runs at use time (collective order must match on
+            # every rank); the NVMe read is what we overlap, and only single-rank runs do that here.
+            return
+        for cid in self.trace.upcoming(self.cfg.max_prefetch + 1):
+            c = self.chunks[cid]
+            if c.gathered or cid in self._loading:
+                continue
+            if not self._reserve(c.full_bytes, protect=protect + (cid,), before=self.trace.next_use(cid)):
+                return
+            self._start_load(c)
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        for c in self.chunks:
+            c.grads_pending = len(c.trainable)
+            c.reduced = False
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def on_grad(self, c: Chunk, info: TensorInfo) -> None:
+        """Called after ``info.param.grad`` is fully accumulated for this backward."""
+        p = info.param
+        if c.grad_full is None:
+            self._reserve(c.size * 4, protect=(c.id,))
+            c.grad_full = torch.zeros(c.size, dtype=torch.float32, device=self.device)
+            self.compute.alloc(c.size * 4)
+        c.grad_full[info.offset:info.end].add_(p.grad.detach().reshape(-1))
+        p.grad = None
+        info.state = TensorState.READY_FOR_REDUCE
+        c.grads_pending -= 1
+        if c.grads_pending == 0:
+            self._reduce(c)
+
+    def finish_backward(self) -> None:
+        """Reduce every chunk whose gradients did not all arrive (unused parameters) — same order on every rank."""
+        if not self._in_backward:
+            return
+        for c in self.chunks:
+            if not c.reduced and c.trainable:
+                if c.grad_full is None:
+                    self._reserve(c.size * 4, protect=(c.id,))
+                    c.grad_full = torch.zeros(c.size, dtype=torch.float32, device=self.device)
+                    self.compute.alloc(c.size * 4)
+                self._reduce(c)
+        for c in self.chunks:
+            if any(i.state == TensorState.HOLD_AFTER_BWD for i in c.infos):
+                c.set_state(TensorState.HOLD, [i for i in c.infos if i.state == TensorState.HOLD_AFTER_BWD])
+                self._maybe_release(c)
+        self._in_backward = False
+
+    def _reduce(self, c: Chunk) -> None:
+        g = c.grad_full
+        if self.world > 1:
+            if c.sharded:
+                out = torch.empty(c.shard_size, dtype=torch.float32, device=self.device)
+                _reduce_scatter(out, g, self.group)
+            else:
+                dist.all_reduce(g, group=self.group)
+                out = g
+            out.div_(self.world)
+        else:
+            out = g
+        c.reduced = True
+        self._store_grad(c, out)
+        c.grad_full = None
+        self.compute.free(c.size * 4)
+        c.set_state(TensorState.HOLD, [i for i in c.infos if i.state == TensorState.READY_FOR_REDUCE])
+        self._maybe_release(c)
+
+    def _store_grad(self, c: Chunk, g: torch.Tensor) -> None:
+        if c.optim_home == "nvme":
+            if self.stack.host is self.compute:
+                self._reserve(c.shard_size * 4, protect=(c.id,))
+            host = g.detach().to("cpu", copy=True)
+            if self._grad_on_nvme.get(c.id):  # accumulation across backward calls before a step
+                prev = torch.empty_like(host)
+                self.nvme.read(f"c{c.id}.grad", prev).result()
+                host.add_(prev)
+            self.stack.host.alloc(host.numel() * 4)
+            self._writes.append((self.nvme.write(f"c{c.id}.grad", host), self.stack.host, host.numel() * 4, host))
+            self._grad_on_nvme[c.id] = True
+        else:
+            prev = self._grad_shard.get(c.id)
+            if prev is not None:
+                prev.add_(g.to(prev.device))
+            else:
+                t = self._alloc_ram(c.optim_home, c.shard_size, torch.float32)
+                t.copy_(g)
+                self._grad_shard[c.id] = t
+
+    def _finish_oldest_write(self) -> None:
+        fut, tier, nbytes, _keep = self._writes.popleft()
+        fut.result()
+        tier.free(nbytes)
+
+    def flush_writes(self) -> None:
+        while self._writes:
+            self._finish_oldest_write()
+
+    # ---- optimizer-side access ---------------------------------------------------------------
+    def has_grad(self, c: Chunk) -> bool:
+        return c.id in self._grad_shard or bool(self._grad_on_nvme.get(c.id))
+
+    def drop_cache(self) -> None:
+        """Before the optimizer step: cached gathered copies become stale, so drop them."""
+        for c in self.chunks:
+            self._wait_load(c)
+        self._loading.clear()
+        for c in self.chunks:
+            if c.gathered and not c.aliased:
+                self._drop(c)
+
+    def load_optim(self, c: Chunk, ahead: bool = False) -> Optional["OptimWindow"]:
+        """Begin loading ``c``'s optimizer state and gradient (NVMe homes: a background read).
+
+        ``ahead=True`` is a read-ahead: it returns None instead of failing when the compute
+        tier has no room for a second window.
+        """
+        need = optim_block_bytes(c) + c.shard_bytes if c.optim_home == "nvme" else 0
+        if need and self.stack.host is self.compute:
+            if ahead and self.compute.room() < need:
+                while self._writes and self.compute.room() < need:
+                    self._finish_oldest_write()
+                if self.compute.room() < need:
+                    return None
+            self._reserve(need)
+        return OptimWindow(self, c)
+
+    def release_optim(self, w: "OptimWindow") -> None:
+        c = w.chunk
+        if c.optim_home == "nvme":
+            # the window's buffers: the state buffer is handed to the write (freed when it lands)
+            self.stack.host.free(optim_block_bytes(c) - w.state.numel() * 4)
+            self._writes.append((self.nvme.write(f"c{c.id}.state", w.state), self.stack.host, w.state.numel() * 4, w.state))
+            self._grad_on_nvme.pop(c.id, None)
+            self.nvme.remove(f"c{c.id}.grad")
+        else:
+            g = self._grad_shard.pop(c.id, None)
+            if g is not None:
+                self._free_ram(c.optim_home, g)
+
+    def write_params(self, c: Chunk, master: torch.Tensor) -> None:
+        """Store the updated parameter shard (from the fp32 master) in the chunk's home."""
+        if c.param_home == "nvme":
+            nbytes = 0 if master.dtype == c.dtype else c.shard_bytes  # fp32 writes the master itself
+            if nbytes and self.stack.host is self.compute:
+                self._reserve(nbytes)
+            new = master.to(c.dtype)
+            self.stack.host.alloc(nbytes)
+            self._writes.append((self.nvme.write(f"c{c.id}.param", new), self.stack.host, nbytes, new))
+            return
+        c.shard.copy_(master)
+
+    # ---- steps and telemetry -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.trace.begin_step()
+
+    def end_step(self) -> None:
+        self.flush_writes()
+        if not self.trace.ready:
+            self.trace.finish_warmup()
+        self.step += 1
+        self.snapshot()
+
+    def _moved(self, c: Chunk) -> None:
+        self.moves += 1
+        if telemetry.has_subscribers():
+            telemetry.emit(self._event(c))
+
+    def _event(self, c: Chunk) -> telemetry.ChunkEvent:
+        return telemetry.ChunkEvent(rank=self.rank, step=self.step, chunk_id=c.id, tier=self.tier_of(c),
+                                    state=c.state_summary(), nbytes=c.full_bytes if c.gathered else c.shard_bytes,
+                                    params=c.names())
+
+    def snapshot(self) -> None:
+        """One ChunkEvent per chunk and one MemorySample per tier (only when someone listens)."""
+        if not telemetry.has_subscribers():
+            return
+        for c in self.chunks:
+            telemetry.emit(self._event(c))
+        now = time.time()
+        for t in self.stack.tiers:
+            used = self.nvme.used if t.name == "nvme" and self.nvme is not None else t.used
+            telemetry.emit(telemetry.MemorySample(rank=self.rank, time=now, tier=t.name, used=used,
+                                                  capacity=min(t.capacity, 1 << 62)))
+
+    def close(self) -> None:
+        try:
+            self.flush_writes()
+        finally:
+            if self.nvme is not None:
+                self.nvme.close()
+
+
+class OptimWindow:
+    """One chunk's optimizer state + gradient, resident for the duration of its update.
+
+    For NVMe homes the reads start at construction (read-ahead) and ``wait()`` joins them.
+    """
+
+    def __init__(self, mgr: ChunkManager, c: Chunk):
+        self.chunk = c
+        self._futs: List[Future] = []
+        n = c.shard_size
+        if c.optim_home == "nvme":
+            mgr.stack.host.alloc(optim_block_bytes(c))
+            self.state = torch.empty(3 * n, dtype=torch.float32)
+            self._futs.append(mgr.nvme.read(f"c{c.id}.state", self.state))
+            if mgr._grad_on_nvme.get(c.id):
+                self.grad = torch.empty(n, dtype=torch.float32)
+                self._futs.append(mgr.nvme.read(f"c{c.id}.grad", self.grad))
+            else:
+                self.grad = None
+        else:
+            self.state = mgr._optim_state[c.id]
+            self.grad = mgr._grad_shard.get(c.id)
+
+    def wait(self) -> "OptimWindow":
+        for f in self._futs:
+            f.result()
+        self._futs = []
+        return self
+
+    @property
+    def master(self) -> torch.Tensor:
+        n = self.chunk.shard_size
+        return self.state[:n]
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        n = self.chunk.shard_size
+        return self.state[n:2 * n]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        n = self.chunk.shard_size
+        return self.state[2 * n:]

@@ -1,0 +1,131 @@
+"""Placement policies: which tier is each chunk's *home* for its parameters and its optimizer state.
+
+A home is where the authoritative copy lives between uses; the compute tier additionally
+caches gathered chunks while they are in use (and, under ``auto``, for as long as the budget
+allows — see ``chunk_manager.py``). Policies (Colossal-AI's names, same meaning):
+
+* ``cuda``   — everything on the compute device (fastest; needs the memory).
+* ``cpu``    — parameters and optimizer state in host RAM; chunks visit the device to compute
+  (ZeRO-Offload-like: least device memory, most host↔device traffic).
+* ``static`` — the last ``offload_param_frac`` of parameter chunks and ``offload_optim_frac``
+  of optimizer states live in host RAM, the rest on the device; fixed for the whole run.
+* ``auto``   — fill the compute tier greedily (leaving a working-set reserve), then host RAM,
+  then NVMe; at run time the compute tier is a cache with furthest-next-use eviction learned
+  from the warm-up step.
+
+For every policy, ``nvme_offload_frac`` of the optimizer states (the last chunks) goes to NVMe,
+and any block that does not fit its preferred tier spills down the stack; nothing fitting
+anywhere is an error raised before any memory is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from .chunk import Chunk
+from .tiers import TierStack
+
+POLICIES = ("cuda", "cpu", "auto", "static")
+
+
+@dataclass
+class PlacementConfig:
+    policy: str = "auto"
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+    nvme_offload_frac: float = 0.0
+    max_prefetch: int = 2
+
+
+def optim_block_bytes(c: Chunk) -> int:
+    """fp32 master + exp_avg + exp_avg_sq + gradient for this rank's shard."""
+    return 4 * 4 * c.shard_size
+
+
+def working_set_bytes(chunks: List[Chunk], max_prefetch: int) -> int:
+    """Compute-tier bytes Gemini needs free at run time besides homes.
+
+    Two chunks being computed plus ``max_prefetch`` in flight, two fp32 full-chunk gradients
+    awaiting reduction, and an optimizer window of two chunks' states during the step.
+    """
+    full = max(c.full_bytes for c in chunks)
+    grad = max(c.size * 4 for c in chunks)
+    opt = max(optim_block_bytes(c) + c.shard_bytes for c in chunks)
+    return max((2 + max_prefetch) * full + 2 * grad, 2 * opt + 2 * full)
+
+
+def min_working_set_bytes(chunks: List[Chunk]) -> int:
+    """The least the compute tier must hold: a pair of chunks in compute plus one gradient
+    buffer, or (optimizer step, host = compute tier) one chunk's optimizer window."""
+    full = max(c.full_bytes for c in chunks)
+    grad = max(c.size * 4 for c in chunks)
+    opt = max(optim_block_bytes(c) + c.shard_bytes for c in chunks)
+    return max(2 * full + grad, opt)
+
+
+def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> None:
+    """Set ``param_home``/``optim_home`` on every chunk; raise ValueError if it cannot fit."""
+    n = len(chunks)
+    dev, host = stack.compute.name, stack.host.name
+    has_nvme = stack.nvme is not None
+    budget = {t.name: t.capacity for t in stack.tiers}
+    budget[dev] -= working_set_bytes(chunks, cfg.max_prefetch)
+
+    def first_param_offloaded(frac: float) -> int:
+        return n - int(round(frac * n))
+
+    prefs = []  # (chunk, kind, preferred tier name, bytes)
+    for i, c in enumerate(chunks):
+        if cfg.policy == "cuda" or cfg.policy == "auto":
+            p = dev
+        elif cfg.policy == "cpu":
+            p = host
+        else:  # static
+            p = host if i >= first_param_offloaded(cfg.offload_param_frac) else dev
+        prefs.append((c, "param", p, c.shard_bytes))
+    for i, c in enumerate(chunks):
+        if cfg.policy in ("cuda", "auto"):
+            o = dev
+        elif cfg.policy == "cpu":
+            o = host
+        else:
+            o = host if i >= first_param_offloaded(cfg.offload_optim_frac) else dev
+        if has_nvme and i >= first_param_offloaded(cfg.nvme_offload_frac):
+            o = "nvme"
+        prefs.append((c, "optim", o, optim_block_bytes(c)))
+
+    order = [t.name for t in stack.tiers]
+    for c, kind, pref, nbytes in prefs:
+        placed = None
+        for name in order[order.index(pref):]:
+            if budget[name] >= nbytes:
+                placed = name
+                break
+        if placed is None:
+            need = sum(b for *_, b in prefs)
+            if not has_nvme:
+                raise ValueError(
+                    f"GeminiPlugin: parameters and optimizer states need {need / 2**20:.1f} MiB per rank "
+                    f"but device_memory_limit={stack.compute.capacity} bytes leaves room for less "
+                    f"(working-set reserve {working_set_bytes(chunks, cfg.max_prefetch) / 2**20:.1f} MiB); "
+                    "raise device_memory_limit or set nvme_offload_dir=... to spill to NVMe")
+            raise ValueError(
+                f"GeminiPlugin: nvme_offload_dir has {stack.nvme.capacity / 2**30:.2f} GiB free, but the plan "
+                f"needs more ({need / 2**30:.2f} GiB of state per rank in all); free disk space, choose "
+                "another nvme_offload_dir, or raise device_memory_limit")
+        budget[placed] -= nbytes
+        if kind == "param":
+            c.param_home = placed
+        else:
+            c.optim_home = placed
+
+
+def planned_bytes(chunks: List[Chunk], tier: str) -> int:
+    total = 0
+    for c in chunks:
+        if c.param_home == tier:
+            total += c.shard_bytes
+        if c.optim_home == tier:
+            total += optim_block_bytes(c)
+    return total

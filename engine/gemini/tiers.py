@@ -1,0 +1,81 @@
+"""The ordered tier stack: compute device → host RAM → NVMe, each with a byte capacity.
+
+On a GPU machine the stack is ``cuda, cpu, nvme``; on a CPU-only machine it is ``cpu, nvme``
+and ``device_memory_limit`` is the compute tier's budget. One placement/eviction algorithm
+(``chunk_manager.py``) runs over either stack; a tier only knows its device, capacity and how
+many bytes Gemini has put in it, so the telemetry's ``MemorySample(used, capacity)`` reads
+straight from here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+UNLIMITED = 1 << 62
+
+
+@dataclass
+class Tier:
+    name: str                 # "cuda" | "cpu" | "nvme" (telemetry's names)
+    capacity: int             # bytes Gemini may keep here
+    device: Optional[torch.device] = None  # None for nvme (files)
+    used: int = 0
+    peak: int = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+
+    def free(self, nbytes: int) -> None:
+        self.used -= nbytes
+        assert self.used >= 0, f"tier {self.name}: freed more than allocated"
+
+    def room(self) -> int:
+        return self.capacity - self.used
+
+
+@dataclass
+class TierStack:
+    tiers: List[Tier] = field(default_factory=list)
+
+    @property
+    def compute(self) -> Tier:
+        return self.tiers[0]
+
+    @property
+    def host(self) -> Tier:
+        """The host-RAM tier (the compute tier itself on a CPU-only machine)."""
+        return self.get("cpu")
+
+    @property
+    def nvme(self) -> Optional[Tier]:
+        return self.get("nvme", missing_ok=True)
+
+    def get(self, name: str, missing_ok: bool = False) -> Optional[Tier]:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        if missing_ok:
+            return None
+        raise KeyError(name)
+
+    def index(self, name: str) -> int:
+        return [t.name for t in self.tiers].index(name)
+
+    @classmethod
+    def build(cls, device: torch.device, device_memory_limit: Optional[int],
+              nvme_dir: Optional[str]) -> "TierStack":
+        tiers: List[Tier] = []
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            tiers.append(Tier("cuda", min(total, device_memory_limit or total), device))
+            tiers.append(Tier("cpu", UNLIMITED, torch.device("cpu")))
+        else:
+            tiers.append(Tier("cpu", device_memory_limit or UNLIMITED, torch.device("cpu")))
+        if nvme_dir is not None:
+            tiers.append(Tier("nvme", shutil.disk_usage(nvme_dir).free, None))
+        return cls(tiers)

@@ -1,0 +1,147 @@
+"""The Gemini model wrapper: gather a module's chunks before it runs, release them after.
+
+Hooks, modelled on FSDP2 (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` and
+``_fsdp_param_group.py``): a forward pre-hook gathers ("unshards") the chunks of the module's
+own parameters; the forward hook marks them HOLD and, while autograd is recording, registers
+a hook on the module's output tensors that re-gathers them before the module's backward
+(FSDP2's pre-backward hook); ``Tensor.register_post_accumulate_grad_hook`` on every parameter
+moves its finished gradient into the chunk's gradient buffer (FSDP2 reduce-scatters per
+parameter group in its post-backward; we do it per chunk, when the chunk's last gradient
+lands), and a callback queued on the autograd engine at the first pre-backward hook finishes
+the backward (chunks with unused parameters) in the same order on every rank — what
+Colossal-AI users hit as "synchronization of gradients doesn't exit properly".
+
+Hooks sit on modules that own parameters directly, so a chunk is gathered only for the
+modules that use it, whatever the model's structure.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from .chunk import Chunk, TensorInfo, TensorState
+from .chunk_manager import ChunkManager
+
+
+class GeminiModel(nn.Module):
+    """Wraps ``module``; call it like the module. ``unwrap()`` returns the original module."""
+
+    def __init__(self, module: nn.Module, manager: ChunkManager):
+        super().__init__()
+        self.module = module
+        self._mgr = manager
+        self._where: Dict[int, Tuple[Chunk, TensorInfo]] = {}
+        for c in manager.chunks:
+            for info in c.infos:
+                self._where[id(info.param)] = (c, info)
+        self._handles = []
+        for m in module.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) in self._where]
+            if own:
+                self._handles.append(m.register_forward_pre_hook(self._make_pre_fwd(own)))
+                self._handles.append(m.register_forward_hook(self._make_post_fwd(own)))
+        for c in manager.chunks:
+            for info in c.trainable:
+                self._handles.append(info.param.register_post_accumulate_grad_hook(self._make_grad_hook(c, info)))
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _by_chunk(self, params) -> List[Tuple[Chunk, List[TensorInfo]]]:
+        groups: Dict[int, Tuple[Chunk, List[TensorInfo]]] = {}
+        for p in params:
+            c, info = self._where[id(p)]
+            groups.setdefault(c.id, (c, []))[1].append(info)
+        return list(groups.values())
+
+    def _make_pre_fwd(self, params):
+        groups = self._by_chunk(params)
+
+        def hook(module, args):
+            for c, infos in groups:
+                self._mgr.access(c, infos, TensorState.COMPUTE)
+
+        return hook
+
+    def _make_post_fwd(self, params):
+        groups = self._by_chunk(params)
+
+        def hook(module, args, output):
+            for c, infos in groups:
+                self._mgr.done(c, infos, TensorState.HOLD)
+            if torch.is_grad_enabled():
+                self._register_pre_backward(groups, output)
+            return output
+
+        return hook
+
+    def _register_pre_backward(self, groups, output) -> None:
+        tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        fired = [False]
+
+        def pre_bwd(grad):
+            if not fired[0]:
+                fired[0] = True
+                self._mgr.begin_backward()
+                for c, infos in groups:
+                    train = [i for i in infos if i.param.requires_grad and i.state != TensorState.READY_FOR_REDUCE]
+                    frozen = [i for i in infos if not i.param.requires_grad]
+                    self._mgr.access(c, train, TensorState.COMPUTE)
+                    if frozen:
+                        c.set_state(TensorState.HOLD_AFTER_BWD, frozen)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_bwd)
+
+    def _make_grad_hook(self, c: Chunk, info: TensorInfo):
+        def hook(param):
+            self._mgr.on_grad(c, info)
+
+        return hook
+
+    # ---- module API --------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.module.training and not self._mgr._in_backward:
+            self._mgr.begin_step()
+            if not self._mgr.trace.ready:
+                with self._mgr.nonmodel.hooks():
+                    return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    def unwrap(self) -> nn.Module:
+        return self.module
+
+    @property
+    def manager(self) -> ChunkManager:
+        return self._mgr
+
+    def state_dict(self, *args, **kwargs):
+        """Full (gathered) tensors by parameter name, on CPU — collective on every rank."""
+        from .checkpoint import gather_model_state
+
+        return gather_model_state(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        from .checkpoint import load_model_state
+
+        return load_model_state(self, state_dict, strict=strict)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _flatten(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _flatten(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _flatten(o)

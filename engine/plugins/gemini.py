@@ -1,0 +1,199 @@
+"""``GeminiPlugin``: chunk-based ZeRO-3 with heterogeneous memory (device / host RAM / NVMe).
+
+Colossal-AI's argument names and order. Arguments and the trade-off each makes:
+
+* ``placement_policy`` — ``"cuda"``: everything on the compute device (fastest, most device
+  memory); ``"cpu"``: parameters and optimizer state in host RAM, chunks visit the device to
+  compute (least device memory, most traffic); ``"static"``: fixed fractions below;
+  ``"auto"``: fill the device, spill to host then NVMe, and at run time keep gathered chunks
+  cached on the device, evicting the one used furthest in the future (learned in warm-up).
+* ``shard_param_frac`` — fraction of chunks sharded over data-parallel ranks (ZeRO-3); the rest
+  are replicated (no all-gather, but ``world``× their memory).
+* ``offload_optim_frac`` / ``offload_param_frac`` — ``static`` only: fraction of optimizer
+  states / parameter chunks homed in host RAM instead of the device.
+* ``nvme_offload_dir`` / ``nvme_offload_frac`` — directory for the NVMe tier and the fraction of
+  optimizer states kept there (slowest tier, nearly unlimited). With a directory, anything that
+  does not fit the tiers above spills to it as well.
+* ``device_memory_limit`` — bytes Gemini may use on the compute device (emulates a smaller
+  card; on a CPU-only machine the budget of the RAM compute tier).
+* ``chunk_size_mb`` — chunk payload size; ``None`` searches the size that wastes least padding.
+  Bigger chunks mean fewer, larger transfers but a larger working set.
+* ``max_prefetch`` — chunks loaded ahead of use (overlap vs. memory held for them).
+* ``precision`` — compute dtype of parameters: ``bf16`` (default), ``fp16`` (dynamic loss
+  scale) or ``fp32``; master weights and Adam states are always fp32. A ``Booster``
+  ``mixed_precision`` other than the default ``"fp32"`` takes precedence.
+* ``pin_memory`` — page-locked host buffers for faster host↔device copies (CUDA only).
+
+Call ``plugin.close()`` (or let the process exit) to remove the NVMe files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .base import Plugin, default_device
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class GeminiPlugin(Plugin):
+    placement_policy: str = "auto"
+    shard_param_frac: float = 1.0
+    offload_optim_frac: float = 0.0
+    offload_param_frac: float = 0.0
+    nvme_offload_dir: Optional[str] = None
+    nvme_offload_frac: float = 0.0
+    device_memory_limit: Optional[int] = None
+    chunk_size_mb: Optional[float] = None
+    max_prefetch: int = 2
+    precision: str = "bf16"
+    pin_memory: bool = True
+    _managers: List = field(default_factory=list, init=False, repr=False)
+
+    supported_precisions = ("fp32", "fp16", "bf16")
+    controls_precision = True
+
+    def __post_init__(self):
+        from ..gemini.placement import POLICIES
+
+        if self.placement_policy not in POLICIES:
+            raise ValueError(f"GeminiPlugin(placement_policy={self.placement_policy!r}): unknown policy; "
+                             f"choose one of {list(POLICIES)}")
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac", "nvme_offload_frac"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"GeminiPlugin({name}={v!r}): must be a fraction in [0, 1]")
+        if self.precision not in _DTYPES:
+            raise ValueError(f"GeminiPlugin(precision={self.precision!r}): choose one of {list(_DTYPES)}")
+        if self.placement_policy != "static" and (self.offload_optim_frac or self.offload_param_frac):
+            raise ValueError("GeminiPlugin: offload_optim_frac/offload_param_frac apply to "
+                             "placement_policy='static' only; set placement_policy='static' or leave them at 0")
+        if self.placement_policy == "cuda" and not torch.cuda.is_available():
+            raise ValueError("GeminiPlugin(placement_policy='cuda'): no CUDA device is available; use "
+                             "placement_policy='cpu' or 'auto' (with device_memory_limit) on this machine")
+        if self.nvme_offload_frac > 0 and not self.nvme_offload_dir:
+            raise ValueError(f"GeminiPlugin(nvme_offload_frac={self.nvme_offload_frac}): needs nvme_offload_dir=... "
+                             "(a writable directory on a fast disk), or set nvme_offload_frac=0")
+        if self.device_memory_limit is not None and (not isinstance(self.device_memory_limit, int)
+                                                     or self.device_memory_limit <= 0):
+            raise ValueError(f"GeminiPlugin(device_memory_limit={self.device_memory_limit!r}): must be a positive "
+                             "number of bytes (e.g. 2 << 30 for 2 GiB) or None")
+        if self.chunk_size_mb is not None and not self.chunk_size_mb > 0:
+            raise ValueError(f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb!r}): must be > 0 or None (search)")
+        if not isinstance(self.max_prefetch, int) or self.max_prefetch < 0:
+            raise ValueError(f"GeminiPlugin(max_prefetch={self.max_prefetch!r}): must be an int >= 0")
+        if self.nvme_offload_dir is not None:
+            self._check_dir(self.nvme_offload_dir)
+
+    @staticmethod
+    def _check_dir(d: str) -> None:
+        try:
+            os.makedirs(d, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".gemini-probe-"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"GeminiPlugin(nvme_offload_dir={d!r}): the directory is not writable ({exc.strerror}); "
+                             "pass a directory you can write to on a fast local disk") from None
+
+    def validate(self, mixed_precision: str) -> None:
+        super().validate(mixed_precision)
+
+    def _effective_precision(self, mixed_precision: Optional[str]) -> str:
+        if mixed_precision in (None, "fp32"):
+            return self.precision
+        if mixed_precision not in _DTYPES:
+            raise ValueError(f"GeminiPlugin does not support mixed_precision={mixed_precision!r}; use one of {list(_DTYPES)}")
+        return mixed_precision
+
+    # ---- the boost -----------------------------------------------------------------------
+    def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision="fp32"):
+        from ..gemini.chunk import Chunk, TensorInfo, pack, search_chunk_size
+        from ..gemini.chunk_manager import ChunkManager
+        from ..gemini.nvme import NVMeStore
+        from ..gemini.placement import PlacementConfig, min_working_set_bytes, plan_homes
+        from ..gemini.tiers import TierStack
+        from ..gemini.zero_model import GeminiModel
+        from ..gemini.zero_optim import SUPPORTED, GeminiOptimizer
+
+        precision = self._effective_precision(mixed_precision)
+        dtype = _DTYPES[precision]
+        if optimizer is not None and not isinstance(optimizer, SUPPORTED):
+            raise ValueError(f"GeminiPlugin: optimizer={type(optimizer).__name__} is not supported; pass "
+                             "torch.optim.AdamW or torch.optim.Adam (Gemini runs fused AdamW on chunk shards)")
+        world, rank = self.dp_size, self.dp_rank
+        device = default_device()
+        named, seen = [], set()
+        for name, p in model.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+        numels = [p.numel() for _, p in named]
+        elem = torch.empty((), dtype=dtype).element_size()
+        if self.chunk_size_mb is not None:
+            size = int(self.chunk_size_mb * 2 ** 20) // elem
+            if size < max(numels):
+                big = max(named, key=lambda np_: np_[1].numel())
+                raise ValueError(
+                    f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb}): a chunk holds {size} elements but parameter "
+                    f"{big[0]!r} has {big[1].numel()}; parameters never straddle chunks, so set chunk_size_mb >= "
+                    f"{max(numels) * elem / 2 ** 20:.3f} or None to search")
+            size = -(-size // world) * world
+        else:
+            size = search_chunk_size(numels, world)
+        groups = pack(numels, size)
+        n_shard = int(round(self.shard_param_frac * len(groups)))
+        chunks = []
+        for cid, idxs in enumerate(groups):
+            c = Chunk(id=cid, size=size, dtype=dtype, world=world, rank=rank,
+                      sharded=world > 1 and cid < n_shard)
+            off = 0
+            for i in idxs:
+                name, p = named[i]
+                c.infos.append(TensorInfo(name=name, param=p, offset=off, numel=p.numel(), shape=p.shape))
+                off += p.numel()
+            chunks.append(c)
+        stack = TierStack.build(device, self.device_memory_limit, self.nvme_offload_dir)
+        pair = min_working_set_bytes(chunks)
+        if stack.compute.capacity < pair:
+            raise ValueError(
+                f"GeminiPlugin(device_memory_limit={self.device_memory_limit}): the compute tier must hold at least "
+                f"the largest chunk pair being computed with its gradient ({pair} bytes, chunk size {size} elements); raise "
+                "device_memory_limit or lower chunk_size_mb")
+        cfg = PlacementConfig(policy=self.placement_policy, offload_optim_frac=self.offload_optim_frac,
+                              offload_param_frac=self.offload_param_frac, nvme_offload_frac=self.nvme_offload_frac,
+                              max_prefetch=self.max_prefetch)
+        plan_homes(chunks, stack, cfg)  # raises before any memory is touched
+        # ---- work starts here --------------------------------------------------------------
+        nvme = NVMeStore(self.nvme_offload_dir) if self.nvme_offload_dir is not None else None
+        for m in model.modules():  # buffers go to the compute device; parameters go into chunks
+            for bname, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[bname] = b.to(device)
+        telemetry_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        mgr = ChunkManager(chunks, stack, cfg, device, group=self.dp_group, nvme=nvme,
+                           pin_memory=self.pin_memory, telemetry_rank=telemetry_rank)
+        mgr.materialize()
+        self._managers.append(mgr)
+        gmodel = GeminiModel(model, mgr)
+        goptim = GeminiOptimizer(optimizer, mgr, precision, group=self.dp_group) if optimizer is not None else None
+        mgr.snapshot()
+        return gmodel, goptim, criterion, dataloader, lr_scheduler
+
+    def get_checkpoint_io(self):
+        from ..gemini.checkpoint import GeminiCheckpointIO
+
+        return GeminiCheckpointIO(self.dp_group)
+
+    def close(self) -> None:
+        """Finish pending IO and delete this plugin's NVMe files."""
+        for m in self._managers:
+            m.close()
+        self._managers.clear()
