@@ -1,1 +1,20 @@
-"""Triton kernels, each beside its plain-torch reference, behind one dispatch rule."""
+"""Triton kernels, each beside its plain-torch reference, behind one dispatch rule.
+
+``backend=None`` picks Triton for CUDA tensors and the best torch path elsewhere (SDPA for
+attention, ``aten._weight_int8pack_mm`` for int8 on CPU, torch's fused AdamW); ``"triton"``
+forces the kernel (CPU too, under ``TRITON_INTERPRET=1``); ``"torch"`` runs the reference.
+Triton is imported on first use only, so this package imports where Triton is missing.
+See ``docs/kernels.md``.
+"""
+
+from .adamw import FusedAdamW, adamw_reference, fused_adamw
+from .dispatch import BACKENDS, interpret_mode, triton_available
+from .flash_attention import attention_reference, flash_attention
+from .int8_matmul import int8_linear, int8_linear_reference
+from .rms_norm import rms_norm, rms_norm_reference
+
+__all__ = [
+    "BACKENDS", "FusedAdamW", "adamw_reference", "attention_reference", "flash_attention", "fused_adamw",
+    "int8_linear", "int8_linear_reference", "interpret_mode", "rms_norm", "rms_norm_reference",
+    "triton_available",
+]

@@ -150,7 +150,8 @@ class Attention(nn.Module):
             if T > 1 and k.shape[2] != T:
                 raise NotImplementedError("KVCache: prefill must start from an empty cache")
         kern = _kernels()
-        if kern is not None and hasattr(kern, "flash_attention") and self.training is False and cache is None:
+        if kern is not None and hasattr(kern, "flash_attention") and (not self.training or self.dropout == 0.0):
+            # the dispatcher: Triton flash attention (fwd+bwd) on CUDA, SDPA elsewhere
             y = kern.flash_attention(q, k, v, causal=causal)
         else:
             y = F.scaled_dot_product_attention(

@@ -1,0 +1,142 @@
+"""Int8 weight-only linear: ``y = (x @ W_int8ᵀ) * scale + bias``, dequantisation fused.
+
+Weights are int8 ``(N, K)`` with one fp scale per output channel (symmetric, see
+``colossal_lab.engine.quant``). Paths:
+
+* Triton (CUDA): each tile of ``W`` is loaded as int8 (¼ of fp32's bytes — decode is
+  memory-bound, so that is the win), converted to the activation dtype in registers, fed to
+  ``tl.dot`` with an fp32 accumulator, and scaled per column once at the end.
+* torch, CPU: ``torch.ops.aten._weight_int8pack_mm`` — PyTorch's own fused int8 weight-only
+  GEMM. Its fast CPU kernel takes bf16/fp16 activations (the fp32 variant is several times
+  slower than an fp32 GEMM here), so for fp32 inputs with at most ``DECODE_ROWS`` rows (decode
+  steps, the memory-bound case) we run it in bf16 and cast back; larger fp32 inputs
+  (prefill, perplexity) dequantise into an fp32 GEMM, which keeps full fp32 activations.
+* ``backend="torch"``: the reference, dequantise then ``F.linear`` in ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import check_backend, choose, lazy_kernels
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECODE_ROWS = 16
+PACK_K = 32  # in-features the aten int8 kernel handles safely here
+
+
+def int8_linear_reference(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    y = F.linear(x, weight_int8.to(x.dtype)) * scale.to(x.dtype)
+    return y + bias.to(x.dtype) if bias is not None else y
+
+
+def _cpu_fast(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
+              bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Best plain-torch path off CUDA (see module docstring)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.dtype == torch.float32 and x2.shape[0] > DECODE_ROWS:
+        return int8_linear_reference(x, weight_int8, scale, bias)
+    if x.device.type != "cpu" or x.dtype == torch.float64 or x.shape[-1] % PACK_K:
+        # the aten kernel reads K in blocks and can fault on other in-features; dequantise instead
+        return int8_linear_reference(x, weight_int8, scale, bias)
+    cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    y = torch.ops.aten._weight_int8pack_mm(x2.to(cdt).contiguous(), weight_int8, scale.to(cdt))
+    y = y.to(x.dtype).reshape(*x.shape[:-1], weight_int8.shape[0])
+    return y + bias.to(x.dtype) if bias is not None else y
+
+
+def _build():
+    global triton, tl  # Triton resolves a kernel's names through its module globals
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mm(X, W, S, B, Y, M, N, K, sxm, swn, sym, HAS_BIAS: tl.constexpr, F32: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(X + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w = tl.load(W + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+            if F32:  # fp32 activations (and the CPU interpreter, whose bf16 dot is wrong): exact fp32 dot
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w.to(a.dtype))
+        s = tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc * s[None, :]
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    return SimpleNamespace(mm=mm)
+
+
+_kernels = lazy_kernels(_build)
+
+
+def _triton(x, weight_int8, scale, bias):
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x2.shape
+    N = weight_int8.shape[0]
+    w = weight_int8.contiguous()
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if x.is_cuda:
+        BM = 16 if M <= 16 else (32 if M <= 32 else 64)
+        BN, BK, extra = 64, 128, {"num_warps": 4}
+    else:
+        BM, BN, BK, extra = 16, 64, 64, {}
+    grid = ((M + BM - 1) // BM, (N + BN - 1) // BN)
+    f32 = x.dtype == torch.float32 or (not x.is_cuda and x.dtype == torch.bfloat16)
+    _kernels(x).mm[grid](x2, w, scale.contiguous(), bias if bias is not None else scale, y, M, N, K,
+                         x2.stride(0), w.stride(0), y.stride(0), HAS_BIAS=bias is not None, F32=f32,
+                         BM=BM, BN=BN, BK=BK, **extra)
+    return y.reshape(*x.shape[:-1], N)
+
+
+class _Int8Linear(torch.autograd.Function):
+    """Triton forward; backward to ``x`` only (weights are frozen int8)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_int8, scale, bias):
+        ctx.save_for_backward(weight_int8, scale)
+        return _triton(x, weight_int8, scale, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, s = ctx.saved_tensors
+        return (dy * s.to(dy.dtype)) @ w.to(dy.dtype), None, None, None
+
+
+def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """``x (…, K)`` × int8 ``weight (N, K)`` with per-output-channel ``scale (N,)`` (+ ``bias (N,)``)."""
+    check_backend("int8_linear", backend)
+    if not isinstance(weight_int8, torch.Tensor) or weight_int8.dtype != torch.int8 or weight_int8.dim() != 2:
+        raise ValueError(f"int8_linear: weight_int8 must be a 2-D torch.int8 tensor (N, K), got "
+                         f"{getattr(weight_int8, 'dtype', type(weight_int8).__name__)} "
+                         f"{tuple(getattr(weight_int8, 'shape', ()))}; quantise with colossal_lab.engine.quant")
+    N, K = weight_int8.shape
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"int8_linear: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.shape[-1] != K:
+        raise ValueError(f"int8_linear: x's last dim {x.shape[-1]} != weight_int8's in-features {K}")
+    if scale.shape != (N,) or not scale.is_floating_point():
+        raise ValueError(f"int8_linear: scale must be a float tensor of shape ({N},) (one per output channel), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"int8_linear: bias must have shape ({N},), got {tuple(bias.shape)}")
+    why = None if x.dtype in DTYPES else f"dtype {x.dtype} (the kernel takes {DTYPES})"
+    which = choose("int8_linear", x, backend, why)
+    if which == "triton":
+        return _Int8Linear.apply(x, weight_int8, scale, bias)
+    if backend == "torch":
+        return int8_linear_reference(x, weight_int8, scale, bias)
+    return _cpu_fast(x, weight_int8, scale, bias)
