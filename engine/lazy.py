@@ -1,0 +1,155 @@
+"""Lazy init: build a model with no memory, then materialise it piece by piece.
+
+Built on torch's meta device: ``with lazy_init(): model = GPT(cfg)`` runs the model's own
+constructor under ``torch.device("meta")``, so every parameter and buffer has a shape and
+dtype but no storage. :func:`materialize` then gives storage to one module (or one
+parameter) at a time — on any device — and fills it either from a ``state_dict_loader``
+(``name -> tensor``, e.g. one tensor read from a safetensors shard) or by re-running the
+module's own initialisation. Gemini calls it as a parameter enters its chunk; quantized
+loading calls it module by module, so no process ever holds the whole full-precision model.
+
+Why not ``nn.Module.to_empty``: it materialises everything at once and breaks tied weights
+when applied module by module; here a memo keeps one storage per meta tensor, so a tied
+``lm_head.weight is tok_emb.weight`` stays tied.
+
+Re-running init: meta construction runs the constructor but the values are lost, so we
+re-initialise with, in order: the module's ``reset_parameters()``; ones/zeros for norm
+weights/biases (modules whose class name ends in ``Norm``); then the root model's
+``_init_weights(module)`` hook (the convention of our GPT and of Hugging Face models). The
+reference GPT's scaled residual init and its rotary tables are restored by a GPT rule below.
+Pass ``init_fn(name, module)`` to take over for other models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterator, Optional, Union
+
+import torch
+import torch.nn as nn
+
+Loader = Callable[[str], Optional[torch.Tensor]]
+InitFn = Callable[[str, nn.Module], None]
+
+
+@contextlib.contextmanager
+def lazy_init() -> Iterator[None]:
+    """Every tensor created inside lives on the meta device (shapes only, no memory)."""
+    with torch.device("meta"):
+        yield
+
+
+def is_lazy(module: nn.Module) -> bool:
+    """True while any parameter or buffer of ``module`` is still on the meta device."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def meta_names(module: nn.Module) -> list:
+    return [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+
+
+def _gpt_rules(root: nn.Module, name: str, module: nn.Module) -> None:
+    """The reference GPT's init beyond ``_init_weights``: scaled residual projections, rotary tables."""
+    try:
+        from .models.gpt import GPT, rope_tables
+    except Exception:  # pragma: no cover
+        return
+    if not isinstance(root, GPT):
+        return
+    if name == "":
+        cfg = root.cfg
+        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
+        if "rope_cos" in module._buffers and module._buffers["rope_cos"] is not None:
+            module.rope_cos.copy_(cos)
+            module.rope_sin.copy_(sin)
+    if name.endswith("attn.wo") or name.endswith("mlp.w2"):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * root.cfg.n_layer))
+
+
+def default_init(root: nn.Module) -> InitFn:
+    """The init rule described in the module docstring, for modules of ``root``."""
+
+    def init(name: str, module: nn.Module) -> None:
+        own = list(module._parameters.items()) + list(module._buffers.items())
+        if not any(t is not None for _, t in own):
+            return
+        done = False
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+            done = True
+        elif type(module).__name__.endswith("Norm"):
+            for pname, p in module._parameters.items():
+                if p is not None:
+                    nn.init.ones_(p) if pname == "weight" else nn.init.zeros_(p)
+            done = True
+        hook = getattr(root, "_init_weights", None)
+        if callable(hook):
+            hook(module)
+            done = done or any(isinstance(module, c) for c in (nn.Linear, nn.Embedding))
+        _gpt_rules(root, name, module)
+        if name == "" and hasattr(root, "cfg"):
+            done = True  # root's own buffers handled by the model rule
+        if not done and module._parameters:
+            raise ValueError(f"materialize: no init rule for module {name or '<root>'!r} "
+                             f"({type(module).__name__}); pass init_fn=... or a state_dict_loader")
+
+    return init
+
+
+@torch.no_grad()
+def materialize_module(module: nn.Module, name: str, device: torch.device, state_dict_loader: Optional[Loader],
+                       init: InitFn, memo: Dict[int, torch.Tensor], dtype: Optional[torch.dtype] = None) -> None:
+    """Materialise ``module``'s own (non-recursive) meta tensors; ``name`` is its path in the model."""
+    need_init = False
+    for kind in ("_parameters", "_buffers"):
+        table = getattr(module, kind)
+        for tname, t in list(table.items()):
+            if t is None or not t.is_meta:
+                continue
+            full = f"{name}.{tname}" if name else tname
+            if id(t) in memo:  # tied: reuse the storage made for the first owner
+                table[tname] = memo[id(t)]
+                continue
+            tdtype = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+            src = state_dict_loader(full) if state_dict_loader is not None else None
+            if src is not None:
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"materialize: checkpoint tensor {full!r} has shape {tuple(src.shape)}, "
+                                     f"model expects {tuple(t.shape)}")
+                new = src.to(device=device, dtype=tdtype, copy=True)
+            else:
+                new = torch.empty(t.shape, dtype=tdtype, device=device)
+                need_init = True
+            if kind == "_parameters":
+                new = nn.Parameter(new, requires_grad=t.requires_grad)
+            memo[id(t)] = new
+            table[tname] = new
+    if need_init:
+        init(name, module)
+
+
+def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
+                state_dict_loader: Optional[Loader] = None, init_fn: Optional[InitFn] = None,
+                only: Optional[Callable[[str], bool]] = None, dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Give storage to ``model``'s meta tensors, one module at a time; returns ``model``.
+
+    ``state_dict_loader(full_name)`` returns the tensor for a parameter/buffer name (or None to
+    fall back to init). A module is initialised by ``init_fn`` (default :func:`default_init`)
+    only if some of its own tensors were not loaded. ``only(module_name)`` limits the work to
+    some modules (materialise a stage, a chunk, a shard); tied weights stay tied across calls.
+    ``dtype`` casts floating tensors.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"materialize: model must be an nn.Module, got {type(model).__name__}")
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("materialize: device='meta' — pass a real device such as 'cpu' or 'cuda'")
+    init = init_fn or default_init(model)
+    memo: Dict[int, torch.Tensor] = model.__dict__.setdefault("_lazy_memo", {})
+    for mname, module in list(model.named_modules()):
+        if only is None or only(mname):
+            materialize_module(module, mname, device, state_dict_loader, init, memo)
+    if not is_lazy(model):
+        model.__dict__.pop("_lazy_memo", None)
+    return model

@@ -1,0 +1,160 @@
+"""Weight-only int8: symmetric, one scale per output channel, layers swapped in place.
+
+``quantize(model, "int8")`` replaces every ``nn.Linear`` by :class:`Int8Linear` (int8
+weights + fp32 scales; activations stay in the model's dtype) and, by default, every
+``nn.Embedding`` by :class:`Int8Embedding` (one scale per row). Weight-only int8 keeps
+accuracy without calibration data (activations are never quantised) and is what makes
+decode fast: a decode step reads every weight once, so it is bound by weight bytes.
+The matmul runs through ``colossal_lab.kernels.int8_linear`` (Triton on CUDA, torch's
+``aten._weight_int8pack_mm`` on CPU). Tied weights (``lm_head.weight is tok_emb.weight``)
+stay one int8 tensor: the embedding's per-row scales are the head's per-output scales.
+
+Built by hand because torch's own ``torch.ao.quantization`` int8 paths quantise activations
+too (dynamic quant), and torchao is not a dependency; the swap itself is a few lines.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("int8",)
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(N, K)`` float → int8 ``(N, K)`` and fp32 scales ``(N,)``: ``w ≈ q * scale[:, None]``."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_weight: expected a 2-D floating-point weight, got {weight.dtype} {tuple(weight.shape)}")
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale)ᵀ + bias`` with int8 ``q``; a drop-in for an ``nn.Linear`` at inference."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Int8Linear":
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.out_features, m.in_features = q.shape
+        m.register_buffer("weight_int8", q)
+        m.register_buffer("scale", scale)
+        m.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        q, s = quantize_weight(linear.weight)
+        return cls.from_quantized(q, s, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from colossal_lab.kernels import int8_linear
+
+        return int8_linear(x, self.weight_int8, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows stored int8 with one scale per row; lookups dequantise only the rows used."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, padding_idx: Optional[int] = None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = q.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scale", scale)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> "Int8Embedding":
+        q, s = quantize_weight(emb.weight)
+        return cls(q, s, emb.padding_idx)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight_int8).float() * self.scale[idx].unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8"
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"quantize: mode={mode!r} is not supported; choose one of {list(MODES)} "
+                         "(weight-only, symmetric, per output channel)")
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
+             skip: Iterable[str] = ()) -> nn.Module:
+    """Swap ``model``'s linear (and embedding) layers for int8 ones in place; returns ``model``.
+
+    ``skip``: module names to leave in full precision (e.g. ``["lm_head"]``).
+    """
+    check_mode(mode)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize: model must be an nn.Module, got {type(model).__name__}")
+    skip = set(skip)
+    unknown = skip - {n for n, _ in model.named_modules()}
+    if unknown:
+        raise ValueError(f"quantize: skip names {sorted(unknown)} are not modules of this model")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    if not linears:
+        raise ValueError(f"quantize: {type(model).__name__} has no nn.Linear layers to quantize "
+                         "(already quantized, or all skipped?)")
+    targets = linears + ([(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n not in skip]
+                         if embeddings else [])
+    for n, m in targets:
+        w = m.weight
+        if w.is_meta:
+            raise ValueError(f"quantize: {n}.weight is on the meta device; materialise the model first, "
+                             "or load it with colossal_lab.engine.quant.load_quantized")
+        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"quantize: {n}.weight has dtype {w.dtype}; int8 quantization takes "
+                             "float32, float16 or bfloat16 weights")
+    memo: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+    for n, m in targets:
+        key = id(m.weight)
+        if key not in memo:
+            memo[key] = quantize_weight(m.weight)
+        q, s = memo[key]
+        if isinstance(m, nn.Linear):
+            new = Int8Linear.from_quantized(q, s, m.bias)
+        else:
+            new = Int8Embedding(q, s, m.padding_idx)
+        _set_submodule(model, n, new)
+    return model
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage counted once (tied weights)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.device) if not t.is_meta else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,164 @@
+"""Load a full-precision safetensors checkpoint straight into an int8 model, tensor by tensor.
+
+The model is built on the meta device (:mod:`colossal_lab.engine.lazy`), then each module is
+materialised in turn: a linear's fp32 weight is read with ``safetensors.safe_open`` (one
+tensor at a time, the file opened and unmapped around each read), quantised, and only the
+int8 copy is kept; other tensors are loaded as they are. Peak host memory therefore stays
+near the int8 model plus one full-precision tensor — never the whole fp32 model. With
+``tp_group`` each rank also keeps only its tensor-parallel shard of every sharded linear.
+
+Checkpoints: Hugging Face layout (``model.safetensors`` or ``model-0000i-of-0000N.safetensors``
++ ``model.safetensors.index.json``), as ``colossal_lab.engine.checkpoint_io`` writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_names
+from .int8 import Int8Embedding, Int8Linear, _set_submodule, check_mode, quantize_weight
+
+PathLike = Union[str, os.PathLike]
+
+
+def _checkpoint_files(path: Path) -> list:
+    try:
+        from ..checkpoint_io.safetensors_shards import checkpoint_files
+    except Exception:  # engine-core writer not present: same rules, inline
+        checkpoint_files = None
+    if checkpoint_files is not None:
+        return [Path(p) for p in checkpoint_files(path)]
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{path} holds no *.safetensors files")
+    return found
+
+
+class ShardReader:
+    """``name -> tensor`` over a sharded safetensors checkpoint, one tensor per read.
+
+    Each read opens the shard, copies one tensor out and closes (unmaps) it again, so no
+    shard's pages stay resident between reads.
+    """
+
+    def __init__(self, path: PathLike):
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"load_quantized: no checkpoint at {path}")
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.where: Dict[str, Path] = {}
+        for f in _checkpoint_files(path):
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self.where.setdefault(k, f)
+        if not self.where:
+            raise ValueError(f"load_quantized: checkpoint {path} holds no tensors")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def __call__(self, name: str) -> Optional[torch.Tensor]:
+        f = self.where.get(name)
+        if f is None:
+            return None
+        with self._open(str(f), framework="pt") as h:
+            return h.get_tensor(name).clone()  # own memory, not a view of the mapping
+
+
+def _build_meta(model) -> nn.Module:
+    if isinstance(model, nn.Module):
+        if not is_lazy(model):
+            raise ValueError("load_quantized: the model already has real weights; pass a config, a "
+                             "class/factory, or a model built under colossal_lab.engine.lazy.lazy_init()")
+        return model
+    from ..models.gpt import GPT, GPTConfig
+
+    with lazy_init():
+        if isinstance(model, GPTConfig):
+            return GPT(model)
+        if callable(model):
+            built = model()
+            if not isinstance(built, nn.Module):
+                raise TypeError(f"load_quantized: factory returned {type(built).__name__}, not an nn.Module")
+            return built
+    raise TypeError(f"load_quantized: model must be a GPTConfig, a factory returning an nn.Module, "
+                    f"or a meta-device module; got {type(model).__name__}")
+
+
+@torch.no_grad()
+def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, device: Union[str, torch.device] = "cpu",
+                   embeddings: bool = True, skip: Iterable[str] = (), dtype: Optional[torch.dtype] = None,
+                   tp_group=None) -> nn.Module:
+    """Build ``model`` lazily and fill it from ``checkpoint_path``, quantising as tensors arrive.
+
+    ``model``: a ``GPTConfig``, a zero-argument factory, or a module built under ``lazy_init()``.
+    ``dtype``: dtype of the tensors kept in full precision (norms; default: as stored).
+    ``tp_group``: a ``torch.distributed`` group (or ``True`` for the default group) — shard
+    each quantised linear named in ``model.tp_plan()`` as it loads (see :mod:`.tp`).
+    """
+    check_mode(mode)
+    device = torch.device(device)
+    reader = ShardReader(checkpoint_path)
+    model = _build_meta(model)
+    skip = set(skip)
+    plan, rank, world = {}, 0, 1
+    if tp_group is not None:
+        from .tp import _group_info, _tp_styles
+
+        plan = _tp_styles(model)
+        rank, world, tp_group = _group_info(model, tp_group)
+    init = default_init(model)
+    memo: Dict[int, torch.Tensor] = {}
+    qmemo: Dict[int, tuple] = {}
+    persistent = set(model.state_dict().keys())
+
+    def load(name: str) -> Optional[torch.Tensor]:
+        t = reader(name)
+        if t is None and name in persistent:
+            raise ValueError(f"load_quantized: checkpoint {checkpoint_path} has no tensor {name!r} "
+                             f"(it holds e.g. {sorted(reader.where)[:3]})")
+        return t
+
+    for name, module in list(model.named_modules()):
+        kind = (Int8Linear if isinstance(module, nn.Linear) else
+                Int8Embedding if embeddings and isinstance(module, nn.Embedding) else None)
+        if kind is None or name in skip:
+            materialize_module(module, name, device, load, init, memo)
+            continue
+        key = id(module.weight)
+        if key not in qmemo:
+            w = load(f"{name}.weight")
+            if tuple(w.shape) != tuple(module.weight.shape):
+                raise ValueError(f"load_quantized: {name}.weight is {tuple(w.shape)} in the checkpoint, "
+                                 f"the model expects {tuple(module.weight.shape)}")
+            qmemo[key] = quantize_weight(w)
+            del w
+        q, s = qmemo[key]
+        if kind is Int8Linear:
+            bias = load(f"{name}.bias") if module.bias is not None else None
+            if name in plan:
+                from .tp import slice_for_tp
+
+                new = slice_for_tp(q, s, bias, plan[name], rank, world, tp_group, name)
+            else:
+                new = Int8Linear.from_quantized(q, s, bias)
+        else:
+            new = Int8Embedding(q, s, module.padding_idx)
+        _set_submodule(model, name, new.to(device))
+    left = meta_names(model)
+    if left:
+        raise ValueError(f"load_quantized: tensors left unloaded: {left[:5]}")
+    return model
