@@ -57,6 +57,23 @@ def _check_sized(dataloader: DataLoader, where: str) -> None:
         ) from None
 
 
+def _retarget_scheduler(lr_scheduler, optimizer) -> None:
+    """Point a torch LR scheduler at a rebuilt optimizer, with the same step-order tracking
+    wrapper torch installs at scheduler creation (else it warns on its first step)."""
+    lr_scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    func = step.__func__
+
+    def wrapper(*args, **kwargs):
+        optimizer._opt_called = True
+        return func(optimizer, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
+
+
 class Booster:
     def __init__(self, plugin: Optional[Plugin] = None, mixed_precision: str = "fp32"):
         if plugin is not None and not isinstance(plugin, Plugin):
@@ -80,6 +97,13 @@ class Booster:
         if dataloader is not None:
             _check_sized(dataloader, "boost(dataloader=...)")
         out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
+        boosted_opt, boosted_sched = out[1], out[4]
+        inner = getattr(boosted_opt, "optim", None)
+        if boosted_sched is not None and inner is not None and getattr(boosted_sched, "optimizer", None) is optimizer \
+                and inner is not optimizer:
+            # the plugin rebuilt the optimizer (sharded params / ZeRO): the scheduler must drive
+            # the new param groups (which carry over lr and initial_lr)
+            _retarget_scheduler(boosted_sched, inner)
         self._boosted = True
         return out
 

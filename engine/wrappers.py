@@ -195,8 +195,21 @@ class OptimizerWrapper:
         self._t_last = now
         self.step_count += 1
 
+    def sync_param_groups(self, to_checkpoint: bool = True) -> None:
+        """ZeRO-1: the local shard optimizer's param groups mirror the global ones (lr,
+        initial_lr, ...). Checkpoint IO calls this before saving/loading (``to_checkpoint``) and
+        after loading (``False``) so hyper-parameters round-trip."""
+        if self.checkpoint_optim is self.optim:
+            return
+        src, dst = self.optim.param_groups, self.checkpoint_optim.param_groups
+        if not to_checkpoint:
+            src, dst = dst, src
+        for a, b in zip(src, dst):
+            b.update({k: v for k, v in a.items() if k != "params"})
+
     def after_load(self) -> None:
-        """Hook for checkpoint IO after optimizer state was loaded (ZeRO-1 re-syncs groups)."""
+        """Called by checkpoint IO after optimizer state was loaded."""
+        self.sync_param_groups(to_checkpoint=False)
 
     def __repr__(self) -> str:
         return f"OptimizerWrapper({self.optim!r}, mixed_precision={self.mixed_precision!r})"

@@ -87,6 +87,8 @@ class GeneralCheckpointIO(CheckpointIO):
 
     def save_optimizer(self, optimizer, path: PathLike, model=None) -> None:
         optim, module = self._targets(optimizer, model)
+        if hasattr(optimizer, "sync_param_groups"):
+            optimizer.sync_param_groups()
         osd = get_optimizer_state_dict(module, optim, options=self._OPTS)
         with atomic_dir(path, group=self.group, collective=True) as tmp:
             if _dist():
@@ -101,8 +103,19 @@ class GeneralCheckpointIO(CheckpointIO):
         path = recover(path) if self._is_writer() else Path(path)
         if _dist():
             dist.barrier(self.group)
+        if hasattr(optimizer, "sync_param_groups"):
+            optimizer.sync_param_groups()
         # The template initialises empty state (a zero-lr step) so DCP knows shapes and keys.
         osd = get_optimizer_state_dict(module, optim, options=self._OPTS)
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        missing = [k for k in osd if f"optimizer.{k}" not in saved]
+        lost_state = [k for k in missing if not k.startswith("param_groups.")]
+        if lost_state:
+            raise RuntimeError(f"load_optimizer({path}): the checkpoint has no optimizer state for "
+                               f"{lost_state[:5]}...; was it saved from the same model and optimizer type?")
+        # a hyper-parameter the checkpoint lacks (e.g. initial_lr: scheduler added since) keeps
+        # its current value
+        kept = {k: osd.pop(k) for k in missing}
         state = {"optimizer": osd}
         if _dist():
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
@@ -110,7 +123,7 @@ class GeneralCheckpointIO(CheckpointIO):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        set_optimizer_state_dict(module, optim, state["optimizer"], options=self._OPTS)
+        set_optimizer_state_dict(module, optim, {**state["optimizer"], **kept}, options=self._OPTS)
         if hasattr(optimizer, "after_load"):
             optimizer.after_load()
 

@@ -115,6 +115,7 @@ def _zero_factory(optimizer_class, group):
         first = {**defaults, **constructor_kwargs(optimizer_class, groups[0])}
         zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
                                        process_group=group, **first)
+        zero.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})  # e.g. initial_lr
         for g in groups[1:]:
             zero.add_param_group(g)
         return zero

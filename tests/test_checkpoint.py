@@ -1,0 +1,176 @@
+"""Checkpoints: HF-style safetensors shards readable by plain safetensors; 2-rank ZeRO saves
+load on 1 rank with identical weights and the same next-step losses; a save killed midway
+leaves the previous checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _dist import run_distributed
+from _engine_common import LR, batch, global_mean, tiny_model
+from colossal_lab.engine import Booster
+from colossal_lab.engine.checkpoint_io import (
+    load_state_dict_shards,
+    recover,
+    save_state_dict_shards,
+)
+from colossal_lab.engine.models import GPT, GPTConfig
+
+SAVE_AT, AFTER = 3, 2  # train 3 steps, save, then 2 more steps to compare
+
+
+def test_sharded_layout_is_plain_safetensors(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", tie_embeddings=True))  # shared storage must still save
+    sd = model.state_dict()
+    files = save_state_dict_shards(sd, tmp_path / "ck", size_per_shard=0.05)
+    index = json.loads((tmp_path / "ck" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(files) == set(shards) | {"model.safetensors.index.json"}
+    merged = {}
+    for f in shards:  # plain safetensors, no colossal_lab code
+        merged.update(load_file(str(tmp_path / "ck" / f)))
+    assert set(merged) == set(sd) == set(index["weight_map"])
+    assert all(torch.equal(merged[k], sd[k]) for k in sd)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd.values())
+    save_state_dict_shards(sd, tmp_path / "one", shard=False)
+    assert os.listdir(tmp_path / "one") == ["model.safetensors"]
+    assert all(torch.equal(v, sd[k]) for k, v in load_file(str(tmp_path / "one" / "model.safetensors")).items())
+
+
+def _train_and_save(rank, world, root, stage):
+    from colossal_lab.engine.plugins import LowLevelZeroPlugin
+
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=stage))
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
+    losses = []
+    for s in range(SAVE_AT + AFTER):
+        if s == SAVE_AT:
+            path = Path(root) / f"zero{stage}"
+            booster.save_model(model, path / "model", size_per_shard=0.1)
+            booster.save_optimizer(opt, path / "optim")
+            booster.save_lr_scheduler(sched, path / "sched.pt")
+        _, loss = model(*batch(s, rank, world))
+        booster.backward(loss, opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
+def _both_stages(rank, world, root):
+    return {stage: _train_and_save(rank, world, root, stage) for stage in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = run_distributed(_both_stages, 2, str(root), timeout=240)
+    return root, out[0]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_rank_save_loads_on_one_rank(saved, stage):
+    root, losses = saved
+    path = root / f"zero{stage}"
+    assert len(list((path / "model").glob("model-*-of-*.safetensors"))) > 1
+    # reference weights: replay the first SAVE_AT steps in one process
+    ref = tiny_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    for s in range(SAVE_AT):
+        _, loss = ref(*batch(s))
+        loss.backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+
+    booster = Booster()  # one process, no plugin
+    model = tiny_model(seed=123)  # different init: everything must come from the checkpoint
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
+    booster.load_model(model, path / "model")
+    booster.load_optimizer(opt, path / "optim")
+    booster.load_lr_scheduler(sched, path / "sched.pt")
+    sd = model.unwrap().state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=2e-6)
+    assert sched.get_last_lr() == ref_sched.get_last_lr()
+    got = []
+    for s in range(SAVE_AT, SAVE_AT + AFTER):
+        _, loss = model(*batch(s))
+        booster.backward(loss, opt)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        got.append(loss.item())
+    assert got == pytest.approx(losses[stage][SAVE_AT:], abs=2e-5)  # 2nd step depends on the optimizer state
+
+
+def test_interrupted_swap_is_recovered(tmp_path):
+    save_state_dict_shards({"w": torch.ones(3)}, tmp_path / "ck")
+    # the state a kill between the two renames of a swap leaves behind
+    os.rename(tmp_path / "ck", tmp_path / ".ck.old-abc")
+    assert torch.equal(load_state_dict_shards(tmp_path / "ck")["w"], torch.ones(3))
+    assert recover(tmp_path / "ck").is_dir()
+
+
+_KILLED_SAVER = textwrap.dedent("""
+    import sys, time, torch
+    import colossal_lab.engine.checkpoint_io.safetensors_shards as shards
+    from colossal_lab.engine.checkpoint_io import GeneralCheckpointIO
+    real = shards.save_file
+    n = [0]
+    def slow_save(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        n[0] += 1
+        if n[0] == 2:  # two shards of the new checkpoint are on disk: tell the parent, then stall
+            open(sys.argv[2], "w").write(filename)
+            time.sleep(60)
+    shards.save_file = slow_save
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    torch.nn.init.constant_(model[0].weight, 7.0)
+    GeneralCheckpointIO().save_model(model, sys.argv[1], size_per_shard=1)
+""")
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    target = tmp_path / "ck"
+    old = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    Booster().save_model(old, target, size_per_shard=1)
+    before = sorted(os.listdir(target))
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(target), str(marker)])
+    try:
+        deadline = time.time() + 120
+        while not marker.exists():
+            assert proc.poll() is None, "saver exited before reaching the middle of the save"
+            assert time.time() < deadline, "saver never reached the middle of the save"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert Path(marker.read_text()).parent != target  # it was writing elsewhere (the temp dir)
+    assert sorted(os.listdir(target)) == before
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    Booster().load_model(fresh, target)
+    for a, b in zip(old.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)
