@@ -1,0 +1,108 @@
+"""What runs *on* each rank (an ipyparallel engine) to bring torch.distributed up and down.
+
+These functions are shipped to engines by reference (``colossal_lab._rank.<name>``), so the
+engine imports this module instead of receiving code. They only touch the engine's own
+process: environment variables, device, default process group, import path.
+
+Why the notebook hosts the rendezvous store: the kernel opens ``dist.TCPStore`` on port 0, so
+the OS picks a free port and keeps it bound — there is no window between "find a free port"
+and "bind it" for another process to steal it. Every rank joins that store as a client.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+
+def probe() -> Dict[str, Any]:
+    """Facts the notebook needs before assigning ranks: host, pid, visible GPUs."""
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # torch missing or broken on this engine: reported as 0 GPUs
+        gpus = 0
+    return {"host": socket.gethostname(), "pid": os.getpid(), "gpus": gpus}
+
+
+def setup(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
+          backend: str, timeout_s: float, generation: int, cwd: Optional[str],
+          sys_path: List[str], threads: Optional[int]) -> Dict[str, Any]:
+    """Set the rank's environment, pick its device and join the default process group.
+
+    ``generation`` namespaces the store keys, so a process group rebuilt after a failure
+    never reads keys left by the previous one.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)  # the notebook's folder: relative paths mean the same thing on every rank
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    os.environ.update({
+        "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+    })
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if dist.is_initialized():
+        _destroy()
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"colossal/{generation}/", store)
+    kw = {"device_id": torch.device(device)} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, **kw)
+    os.environ["COLOSSAL_DEVICE"] = device
+    return {"rank": dist.get_rank(), "device": device, "pid": os.getpid()}
+
+
+def _destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group (timed out, peer gone) may fail to tear down cleanly
+            pass
+
+
+def teardown() -> None:
+    """Leave the process group (called before the engines are stopped)."""
+    _destroy()
+
+
+def status() -> Dict[str, Any]:
+    """One row of ``Cluster.status()``: who and where this rank is, and what memory it uses."""
+    import psutil
+
+    row: Dict[str, Any] = {
+        "rank": int(os.environ.get("RANK", -1)),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "device": os.environ.get("COLOSSAL_DEVICE", "cpu"),
+        "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+        "gpu_mb": None,
+    }
+    try:
+        import torch
+        import torch.distributed as dist
+
+        row["dist"] = dist.is_initialized()
+        if row["device"].startswith("cuda"):
+            row["gpu_mb"] = round(torch.cuda.memory_allocated(row["device"]) / 2**20, 1)
+    except Exception:
+        row["dist"] = False
+    return row

@@ -1,0 +1,503 @@
+"""``Cluster``: N ranks with torch.distributed up, driven from a notebook, on ipyparallel.
+
+Built on ipyparallel (controller, engines, launchers for local/MPI/SSH/Slurm, remote
+tracebacks, control-channel signals) and torch.distributed (TCPStore rendezvous, process
+groups). What we add, and why:
+
+* **Ranks, not engine ids.** Engine ids are assigned by registration order and survive
+  restarts as new numbers; we assign ranks ourselves (grouped by host, so LOCAL_RANK and the
+  GPU index are right across machines) and keep a rank -> engine map. Everything returns and
+  reports by rank.
+* **Rendezvous without a port race.** The kernel hosts the TCPStore on port 0 (the OS picks and
+  keeps a free port); ranks join it as clients and namespace their keys by a *generation*, so
+  a process group rebuilt after a failure never sees stale keys.
+* **Failures never leave ranks hung.** A rank that raises is usually followed by its peers
+  blocking in the next collective. A gloo/NCCL collective cannot be interrupted from Python
+  (the signal waits until the C++ call returns) and ``abort`` does not unblock gloo, so after a
+  failure (or Ctrl-C) we: wait ``failure_grace`` s for the other ranks, send SIGINT to those
+  still running, and if any are still running ``interrupt_grace`` s later (blocked in C++),
+  kill and restart the engines. Ranks that were merely interrupted keep their variables, but
+  their collective counters may disagree, so the default process group is rebuilt. The error
+  says which of the two happened.
+* **Bounded collectives.** ``timeout`` bounds every collective; a timeout is reported as
+  such, with its likely cause, and the broken process group is rebuilt.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
+
+_current: Optional["Cluster"] = None
+_live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+
+
+def current_cluster() -> "Cluster":
+    """The cluster the magics act on: the last one launched (by ``cl.launch`` or ``%colossal``)."""
+    if _current is None or not _current.running:
+        raise RuntimeError("no colossal-lab cluster is running: start one with cl.launch(n=2) "
+                           "or %colossal launch -n 2")
+    return _current
+
+
+def _set_current(c: Optional["Cluster"]) -> None:
+    global _current
+    _current = c
+
+
+@dataclass
+class LaunchConfig:
+    """What ``cl.launch`` was asked for, after validation (see ``launch.py``)."""
+
+    n: int
+    backend: str                  # "gloo" or "nccl" (resolved) or "auto" (resolved after probing)
+    launcher: str                 # an ipyparallel engine launcher name: local, mpi, ssh, slurm, ...
+    timeout: float = 300.0        # seconds: rendezvous and every collective
+    master_addr: Optional[str] = None
+    threads: Optional[int] = None  # OMP/torch threads per rank
+    failure_grace: float = 2.0    # after a rank fails, how long the others may still finish
+    interrupt_grace: float = 5.0  # after SIGINT, how long before stuck ranks are restarted
+    ipp_kw: Dict[str, Any] = field(default_factory=dict)
+
+
+class Cluster:
+    """N ranks (ipyparallel engines) with the default torch.distributed process group up.
+
+    Create with ``cl.launch``; use ``run``/``push``/``pull``/``status``/``restart``/``stop`` or
+    ``with cl.launch(...) as cluster:``. Functions given to ``run`` are shipped by code (or by
+    module reference when importable), so import what they need inside them.
+    """
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self._ipp = None
+        self._client = None
+        self._store = None
+        self._engines: List[int] = []        # rank -> ipyparallel engine id
+        self._info: List[Dict[str, Any]] = []  # rank -> probe facts (host, pid, gpus)
+        self._local_rank: List[int] = []
+        self._generation = 0
+        self.backend = config.backend
+        self.master_addr = config.master_addr or "127.0.0.1"
+        self.master_port: Optional[int] = None
+        self._lock = threading.RLock()
+        self._collateral: set = set()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n(self) -> int:
+        return self.config.n
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(range(self.config.n))
+
+    @property
+    def running(self) -> bool:
+        return self._client is not None
+
+    @property
+    def engine_ids(self) -> List[int]:
+        """ipyparallel engine id of each rank (rank order)."""
+        return list(self._engines)
+
+    @property
+    def pids(self) -> List[int]:
+        return [i["pid"] for i in self._info]
+
+    @property
+    def client(self):
+        """The ipyparallel ``Client`` (for anything we do not wrap)."""
+        return self._client
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<colossal_lab.Cluster n={self.n} backend={self.backend} launcher={self.config.launcher} {state}>"
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Cluster":
+        """Start the controller and engines, assign ranks, bring torch.distributed up."""
+        import ipyparallel as ipp
+        import torch.distributed as dist
+
+        cfg = self.config
+        kw = dict(cfg.ipp_kw)
+        kw.setdefault("delay", 0)  # engines wait for the controller's connection info anyway
+        kw.setdefault("log_level", logging.WARNING)
+        self._ipp = ipp.Cluster(n=cfg.n, engines=cfg.launcher, **kw)
+        _live.add(self)
+        try:
+            # start_and_connect_sync, minus the progress bar it draws in a notebook
+            self._ipp.start_cluster_sync()
+            self._client = self._ipp.connect_client_sync()
+            self._client.wait_for_engines(cfg.n, timeout=self._ipp.engine_timeout, interactive=False)
+            self._store = dist.TCPStore(self.master_addr, 0,
+                                        cfg.n + 1, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=cfg.timeout))
+            self.master_port = self._store.port
+            self._assign_ranks(self._client.ids)
+            self._init_dist()
+        except BaseException:
+            self.stop()
+            raise
+        _set_current(self)
+        return self
+
+    def _assign_ranks(self, engine_ids: Sequence[int]) -> None:
+        """Probe engines and give them ranks: grouped by host, then by engine id."""
+        ids = sorted(engine_ids)[: self.n]
+        probes = self._client[ids].apply_async(_rank_fn("probe")).get(timeout=self.config.timeout)
+        order = sorted(zip(ids, probes), key=lambda t: (t[1]["host"], t[0]))
+        self._engines = [eid for eid, _ in order]
+        self._info = [p for _, p in order]
+        seen: Dict[str, int] = {}
+        self._local_rank = []
+        for p in self._info:
+            self._local_rank.append(seen.get(p["host"], 0))
+            seen[p["host"]] = seen.get(p["host"], 0) + 1
+        if self.backend == "auto":
+            every_rank_has_gpu = all(lr < p["gpus"] for lr, p in zip(self._local_rank, self._info))
+            self.backend = "nccl" if every_rank_has_gpu else "gloo"
+        elif self.backend == "nccl":
+            short = [r for r, (lr, p) in enumerate(zip(self._local_rank, self._info)) if lr >= p["gpus"]]
+            if short:
+                raise ValueError(f"backend='nccl' needs one GPU per rank, but ranks {short} have none on "
+                                 f"their host; launch fewer ranks per host or use backend='gloo'")
+
+    def _init_dist(self) -> None:
+        """Join every rank to a fresh default process group (a new store generation)."""
+        cfg = self.config
+        self._generation += 1
+        threads = cfg.threads
+        if threads is None and cfg.launcher == "local" and "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, (os.cpu_count() or 1) // cfg.n)
+        path = [p for p in sys.path if p]
+        ars = {r: self._client[eid].apply_async(
+                   _rank_fn("setup"), r, cfg.n, self._local_rank[r], self.master_addr, self.master_port,
+                   self.backend, cfg.timeout, self._generation, os.getcwd(), path, threads)
+               for r, eid in enumerate(self._engines)}
+        deadline = time.monotonic() + cfg.timeout + 30
+        for r, ar in ars.items():
+            try:
+                ar.get(timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - reported with rank below
+                raise RuntimeError(f"torch.distributed did not come up on rank {r} "
+                                   f"(backend={self.backend}, MASTER_ADDR={self.master_addr}, "
+                                   f"MASTER_PORT={self.master_port}): {e}") from e
+
+    def stop(self) -> None:
+        """Stop every rank and the controller; no process is left behind."""
+        with self._lock:
+            client, ipp_cluster = self._client, self._ipp
+            self._client = None
+            leftovers = self._local_tree(self.pids)  # engines and their nannies, found while alive
+            if client is not None:
+                try:
+                    if self._engines:
+                        client[self._engines].apply_async(_rank_fn("teardown")).get(timeout=5)
+                except Exception:
+                    pass
+                try:
+                    client.close()
+                except Exception:
+                    pass
+            if ipp_cluster is not None:
+                try:
+                    ipp_cluster.stop_cluster_sync()
+                except Exception:
+                    pass
+            self._kill(leftovers)
+            self._ipp = None
+            self._store = None
+            self._engines = []
+            self._info = []
+            _live.discard(self)
+            if _current is self:
+                _set_current(None)
+
+    close = stop
+
+    def restart(self) -> "Cluster":
+        """Replace every rank with a fresh process (variables on the ranks are lost)."""
+        with self._lock:
+            if not self.running:
+                raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
+            old_ids = set(self._client.ids)
+            old_pids = self.pids
+            try:
+                self._client.abort(targets=self._engines, block=False)
+            except Exception:
+                pass
+            self._kill_local(old_pids)
+            self._ipp.stop_engines_sync()
+            self._ipp.start_engines_sync(self.n)
+            deadline = time.monotonic() + max(60.0, self.config.timeout)
+            while True:
+                new = [e for e in self._client.ids if e not in old_ids]
+                if len(new) >= self.n:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"restart: only {len(new)} of {self.n} engines came back")
+                time.sleep(0.1)
+            self._assign_ranks(new)
+            self._init_dist()
+            _set_current(self)
+            return self
+
+    def rebuild(self, timeout: Optional[float] = None) -> None:
+        """Re-create the default process group on every rank, optionally with a new collective
+        ``timeout`` (seconds). Variables on the ranks are kept; objects bound to the old group
+        (DDP models, device meshes) must be re-created."""
+        if not self.running:
+            raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
+        if timeout is not None:
+            if not isinstance(timeout, (int, float)) or timeout <= 0:
+                raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds")
+            self.config.timeout = float(timeout)
+        self._init_dist()
+
+    def _local_tree(self, pids: Iterable[int]) -> list:
+        """Engine processes on this host and their descendants (ipyparallel's nannies)."""
+        if self.config.launcher != "local":
+            return []
+        import psutil
+
+        procs = []
+        for pid in pids:
+            try:
+                p = psutil.Process(pid)
+                procs.extend(p.children(recursive=True))
+                procs.append(p)
+            except psutil.Error:
+                pass
+        return procs
+
+    @staticmethod
+    def _kill(procs: list) -> None:
+        """SIGKILL what is still alive (a rank stuck in C++ never runs its SIGTERM handler)."""
+        import psutil
+
+        for p in procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=5)
+
+    def _kill_local(self, pids: Iterable[int]) -> None:
+        self._kill(self._local_tree(pids))
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ running code
+    def _check(self, ranks: Optional[Iterable[int]]) -> List[int]:
+        if not self.running:
+            raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
+        if ranks is None:
+            return self.ranks
+        ranks = sorted(set(int(r) for r in ranks))
+        bad = [r for r in ranks if not 0 <= r < self.n]
+        if bad or not ranks:
+            raise ValueError(f"ranks {bad or '[]'} do not exist: this cluster has ranks 0..{self.n - 1}")
+        return ranks
+
+    def run(self, fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results as a list ordered by rank."""
+        return self.run_on(None, fn, *args, **kwargs)
+
+    def run_on(self, ranks: Optional[Iterable[int]], fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
+        """Like ``run``, on a subset of ranks (results in rank order)."""
+        ranks = self._check(ranks)
+        ars = {r: self._client[self._engines[r]].apply_async(fn, *args, **kwargs) for r in ranks}
+        return self._wait(ars)
+
+    def execute(self, code: str, ranks: Optional[Iterable[int]] = None, stream: bool = True) -> None:
+        """Run notebook code on ranks, showing each rank's output live under its label."""
+        from .output import RankOutput
+
+        ranks = self._check(ranks)
+        ars = {r: self._client[self._engines[r]].execute(code, block=False, silent=False) for r in ranks}
+        out = RankOutput(ars, stream=stream)
+        try:
+            self._wait(ars, poll=out.poll)
+        finally:
+            out.finish()
+
+    def push(self, ns: Dict[str, Any], ranks: Optional[Iterable[int]] = None) -> None:
+        """Set variables in the namespace of each rank (``%%colossal`` cells see them)."""
+        ranks = self._check(ranks)
+        self._wait({r: self._client[self._engines[r]].push(ns, block=False) for r in ranks})
+
+    def pull(self, names, ranks: Optional[Iterable[int]] = None) -> List[Any]:
+        """Variables from each rank's namespace, as a list ordered by rank."""
+        ranks = self._check(ranks)
+        return self._wait({r: self._client[self._engines[r]].pull(names, block=False) for r in ranks})
+
+    def status(self) -> "StatusTable":
+        """One row per rank: rank, pid, host, device, memory in use."""
+        rows = self.run(_rank_fn("status"))
+        for r, row in enumerate(rows):
+            row["rank"] = r
+            row["engine"] = self._engines[r]
+        return StatusTable(rows)
+
+    def interrupt(self, ranks: Optional[Iterable[int]] = None) -> None:
+        """Send SIGINT to ranks (over ipyparallel's control channel: works on remote hosts too)."""
+        ranks = self._check(ranks)
+        self._client.send_signal(signal.SIGINT, targets=[self._engines[r] for r in ranks], block=True)
+
+    # ------------------------------------------------------------------ waiting & recovery
+    def _wait(self, ars: Dict[int, Any], poll: Optional[Callable[[], None]] = None) -> List[Any]:
+        """Wait for every rank; on a failure or Ctrl-C, recover the cluster before raising."""
+        try:
+            while True:
+                if poll:
+                    poll()
+                pending = [r for r, a in ars.items() if not a.ready()]
+                failed = any(not ars[r].successful() for r in ars if r not in pending)
+                if failed or not pending:
+                    break
+                ars[pending[0]].wait(0.05)
+        except KeyboardInterrupt:
+            note = self._recover(ars, reason="interrupt")
+            if poll:
+                poll()
+            raise KeyboardInterrupt(f"interrupted on ranks {sorted(ars)}. {note}".strip()) from None
+        self._collateral = set()
+        note = self._recover(ars, reason="failure") if failed else ""
+        return self._collect(ars, note)
+
+    def _recover(self, ars: Dict[int, Any], reason: str) -> str:
+        """Bring every rank of this call back to idle; rebuild or restart if needed.
+
+        Ranks that we interrupted or that were lost in a restart are remembered in
+        ``self._collateral`` so the error names the rank that failed first, not its victims.
+        """
+        self._collateral = set()
+        if reason == "failure":
+            end = time.monotonic() + self.config.failure_grace
+            while time.monotonic() < end and any(not a.ready() for a in ars.values()):
+                time.sleep(0.05)
+        busy = [r for r, a in ars.items() if not a.ready()]
+        dead = [r for r, a in ars.items() if a.ready() and not a.successful()
+                and getattr(_exception(a), "ename", "") == "EngineError"]
+        if not busy and not dead:
+            if reason == "failure" and self._any_timeout(ars):
+                self._init_dist()
+                return "The process group was rebuilt after the timeout."
+            return ""
+        if busy and not dead:
+            try:
+                self.interrupt(busy)
+            except Exception:
+                pass
+            end = time.monotonic() + self.config.interrupt_grace
+            while time.monotonic() < end and any(not ars[r].ready() for r in busy):
+                time.sleep(0.05)
+        self._collateral = set(busy)
+        stuck = [r for r in busy if not ars[r].ready()]
+        if dead:
+            self.restart()
+            return (f"The process of ranks {dead} died; the cluster was restarted with fresh processes, "
+                    f"so variables defined on the ranks are gone.")
+        if stuck:
+            self.restart()
+            return (f"Ranks {stuck} did not respond to an interrupt within {self.config.interrupt_grace:g}s "
+                    f"(most likely blocked in a collective); the cluster was restarted with fresh processes, "
+                    f"so variables defined on the ranks are gone.")
+        self._init_dist()
+        return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
+                f"bound to the old one, e.g. DDP models or device meshes).")
+
+    def _any_timeout(self, ars: Dict[int, Any]) -> bool:
+        for a in ars.values():
+            if a.ready() and not a.successful():
+                e = _exception(a)
+                if is_collective_timeout(getattr(e, "ename", ""), getattr(e, "evalue", "")):
+                    return True
+        return False
+
+    def _collect(self, ars: Dict[int, Any], note: str) -> List[Any]:
+        failures: Dict[int, RankFailure] = {}
+        results: List[Any] = []
+        for r in sorted(ars):
+            a = ars[r]
+            if not a.ready():
+                failures[r] = RankFailure(r, "Unfinished", "did not finish", "")
+                continue
+            if a.successful():
+                results.append(a.get())
+                continue
+            e = _exception(a)
+            ename = getattr(e, "ename", type(e).__name__)
+            evalue = getattr(e, "evalue", str(e))
+            tb = getattr(e, "traceback", None) or ""
+            if isinstance(tb, list):
+                tb = "\n".join(tb)
+            failures[r] = RankFailure(r, ename, evalue, clean_traceback(tb or f"{ename}: {evalue}"),
+                                      collective_timeout=is_collective_timeout(ename, evalue))
+        if failures:
+            collateral = getattr(self, "_collateral", set())
+            first = {r: f for r, f in failures.items() if r not in collateral
+                     and f.ename not in ("KeyboardInterrupt", "Unfinished")}
+            raise RankError(first or failures, note=note, timeout_s=self.config.timeout)
+        return results
+
+
+def _exception(ar) -> BaseException:
+    try:
+        ar.get(0)
+    except BaseException as e:  # noqa: BLE001 - we want the remote error object
+        return e
+    return RuntimeError("no error")
+
+
+def _rank_fn(name: str):
+    from . import _rank
+
+    return getattr(_rank, name)
+
+
+class StatusTable(list):
+    """``Cluster.status()`` rows (dicts), shown as a table in a notebook."""
+
+    COLUMNS = ("rank", "engine", "pid", "host", "device", "rss_mb", "gpu_mb", "dist")
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{c}</th>" for c in self.COLUMNS)
+        body = "".join("<tr>" + "".join(f"<td>{row.get(c, '')}</td>" for c in self.COLUMNS) + "</tr>"
+                       for row in self)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def __str__(self) -> str:
+        cells = [list(self.COLUMNS)] + [[str(row.get(c, "")) for c in self.COLUMNS] for row in self]
+        widths = [max(len(r[i]) for r in cells) for i in range(len(self.COLUMNS))]
+        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Kernel/interpreter shutdown: stop every cluster still running (no orphans)."""
+    for c in list(_live):
+        try:
+            c.stop()
+        except Exception:
+            pass

@@ -1,0 +1,92 @@
+"""``cl.launch``: check the request, then start a ``Cluster``.
+
+Every argument is checked here, in the notebook process, *before* any process starts, so a
+typo costs a one-sentence error instead of a half-started cluster to clean up.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Optional
+
+from .cluster import Cluster, LaunchConfig
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def engine_launchers() -> list:
+    """Names of ipyparallel's engine launchers (``local``, ``mpi``, ``ssh``, ``slurm``, ...)."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name.lower() for ep in entry_points(group="ipyparallel.engine_launchers")})
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeout: float = 300.0,
+                master_addr: Optional[str] = None, threads: Optional[int] = None,
+                failure_grace: float = 2.0, interrupt_grace: float = 5.0, **ipp_kw) -> LaunchConfig:
+    """Validate ``launch``'s arguments into a ``LaunchConfig`` (raises ``ValueError``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"n={n!r}: the number of ranks must be a whole number >= 1, e.g. launch(n=2)")
+    if n < 1:
+        raise ValueError(f"n={n}: the number of ranks must be at least 1, e.g. launch(n=2)")
+    b = str(backend).lower()
+    if b not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known: use one of {', '.join(BACKENDS)} "
+                         f"('auto' picks nccl when every rank has a GPU, else gloo)")
+    lname = str(launcher).lower()
+    known = engine_launchers()
+    if lname not in known:
+        raise ValueError(f"launcher={launcher!r} is not an ipyparallel engine launcher: use one of "
+                         f"{', '.join(known)}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r}: the collective timeout must be a positive number of seconds")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads={threads!r}: threads per rank must be a whole number >= 1 (or None)")
+    if lname == "local":
+        gpus = _local_gpus()
+        if b == "nccl" and n > gpus:
+            raise ValueError(f"backend='nccl' with n={n} needs {n} GPUs but this machine has {gpus}: "
+                             f"use n<={gpus}" + (" or backend='gloo'" if gpus else "; use backend='gloo' on CPU"))
+        if b == "auto":
+            b = "nccl" if 0 < n <= gpus else "gloo"
+        master_addr = master_addr or "127.0.0.1"
+    else:
+        # Engines on other hosts must reach the store the notebook hosts: default to this
+        # host's address; pass master_addr= when that is not the interface they can reach.
+        master_addr = master_addr or socket.gethostbyname(socket.gethostname())
+        ipp_kw.setdefault("controller_ip", "*")
+        ipp_kw.setdefault("controller_location", master_addr)
+    return LaunchConfig(n=n, backend=b, launcher=lname, timeout=float(timeout), master_addr=master_addr,
+                        threads=threads, failure_grace=float(failure_grace),
+                        interrupt_grace=float(interrupt_grace), ipp_kw=ipp_kw)
+
+
+def launch(n: int, backend: str = "auto", launcher: str = "local", **kw) -> Cluster:
+    """Start ``n`` ranks with torch.distributed initialised on each; returns the ``Cluster``.
+
+    Args:
+      n: number of ranks (ipyparallel engines).
+      backend: ``"auto"`` (nccl when every rank sees a GPU, else gloo), ``"gloo"`` or ``"nccl"``.
+      launcher: an ipyparallel engine launcher: ``"local"`` (this machine), ``"mpi"``,
+        ``"ssh"``, ``"slurm"``, ... — configure it with ipyparallel's own keyword arguments,
+        which pass through (e.g. ``engine_launcher_class``'s options via ``config=``).
+      timeout: seconds allowed for rendezvous and for every collective (default 300).
+      master_addr: address ranks use to reach the rendezvous store hosted by this notebook
+        (default 127.0.0.1 for ``local``, this host's address otherwise).
+      threads: OMP/torch threads per rank (default: cores / n for ``local``, unless
+        ``OMP_NUM_THREADS`` is set).
+      failure_grace / interrupt_grace: seconds to let other ranks finish after one fails, and
+        to let interrupted ranks stop before they are restarted.
+      **kw: passed to ``ipyparallel.Cluster`` (``profile``, ``config``, ``engine_timeout``...).
+    """
+    cfg = make_config(n, backend, launcher, **kw)
+    return Cluster(cfg).start()

@@ -1,0 +1,198 @@
+"""cl.launch / cl.Cluster on a real 2-rank ipyparallel cluster with gloo.
+
+One cluster is shared by the module (starting one is the slow part); the tests run in file
+order and the last one stops it and checks that no child process is left.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+import colossal_lab as cl
+
+# --- functions run on the ranks (shipped by module reference: tests/ is on the ranks' path)
+
+
+def allreduce_info():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(),
+            "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
+            "pid": os.getpid()}
+
+
+def rank1_raises_rank0_in_collective():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank one")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # blocks: rank 1 never joins
+    return t.item()
+
+
+def every_rank_raises():
+    import torch.distributed as dist
+
+    raise KeyError(f"missing on {dist.get_rank()}")
+
+
+def only_rank0_collects():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    return dist.get_rank()
+
+
+def sleep_long(seconds):
+    import time
+
+    time.sleep(seconds)
+    return "slept"
+
+
+def read_x():
+    """Reads the rank's interactive namespace (where push and %%colossal cells put names)."""
+    from IPython import get_ipython
+
+    return get_ipython().user_ns.get("x")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=1.0, interrupt_grace=3.0)
+    yield c
+    c.stop()
+
+
+def test_all_reduce_ranks_env(cluster):
+    assert cluster.n == 2 and cluster.ranks == [0, 1] and cluster.backend == "gloo"
+    assert cl.current_cluster() is cluster
+    out = cluster.run(allreduce_info)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert [o["sum"] for o in out] == [3.0, 3.0]
+    for r, o in enumerate(out):
+        assert o["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cluster.master_port)}
+    assert [o["pid"] for o in out] == cluster.pids
+    assert len(set(cluster.pids)) == 2 and os.getpid() not in cluster.pids
+
+
+def test_push_pull_status(cluster):
+    cluster.push({"x": 41})
+    cluster.push({"x": 7}, ranks=[1])
+    assert cluster.pull("x") == [41, 7]
+    assert cluster.run_on([1], read_x) == [7]
+    rows = cluster.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert [r["pid"] for r in rows] == cluster.pids
+    assert all(r["dist"] and r["device"] == "cpu" and r["rss_mb"] > 10 for r in rows)
+    assert "<table>" in rows._repr_html_() and "rss_mb" in str(rows)
+    with pytest.raises(ValueError, match="ranks \\[5\\] do not exist"):
+        cluster.run_on([5], read_x)
+
+
+def test_every_failing_rank_is_named(cluster):
+    with pytest.raises(cl.RankError) as ei:
+        cluster.run(every_rank_raises)
+    e = ei.value
+    assert e.ranks == [0, 1]
+    msg = str(e)
+    assert "rank 0: KeyError" in msg and "rank 1: KeyError" in msg
+    assert "----- rank 1 traceback -----" in msg and "every_rank_raises" in msg
+    assert cluster.pull("x") == [41, 7]  # nothing was restarted
+
+
+def test_raising_rank_does_not_hang_the_others(cluster):
+    old_pids = cluster.pids
+    t0 = time.monotonic()
+    with pytest.raises(cl.RankError) as ei:
+        cluster.run(rank1_raises_rank0_in_collective)
+    elapsed = time.monotonic() - t0
+    e = ei.value
+    assert e.ranks == [1]  # rank 0 was a victim, not a cause
+    assert "ValueError: boom from rank one" in str(e)
+    assert "rank1_raises_rank0_in_collective" in e.failures[1].traceback
+    assert "restarted" in e.note  # rank 0 was blocked in C++ (gloo) and could not be interrupted
+    assert elapsed < cluster.config.timeout, "waited for the collective timeout instead of recovering"
+    assert cluster.pids != old_pids
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
+
+
+def test_collective_timeout_is_explained(cluster):
+    cluster.rebuild(timeout=3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cl.RankError) as ei:
+            cluster.run(only_rank0_collects)
+        assert time.monotonic() - t0 >= 2.5
+        e = ei.value
+        assert e.ranks == [0] and e.failures[0].collective_timeout
+        assert "rank 0: a torch.distributed collective timed out after 3s" in str(e)
+        assert "another rank failed or not every rank called the same collective" in str(e)
+    finally:
+        cluster.rebuild(timeout=60)
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
+
+
+def test_interrupt_stops_every_rank(cluster):
+    cluster.push({"x": 5})
+    main = threading.main_thread().ident
+    timer = threading.Timer(1.5, signal.pthread_kill, args=(main, signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted on ranks \\[0, 1\\]"):
+            cluster.run(sleep_long, 60)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 10
+    t1 = time.monotonic()
+    assert cluster.pull("x") == [5, 5]  # same processes, nothing queued behind a sleep
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
+    assert time.monotonic() - t1 < 10
+
+
+def test_restart_gives_fresh_ranks(cluster):
+    old = cluster.pids
+    cluster.restart()
+    assert set(cluster.pids).isdisjoint(old)
+    with pytest.raises(cl.RankError, match="NameError"):  # fresh processes: x is gone
+        cluster.pull("x")
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
+
+
+def test_stop_leaves_no_process(cluster):
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    assert set(cluster.pids) <= before  # engines are our descendants (local launcher)
+    with cluster:  # context-manager exit stops it
+        pass
+    assert not cluster.running
+    alive = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+    orphans = []
+    for pid in before:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                orphans.append((pid, p.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    assert orphans == [], f"orphaned: {orphans}"
+    with pytest.raises(RuntimeError, match="no colossal-lab cluster is running"):
+        cl.current_cluster()
+    with pytest.raises(RuntimeError, match="stopped"):
+        cluster.run(read_x)
