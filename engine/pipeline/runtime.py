@@ -1,0 +1,138 @@
+"""Run one training step of a pipeline: microbatches in, losses and a measured timeline out.
+
+The schedule itself is torch's (``torch.distributed.pipelining``); this module feeds it.
+What it adds, and why:
+
+* Colossal-AI's data contract: a batch is a dict (``{"idx": x, "targets": y}``) and the
+  criterion is ``criterion(outputs, batch) -> loss``. torch's loss function only sees
+  ``(output, target_tensor)``, so we hand torch ``target = arange(m)`` (split into one index
+  per microbatch) and look the microbatch's own dict up by that index.
+* timing (:mod:`.timing`) around the schedule, and the step's bubble fraction per stage from
+  the spans of the whole pipeline group (gathered once per step; on one machine the ranks
+  share a wall clock).
+* ``pp_size == 1`` runs the same microbatch loop by hand (forward+loss = ``F``, backward =
+  ``B``), so tensor/data-parallel-only runs use the same API and timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..telemetry import bubble_fractions
+from .schedules import ScheduleSpec
+from .timing import SpanRecorder
+
+
+def split_batch(batch: Dict[str, Any], m: int) -> List[Dict[str, Any]]:
+    """``m`` equal microbatches of a dict batch (tensors split on dim 0, others copied)."""
+    sizes = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if not sizes:
+        raise ValueError("execute_pipeline: the batch holds no tensors to split into microbatches")
+    bs = next(iter(sizes.values()))
+    if any(s != bs for s in sizes.values()):
+        raise ValueError(f"execute_pipeline: batch tensors disagree on the batch size: {sizes}")
+    if bs % m:
+        raise ValueError(f"execute_pipeline: batch size {bs} does not split into num_microbatches={m} "
+                         f"equal microbatches; use a batch size that is a multiple of {m}")
+    out = [dict() for _ in range(m)]
+    for k, v in batch.items():
+        parts = v.chunk(m, dim=0) if isinstance(v, torch.Tensor) else [v] * m
+        for i in range(m):
+            out[i][k] = parts[i]
+    return out
+
+
+class PipelineRuntime:
+    """One rank's side of the pipeline: its stages, torch's schedule, and its recorder."""
+
+    def __init__(self, spec: ScheduleSpec, modules, stages, *, rank: int, pp_rank: int,
+                 pp_group, input_key: str = "idx", loss_scale: Callable[[], float] = lambda: 1.0):
+        self.spec = spec
+        self.modules = modules
+        self.stages = stages
+        self.pp_rank = pp_rank
+        self.pp_group = pp_group
+        self.input_key = input_key
+        self.loss_scale = loss_scale
+        self.recorder = SpanRecorder(rank=rank, stage=pp_rank)
+        for st in stages:
+            self.recorder.instrument(st)
+        self.holds_first = any(s.is_first for s in stages) if stages else True
+        self.holds_last = any(s.is_last for s in stages) if stages else True
+        self._schedules: Dict[int, Any] = {}
+        self._mbs: List[dict] = []
+        self._criterion: Optional[Callable] = None
+        self.step_index = 0
+        self.last_bubble: Dict[int, float] = {}
+
+    # ---- torch-facing loss -------------------------------------------------------------
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        mb = int(target.reshape(-1)[0])
+        loss = self._criterion(output, self._mbs[mb])
+        self.recorder.extend_last_forward(time.time())
+        scale = self.loss_scale()
+        return loss * scale if scale != 1.0 else loss
+
+    def _schedule(self, m: int):
+        if m not in self._schedules:
+            cls = self.spec.schedule_class()
+            arg = self.stages if self.spec.style in ("interleaved", "zb", "zbv") else self.stages[0]
+            self._schedules[m] = cls(arg, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=True)
+        return self._schedules[m]
+
+    # ---- one step ----------------------------------------------------------------------
+    def run(self, batch: Dict[str, Any], criterion: Callable, m: int,
+            return_outputs: bool = False) -> Dict[str, Any]:
+        if self.input_key not in batch:
+            raise KeyError(f"execute_pipeline: batch has no {self.input_key!r} entry (keys: {sorted(batch)}); "
+                           f"the first stage's input is batch[{self.input_key!r}]")
+        self.recorder.step = self.step_index
+        self._criterion = criterion
+        self._mbs = split_batch(batch, m)
+        losses: List[torch.Tensor] = []
+        outputs = None
+        if not self.stages:  # pp_size == 1: the microbatch loop by hand
+            outputs = self._run_local(m, losses, return_outputs)
+        else:
+            sched = self._schedule(m)
+            args = (batch[self.input_key],) if self.holds_first else ()
+            target = torch.arange(m)
+            with self.recorder.timing_p2p():
+                out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs)
+            if self.holds_last and return_outputs:
+                outputs = out
+        loss = None
+        if self.holds_last and losses:
+            loss = torch.stack([l.detach().float() for l in losses]).mean() / self.loss_scale()
+        self.last_bubble = self._bubble()
+        self.step_index += 1
+        return {"loss": loss, "outputs": outputs, "bubble": self.last_bubble}
+
+    def _run_local(self, m: int, losses: list, return_outputs: bool):
+        (module,) = self.modules
+        outs = []
+        for i, mb in enumerate(self._mbs):
+            with self.recorder.timed("F", i):
+                out = module(mb[self.input_key])
+                loss = self._criterion(out, mb) * self.loss_scale()
+            with self.recorder.timed("B", i):
+                (loss / m).backward()
+            losses.append(loss.detach())
+            if return_outputs:
+                outs.append(out.detach())
+        return torch.cat(outs) if return_outputs else None
+
+    def _bubble(self) -> Dict[int, float]:
+        """This step's bubble fraction per physical stage, over the whole pipeline group."""
+        mine = self.recorder.step_spans(self.step_index)
+        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
+            gathered: List[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, mine, group=self.pp_group)
+            spans = [s for part in gathered for s in part]
+        else:
+            spans = mine
+        return bubble_fractions(spans).get(self.step_index, {})

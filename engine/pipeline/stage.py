@@ -1,0 +1,99 @@
+"""Cut a model into pipeline stage modules and wrap them as torch ``PipelineStage``s.
+
+Two kinds of model are understood:
+
+* the reference :class:`~colossal_lab.engine.models.GPT`: ``GPT.pipeline_stage(i, n)`` keeps
+  stage ``i``'s blocks (embedding on the first stage, norm and head on the last) under the
+  full model's parameter names, so checkpoints line up across layouts;
+* an ``nn.Sequential`` (the user's own split): its children are divided evenly among stages
+  (``seq[lo:hi]`` keeps the original child names).
+
+torch's stages want a module that returns tensors, while ``GPT.forward`` returns
+``(logits_or_hidden, loss)``; :class:`StageModule` drops the loss and, when asked, runs the
+stage under autocast (mixed precision) — the rest of the forward is the user's module.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the model part plus the bits a schedule needs around it.
+
+    ``inner`` keeps the model's own parameter names (``inner.blocks.3...``); use
+    :meth:`model_state_dict`-style name stripping (``inner.`` prefix) where names must match
+    the unsplit model.
+    """
+
+    def __init__(self, inner: nn.Module, autocast_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.inner = inner
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autocast_dtype is not None:
+            with torch.autocast(device_type=x.device.type, dtype=self.autocast_dtype):
+                out = self.inner(x)
+        else:
+            out = self.inner(x)
+        if isinstance(out, tuple):  # GPT: (logits_or_hidden, loss)
+            out = out[0]
+        return out
+
+
+def _is_gpt(model: nn.Module) -> bool:
+    return hasattr(model, "pipeline_stage") and hasattr(model, "split_points")
+
+
+def num_layers(model: nn.Module) -> int:
+    """How many units the model splits into (GPT blocks, or Sequential children)."""
+    if _is_gpt(model):
+        return model.cfg.n_layer
+    if isinstance(model, nn.Sequential):
+        return len(model)
+    raise TypeError(
+        f"pipeline parallelism needs the reference GPT or an nn.Sequential, got {type(model).__name__}; "
+        "wrap your layers in nn.Sequential (one child per splittable unit)"
+    )
+
+
+def check_divisible(model: nn.Module, num_stages: int) -> None:
+    """``ValueError`` naming the valid stage counts when the layers do not divide evenly."""
+    n = num_layers(model)
+    if n % num_stages:
+        valid = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"HybridParallelPlugin: {n} layers cannot be split evenly into pp_size * num_model_chunks = "
+            f"{num_stages} stages; choose pp_size * num_model_chunks in {valid}"
+        )
+
+
+def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A copy of ``model`` holding only stage ``stage``'s part."""
+    if _is_gpt(model):
+        return model.pipeline_stage(stage, num_stages)
+    check_divisible(model, num_stages)
+    per = len(model) // num_stages
+    return copy.deepcopy(model[stage * per:(stage + 1) * per])
+
+
+def build_stages(model: nn.Module, stage_ids: List[int], num_stages: int, group, device: torch.device,
+                 autocast_dtype: Optional[torch.dtype] = None, prepare=None):
+    """``(modules, stages)`` for this rank's stage ids; ``prepare(module)`` runs before wrapping
+    (tensor parallelism is applied there, so the stage sees sharded parameters)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    modules, stages = [], []
+    for s in stage_ids:
+        part = split_stage(model, s, num_stages)
+        if prepare is not None:
+            part = prepare(part) or part
+        mod = StageModule(part, autocast_dtype).to(device)
+        modules.append(mod)
+        stages.append(PipelineStage(mod, s, num_stages, device, group=group))
+    return modules, stages

@@ -1,0 +1,142 @@
+"""Measured pipeline timelines: every F, B, W, send, recv and optim action of a rank, timed.
+
+torch's schedules give no timings (its visualiser draws *simulated* unit-time schedules), so
+we time the real calls at the seams torch already has, without copying a schedule:
+
+* compute: each ``PipelineStage``'s ``forward_one_chunk`` / ``backward_one_chunk`` /
+  ``backward_weight_one_chunk`` are wrapped on the instance (every schedule calls them through
+  the stage object). ``backward_one_chunk`` is ``B``: the full backward for GPipe/1F1B/
+  interleaved, the input-grad half for zero-bubble, whose weight-grad half is ``W``. The loss
+  computed right after the last stage's forward is counted into that ``F``.
+* communication: the ``P2POp`` lists a stage hands out are tagged (kind, microbatch), and while a
+  step runs the schedules module's ``_batch_p2p`` / ``_wait_batch_p2p`` helpers (which every
+  schedule uses to issue and wait on its sends and receives) are swapped for thin wrappers.
+  A ``send``/``recv`` span is the time the rank sat *blocked in the wait*: communication that
+  overlapped compute costs nothing and shows nothing, a stage starved of input shows a ``recv``.
+  A fused wait (1F1B sends one activation while receiving a gradient) is one span, named
+  ``recv`` when it contains a receive, since waiting for data is what blocks.
+
+Spans carry ``stage`` = the rank's position in the pipeline (its *physical* stage): with
+several chunks per rank (interleaved, zero-bubble) the chunks share one track, because a bubble
+is a device standing idle, not a virtual stage. Times are ``time.time()`` on the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Iterator, List
+
+from ..telemetry import StageSpan, emit, has_subscribers
+
+_now = time.time
+
+
+class _TaggedWorks(list):
+    """The works of one ``_batch_p2p`` call plus the (kind, microbatch) tags of its ops."""
+
+    tags: list
+
+
+class SpanRecorder:
+    """Collects :class:`StageSpan` for one rank and emits each as it closes."""
+
+    def __init__(self, rank: int, stage: int):
+        self.rank = rank
+        self.stage = stage
+        self.step = 0
+        self.spans: List[StageSpan] = []
+
+    # ---- recording ---------------------------------------------------------------------
+    def add(self, kind: str, microbatch: int, start: float, end: float) -> StageSpan:
+        span = StageSpan(rank=self.rank, stage=self.stage, step=self.step, microbatch=microbatch,
+                         kind=kind, start=start, end=end)
+        self.spans.append(span)
+        if has_subscribers():
+            emit(span)
+        return span
+
+    def extend_last_forward(self, end: float) -> None:
+        """Stretch the latest ``F`` span to ``end`` (the loss computed after it belongs to it)."""
+        for i in range(len(self.spans) - 1, -1, -1):
+            s = self.spans[i]
+            if s.kind == "F" and s.step == self.step:
+                self.spans[i] = dataclasses.replace(s, end=max(s.end, end))
+                return
+
+    def step_spans(self, step: int) -> List[StageSpan]:
+        return [s for s in self.spans if s.step == step]
+
+    @contextlib.contextmanager
+    def timed(self, kind: str, microbatch: int = -1) -> Iterator[None]:
+        t0 = _now()
+        try:
+            yield
+        finally:
+            self.add(kind, microbatch, t0, _now())
+
+    # ---- instrumenting torch's stages --------------------------------------------------
+    def instrument(self, stage) -> None:
+        """Wrap one ``PipelineStage``'s compute calls and tag the P2P ops it hands out."""
+        rec = self
+
+        def timed_call(fn, kind):
+            @functools.wraps(fn)
+            def wrapper(chunk_id, *args, **kwargs):
+                t0 = _now()
+                try:
+                    return fn(chunk_id, *args, **kwargs)
+                finally:
+                    rec.add(kind, int(chunk_id), t0, _now())
+            return wrapper
+
+        def tagged(fn, kind):
+            @functools.wraps(fn)
+            def wrapper(chunk_id, *args, **kwargs):
+                ops = fn(chunk_id, *args, **kwargs)
+                for op in ops:
+                    op._cl_tag = (kind, int(chunk_id))
+                return ops
+            return wrapper
+
+        stage.forward_one_chunk = timed_call(stage.forward_one_chunk, "F")
+        stage.backward_one_chunk = timed_call(stage.backward_one_chunk, "B")
+        stage.backward_weight_one_chunk = timed_call(stage.backward_weight_one_chunk, "W")
+        stage.get_fwd_recv_ops = tagged(stage.get_fwd_recv_ops, "recv")
+        stage.get_bwd_recv_ops = tagged(stage.get_bwd_recv_ops, "recv")
+        stage.get_fwd_send_ops = tagged(stage.get_fwd_send_ops, "send")
+        stage.get_bwd_send_ops = tagged(stage.get_bwd_send_ops, "send")
+
+    @contextlib.contextmanager
+    def timing_p2p(self) -> Iterator[None]:
+        """While active, waits on tagged P2P works become ``send``/``recv`` spans."""
+        from torch.distributed.pipelining import schedules as S
+
+        orig_batch, orig_wait = S._batch_p2p, S._wait_batch_p2p
+        rec = self
+
+        def batch_p2p(p2p_ops, desc=None):
+            works = orig_batch(p2p_ops, desc=desc)
+            tags = [t for t in (getattr(op, "_cl_tag", None) for op in p2p_ops) if t is not None]
+            if not tags:
+                return works
+            out = _TaggedWorks(works)
+            out.tags = tags
+            return out
+
+        def wait_batch_p2p(work):
+            if not isinstance(work, _TaggedWorks):
+                return orig_wait(work)
+            t0 = _now()
+            orig_wait(work)
+            recvs = [mb for kind, mb in work.tags if kind == "recv"]
+            kind, mb = ("recv", recvs[0]) if recvs else ("send", work.tags[0][1])
+            rec.add(kind, mb, t0, _now())
+
+        S._batch_p2p, S._wait_batch_p2p = batch_p2p, wait_batch_p2p
+        try:
+            yield
+        finally:
+            S._batch_p2p, S._wait_batch_p2p = orig_batch, orig_wait

@@ -1,0 +1,437 @@
+"""``HybridParallelPlugin``: tensor × pipeline × data parallelism on one device mesh.
+
+Built on torch: ``init_device_mesh`` lays the world out as ``(dp, pp, tp)`` (tp innermost, so a
+tensor-parallel group is neighbouring ranks); pipelines are ``torch.distributed.pipelining``
+stages and schedules (:mod:`colossal_lab.engine.pipeline`); tensor parallelism is DTensor's
+``parallelize_module`` (:mod:`colossal_lab.engine.tensor_parallel`); ZeRO-1 is torch's
+``ZeroRedundancyOptimizer``. Written by hand, because torch has no piece for them:
+
+* gradient sync at ``optimizer.step()``: an all-reduce (mean) over the data-parallel group,
+  bucketed per dtype, and for tied embeddings a sum of the first and last stage's copies of the
+  tied weight (each holds one after the split), so both copies take identical steps;
+* mixed precision for a pipeline: autocast inside each stage (fp32 master weights), and for
+  fp16 a dynamic loss scale whose overflow check is agreed by *all* ranks (a stage that skips
+  a step alone would desynchronise the pipeline);
+* measured timelines (:mod:`colossal_lab.engine.pipeline.timing`) and bubble fractions.
+
+Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
+Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
+measured bubble fraction per stage.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.optim import Optimizer
+
+from ..pipeline.schedules import ScheduleSpec, validate_schedule
+from .base import Plugin
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _world_size() -> Optional[int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class HybridParallelModule(nn.Module):
+    """The boosted model: this rank's stage modules plus the runtime that drives them.
+
+    ``module.stage_modules`` are torch ``nn.Module``s holding this rank's parameters under the
+    full model's names (prefixed ``inner.`` inside each stage). Calling it directly works only
+    without a pipeline (``pp_size == 1``); with one, use ``booster.execute_pipeline``.
+    """
+
+    def __init__(self, stage_modules: List[nn.Module], runtime, plugin: "HybridParallelPlugin"):
+        super().__init__()
+        self.stage_modules = nn.ModuleList(stage_modules)
+        self.runtime = runtime
+        self._plugin_pp = plugin.pp_size
+
+    def forward(self, *args, **kwargs):
+        if self._plugin_pp > 1:
+            raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
+                               "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+        return self.stage_modules[0].inner(*args, **kwargs)
+
+    def named_model_parameters(self):
+        """``(name, param)`` under the unsplit model's names (``blocks.0.attn.wq.weight``)."""
+        for mod in self.stage_modules:
+            for n, p in mod.inner.named_parameters():
+                yield n, p
+
+    def unwrap(self) -> nn.Module:
+        return self
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The unsplit model's state dict, gathered on every rank (DTensors made whole, every
+        pipeline stage contributing its own parameters); names match the plain model."""
+        local = {}
+        for mod in self.stage_modules:
+            for n, t in mod.inner.state_dict().items():
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                local[n] = t.detach().cpu()
+        group = self.runtime.pp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return local
+        parts: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+        out: Dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+
+class _LossScaler:
+    """Dynamic fp16 loss scale; the overflow vote is an all-reduce over every rank."""
+
+    def __init__(self, init: float = 2.0 ** 16, growth_interval: int = 1000):
+        self.scale = init
+        self.growth_interval = growth_interval
+        self._good = 0
+
+    def unscale_and_check(self, params: List[torch.Tensor]) -> bool:
+        found = torch.zeros(1)
+        inv = 1.0 / self.scale
+        for p in params:
+            if p.grad is not None:
+                g = _local(p.grad)
+                g.mul_(inv)
+                if not torch.isfinite(g).all():
+                    found.fill_(1.0)
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        overflow = bool(found.item())
+        if overflow:
+            self.scale /= 2.0
+            self._good = 0
+        else:
+            self._good += 1
+            if self._good % self.growth_interval == 0:
+                self.scale *= 2.0
+        return overflow
+
+
+class HybridParallelOptimizer:
+    """Wraps the per-rank optimizer: grad sync, loss-scale, then step; the step is an ``optim`` span."""
+
+    def __init__(self, optim: Optimizer, model: HybridParallelModule, plugin: "HybridParallelPlugin"):
+        self.optim = optim
+        self.model = model
+        self.plugin = plugin
+
+    # torch.optim.Optimizer's surface, forwarded
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    def state_dict(self):
+        return self.optim.state_dict()
+
+    def load_state_dict(self, sd):
+        return self.optim.load_state_dict(sd)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def checkpoint_target(self):
+        return self.optim, self.model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaler = self.plugin._scaler
+        (loss * scaler.scale if scaler is not None else loss).backward()
+
+    def step(self, *args, **kwargs):
+        rec = self.model.runtime.recorder
+        rec.step = max(0, self.model.runtime.step_index - 1)
+        with rec.timed("optim"):
+            params = [p for _, p in self.model.named_model_parameters()]
+            self.plugin._sync_grads(self.model)
+            if self.plugin._scaler is not None and self.plugin._scaler.unscale_and_check(params):
+                return None  # overflow: every rank skips this step together
+            return self.optim.step(*args, **kwargs)
+
+
+class HybridParallelPlugin(Plugin):
+    """Tensor × pipeline × data parallelism: ``world = dp_size * pp_size * tp_size``.
+
+    Args:
+        tp_size: tensor-parallel degree (Megatron column/row sharding of the GPT's linears).
+        pp_size: pipeline stages (ranks in one pipeline).
+        zero_stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp).
+        num_microbatches / microbatch_size: how a batch is cut for the pipeline (one is needed
+            with ``pp_size > 1``).
+        pp_style: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"`` (interleaved zero-bubble,
+            ZB1P) or ``"zbv"`` (zero-bubble V; needs ``num_model_chunks=2``).
+        num_model_chunks: stages per rank (virtual stages) for interleaved / zero-bubble.
+        sequence_parallel: shard norms/dropout activations along the sequence (needs tp_size > 1).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights).
+        activation_checkpointing: recompute each block in backward.
+        tp_plan: a ``parallelize_module`` plan for models without ``tp_plan()``.
+        input_key: which entry of a batch dict feeds the first stage (``"idx"``).
+    """
+
+    supported_precisions = ("fp32", "fp16", "bf16")
+    supports_pipeline = True
+    controls_precision = True
+
+    def __init__(self, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
+                 num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
+                 pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
+                 precision: str = "fp32", activation_checkpointing: bool = False, *,
+                 tp_plan: Optional[dict] = None, input_key: str = "idx"):
+        for name, v in (("tp_size", tp_size), ("pp_size", pp_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
+        if zero_stage not in (0, 1):
+            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
+                             "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
+        if precision not in _DTYPES:
+            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {tuple(_DTYPES)}")
+        if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
+            raise ValueError(f"HybridParallelPlugin(num_microbatches={num_microbatches!r}): must be an int >= 1")
+        if microbatch_size is not None and (not isinstance(microbatch_size, int) or microbatch_size < 1):
+            raise ValueError(f"HybridParallelPlugin(microbatch_size={microbatch_size!r}): must be an int >= 1")
+        if pp_size > 1 and num_microbatches is None and microbatch_size is None:
+            raise ValueError(f"HybridParallelPlugin(pp_size={pp_size}): set num_microbatches (e.g. "
+                             f"num_microbatches={2 * pp_size}) or microbatch_size")
+        validate_schedule(pp_style, pp_size, num_model_chunks, num_microbatches)
+        if sequence_parallel and tp_size == 1:
+            raise ValueError("HybridParallelPlugin(sequence_parallel=True): needs tp_size > 1; "
+                             "set tp_size=2 (or more) or sequence_parallel=False")
+        if zero_stage == 1 and tp_size > 1:
+            raise ValueError("HybridParallelPlugin(zero_stage=1, tp_size>1): ZeRO-1 over DTensor "
+                             "parameters is not supported; use zero_stage=0 with tensor parallelism")
+        world = _world_size()
+        if world is not None and world % (tp_size * pp_size):
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp_size}, pp_size={pp_size}): tp_size * pp_size = "
+                             f"{tp_size * pp_size} does not divide the world size {world}; choose sizes whose "
+                             f"product divides {world}")
+        self.tp_size, self.pp_size, self.zero_stage = tp_size, pp_size, zero_stage
+        self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
+        self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
+        self.sequence_parallel = sequence_parallel
+        self.precision = precision
+        self._precision_explicit = precision != "fp32"
+        self.activation_checkpointing = activation_checkpointing
+        self.tp_plan, self.input_key = tp_plan, input_key
+        self.mesh = None
+        self._dp_group = None
+        self._scaler: Optional[_LossScaler] = None
+        self._tie_group = None
+        self._tie_local = False
+        self._model: Optional[HybridParallelModule] = None
+
+    # ---- groups -------------------------------------------------------------------------
+    @property
+    def dp_group(self):
+        return self._dp_group
+
+    @property
+    def dp_size(self) -> int:
+        if self.mesh is None:
+            w = _world_size() or 1
+            return w // (self.tp_size * self.pp_size)
+        return self.mesh["dp"].size()
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        return self.mesh["dp"].get_local_rank()
+
+    # ---- the boost ------------------------------------------------------------------------
+    def configure(self, model: nn.Module, optimizer: Optional[Optimizer] = None,
+                  criterion: Optional[Callable] = None, dataloader=None, lr_scheduler=None,
+                  mixed_precision: Optional[str] = None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ..pipeline.runtime import PipelineRuntime
+        from ..pipeline.stage import StageModule, build_stages, check_divisible
+        from ..tensor_parallel import apply_tensor_parallel
+
+        if isinstance(model, HybridParallelModule):
+            raise ValueError("HybridParallelPlugin.configure(model=...): this model is already boosted")
+        if mixed_precision not in (None, "fp32") and not self._precision_explicit:
+            if mixed_precision not in _DTYPES:
+                raise ValueError(f"HybridParallelPlugin: mixed_precision={mixed_precision!r}; choose one of {tuple(_DTYPES)}")
+            self.precision = mixed_precision
+        spec = ScheduleSpec(self.pp_style, self.pp_size, self.num_model_chunks, self.num_microbatches or 1)
+        # ---- every check that needs the model, still before any group exists ----
+        if self.pp_size > 1:
+            check_divisible(model, spec.num_stages)
+        if not dist.is_initialized():
+            raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
+                               "with cl.launch(n=...) or torchrun")
+        world = dist.get_world_size()
+        if world % (self.tp_size * self.pp_size):
+            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}): "
+                             f"tp_size * pp_size does not divide the world size {world}")
+        tied = bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
+        # parameter names by identity, taken now: tensor parallelism replaces the parameters
+        names_of: Dict[int, List[str]] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(n)  # a tied weight has two names
+        if self.activation_checkpointing:
+            if hasattr(model, "cfg"):
+                model.cfg.activation_checkpointing = True
+            elif isinstance(model, nn.Sequential):
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                for i in range(len(model)):
+                    model[i] = checkpoint_wrapper(model[i])
+
+        # ---- groups ----
+        dp = world // (self.tp_size * self.pp_size)
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self.mesh = init_device_mesh(device_type, (dp, self.pp_size, self.tp_size),
+                                     mesh_dim_names=("dp", "pp", "tp"))
+        self._dp_group = self.mesh["dp"].get_group() if dp > 1 else None
+        pp_group = self.mesh["pp"].get_group()
+        pp_rank = self.mesh["pp"].get_local_rank()
+        tp_mesh = self.mesh["tp"]
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        autocast = _DTYPES[self.precision]
+        self._scaler = _LossScaler() if self.precision == "fp16" else None
+
+        def prepare(part: nn.Module) -> nn.Module:
+            return apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
+
+        if self.pp_size > 1:
+            modules, stages = build_stages(model, spec.stage_indices(pp_rank), spec.num_stages, pp_group,
+                                           device, autocast, prepare)
+        else:
+            modules, stages = [StageModule(prepare(model), autocast).to(device)], []
+        runtime = PipelineRuntime(spec, modules, stages, rank=dist.get_rank(), pp_rank=pp_rank,
+                                  pp_group=pp_group if self.pp_size > 1 else None, input_key=self.input_key,
+                                  loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
+        hp_model = HybridParallelModule(modules, runtime, self)
+        self._model = hp_model
+        if tied and self.pp_size > 1:
+            self._setup_tied(spec)
+
+        # ---- optimizer over this rank's parameters, same groups and hyper-parameters ----
+        hp_optim = None
+        if optimizer is not None:
+            hp_optim = HybridParallelOptimizer(self._rebuild_optimizer(names_of, optimizer, hp_model), hp_model, self)
+            if lr_scheduler is not None:
+                lr_scheduler.optimizer = hp_optim.optim
+        if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):
+            dataloader = self.prepare_dataloader(dataloader.dataset, dataloader.batch_size,
+                                                 drop_last=dataloader.drop_last)
+        return hp_model, hp_optim, criterion, dataloader, lr_scheduler
+
+    def _rebuild_optimizer(self, names_of: Dict[int, List[str]], optimizer: Optimizer,
+                           hp_model: HybridParallelModule):
+        mine = dict(hp_model.named_model_parameters())
+        groups = []
+        for g in optimizer.param_groups:
+            extra = {k: v for k, v in g.items() if k != "params"}
+            seen, params = set(), []
+            for p in g["params"]:
+                for n in names_of.get(id(p), []):
+                    q = mine.get(n)
+                    if q is not None and id(q) not in seen:
+                        seen.add(id(q))
+                        params.append(q)
+            groups.append({"params": params, **extra})
+        cls = type(optimizer)
+        if self.zero_stage == 1 and self.dp_size > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            zo = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=self._dp_group,
+                                         **{k: v for k, v in groups[0].items() if k in optimizer.defaults})
+            for g in groups[1:]:
+                zo.add_param_group(g)
+            return zo
+        return cls(groups, **optimizer.defaults)
+
+    # ---- gradient sync ------------------------------------------------------------------
+    def _setup_tied(self, spec: ScheduleSpec) -> None:
+        """Groups pairing the ranks that hold the first and the last stage (same dp, tp)."""
+        first, last = spec.stage_rank(0), spec.stage_rank(spec.num_stages - 1)
+        if first == last:
+            self._tie_local = True
+            return
+        ranks = self.mesh.mesh  # (dp, pp, tp) tensor of global ranks
+        me = dist.get_rank()
+        for d in range(ranks.shape[0]):
+            for t in range(ranks.shape[2]):
+                pair = [int(ranks[d, first, t]), int(ranks[d, last, t])]
+                g = dist.new_group(sorted(pair))  # every rank creates every group, same order
+                if me in pair:
+                    self._tie_group = g
+
+    def _sync_grads(self, model: HybridParallelModule) -> None:
+        named = list(model.named_model_parameters())
+        if self._tie_local or self._tie_group is not None:
+            tied = [p for n, p in named if n in ("tok_emb.weight", "lm_head.weight") and p.grad is not None]
+            if self._tie_local and len(tied) == 2:
+                total = tied[0].grad + tied[1].grad
+                for p in tied:
+                    p.grad.copy_(total)
+            elif self._tie_group is not None and tied:
+                for p in tied:
+                    dist.all_reduce(_local(p.grad), group=self._tie_group)
+        if self._dp_group is not None:
+            grads = [_local(p.grad) for _, p in named if p.grad is not None]
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            n = dist.get_world_size(self._dp_group)
+            for gs in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in gs])
+                dist.all_reduce(flat, group=self._dp_group)
+                flat.div_(n)
+                off = 0
+                for g in gs:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+
+    # ---- the pipeline ---------------------------------------------------------------------
+    def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
+                         optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Run one batch (``next(data_iter)``) through the pipeline, forward and backward.
+
+        Every rank of the pipeline calls it with an iterator over the same batches. Returns
+        ``{"loss": ..., "outputs": ..., "bubble": {stage: fraction}}``; ``loss`` (the batch mean
+        of the microbatch losses) and ``outputs`` are set on the rank holding the last stage,
+        None elsewhere. Gradients are left in ``.grad``; ``optimizer.step()`` syncs and steps.
+        """
+        if not isinstance(model, HybridParallelModule):
+            raise TypeError("execute_pipeline(model=...): pass the model returned by booster.boost / plugin.configure")
+        batch = next(data_iter)
+        if not isinstance(batch, dict):
+            raise TypeError(f"execute_pipeline: batches must be dicts like {{'idx': x, 'targets': y}}, got {type(batch).__name__}")
+        m = self.num_microbatches
+        if m is None:
+            bs = batch[self.input_key].shape[0]
+            if bs % self.microbatch_size:
+                raise ValueError(f"execute_pipeline: batch size {bs} is not a multiple of microbatch_size={self.microbatch_size}")
+            m = bs // self.microbatch_size
+            validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
+        out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        if not return_loss:
+            out["loss"] = None
+        return out
+
+    def get_checkpoint_io(self):
+        from ..pipeline.checkpoint import HybridCheckpointIO
+
+        return HybridCheckpointIO()
