@@ -13,11 +13,12 @@ rate so a slow browser tab cannot back-pressure training. That is this file:
 * ipykernel sends comm messages from any thread through its IOPub thread, so the redraw
   reaches JupyterLab while the main thread is busy in a ``%%colossal`` cell or a torch op.
 
-Display: when a widget front end is connected (JupyterLab/Notebook 7 open the
-``jupyter.widget.control`` comm when they attach to the kernel) a view shows as a live
-widget; otherwise (nbconvert/nbclient, a plain terminal) it shows as a static plotly figure
-(``text/html``) plus a text summary. ``set_display_mode("widget"|"static"|"auto")`` or the
-``COLOSSAL_LAB_WIDGETS`` environment variable overrides the guess.
+Display: inside a Jupyter kernel a view is a live widget whose display bundle also carries
+a static plotly figure (``text/html``) and a text summary, so JupyterLab draws the widget and
+a client without a widget manager shows the static figure; outside a kernel (a plain
+terminal, a script) it is the static figure and the summary. For nbconvert HTML exports run
+with ``COLOSSAL_LAB_WIDGETS=static`` (nbconvert prefers the widget view when one is present);
+``set_display_mode("widget"|"static"|"auto")`` does the same from code.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def display_mode() -> str:
 
 
 def widget_frontend_present() -> bool:
-    """True when a kernel runs us and a widget manager is attached to it."""
+    """True when views should be live widgets: we run inside a Jupyter kernel (auto mode).
+
+    A kernel cannot know for sure whether the client renders widgets (the widget manager's
+    control comm only opens if ipywidgets was imported before the front end attached), so a
+    live view's display bundle also carries a static ``text/html`` figure and a text summary:
+    JupyterLab renders the widget, clients without a widget manager fall back to the HTML.
+    """
     mode = display_mode()
     if mode != "auto":
         return mode == "widget"
@@ -62,11 +69,7 @@ def widget_frontend_present() -> bool:
         ip = get_ipython()
     except Exception:
         return False
-    if ip is None or getattr(ip, "kernel", None) is None:
-        return False
-    from ipywidgets import Widget
-
-    return Widget._control_comm is not None
+    return ip is not None and getattr(ip, "kernel", None) is not None
 
 
 def make_figure(live: bool) -> go.Figure:
@@ -96,7 +99,14 @@ def replace_figure(target: go.Figure, new: go.Figure) -> None:
             target.data = ()
             if new.data:
                 target.add_traces(list(new.data))
-        target.layout = new.layout
+        if getattr(target, "_colossal_layout_set", False):
+            # the template (a few KB) is the same every time: send only what changed
+            lay = new.layout.to_plotly_json()
+            lay.pop("template", None)
+            target.update_layout(lay, overwrite=True)
+        else:
+            target.layout = new.layout
+            target._colossal_layout_set = True
 
 
 class _nullctx:
@@ -259,8 +269,9 @@ class LiveView:
         return self._fig
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        if self._live and widget_frontend_present():
-            bundle = self.widget()._repr_mimebundle_()
+        if self._live and display_mode() != "static":
+            bundle = self._static_bundle()
+            bundle.update(self.widget()._repr_mimebundle_())
             bundle["text/plain"] = self.summary()
             return bundle
         return self._static_bundle()
