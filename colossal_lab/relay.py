@@ -18,10 +18,14 @@ not as a stream of small records while the task runs. What is hand-written here 
   waits on the notebook. A closed browser tab costs nothing at all: the widgets' redraw
   thread is the only consumer of the kernel's bus and it is throttled.
 
-Addresses: ranks on the notebook's host reach it on ``127.0.0.1`` (the default). For
-engines on other hosts pass ``attach(cluster, host="10.0.0.5")`` (an address of the kernel's
-machine that the engines can reach), or give the cluster a ``relay_host`` attribute; the
-PULL socket binds on that address.
+Addresses: the PULL socket binds on, and the ranks connect to, ``host``: by default the
+cluster's ``master_addr`` (the address ranks already use to reach the rendezvous store that
+this kernel hosts: ``127.0.0.1`` for local ranks, this host's address for ``ssh``/``slurm``
+launches), else ``127.0.0.1``. Pass ``attach(cluster, host="10.0.0.5")`` to override.
+
+Lifetime: ``attach`` is idempotent per cluster and re-installs the rank subscribers each time
+(ranks replaced by ``cluster.restart()`` get one again); after ``cluster.stop()`` the
+receiver notices within a second and closes its socket; ``detach()`` does both explicitly.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -144,7 +149,13 @@ class Relay:
         _relayed.active = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        last_check = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                if getattr(self.cluster, "running", True) is False:
+                    self._close_after_stop()  # cluster.stop(): no ranks left to hear from
+                    return
             if not poller.poll(100):
                 continue
             while True:
@@ -161,6 +172,12 @@ class Relay:
                     continue
                 self.received += 1
                 telemetry.emit(event)
+
+    def _close_after_stop(self) -> None:
+        self.attached = False
+        self._stop.set()
+        self._sock.close(linger=0)
+        _relays.pop(id(self.cluster), None)
 
     def _install_on_ranks(self) -> List[Dict[str, Any]]:
         out = self.cluster.run(_install, self.address, self.config.sndhwm)
@@ -187,7 +204,8 @@ class Relay:
         finally:
             self.attached = False
             self._stop.set()
-            self._thread.join(timeout=2)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=2)
             self._sock.close(linger=0)
             _relays.pop(id(self.cluster), None)
 
@@ -200,24 +218,33 @@ _relays: Dict[int, Relay] = {}
 _relays_lock = threading.Lock()
 
 
-def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000) -> Relay:
+def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
+           rcvhwm: int = 100_000) -> Relay:
     """Carry telemetry from every rank of ``cluster`` to this process's bus (idempotent).
 
     ``cluster`` is a :class:`colossal_lab.Cluster` (anything with ``run(fn, *args)`` that runs
     ``fn`` on every rank). Calling again for the same cluster returns the same relay.
+    ``sndhwm``/``rcvhwm``: events buffered per rank / in this process before ranks drop.
     """
     if cluster is None or not callable(getattr(cluster, "run", None)):
         raise TypeError(f"attach(cluster={cluster!r}): expected a running colossal_lab.Cluster "
                         "(from cl.launch(...)) with a .run(fn, *args) method")
     if not (isinstance(sndhwm, int) and sndhwm > 0):
         raise ValueError(f"attach(sndhwm={sndhwm!r}): must be a positive int (events buffered per rank)")
-    host = host or getattr(cluster, "relay_host", None) or "127.0.0.1"
+    if not (isinstance(rcvhwm, int) and rcvhwm > 0):
+        raise ValueError(f"attach(rcvhwm={rcvhwm!r}): must be a positive int (events buffered here)")
+    if getattr(cluster, "running", True) is False:
+        raise RuntimeError(f"attach(cluster={cluster!r}): the cluster is stopped; launch one with "
+                           "cl.launch(n=...)")
+    host = (host or getattr(cluster, "relay_host", None) or getattr(cluster, "master_addr", None)
+            or "127.0.0.1")
     with _relays_lock:
         relay = _relays.get(id(cluster))
-        if relay is not None and relay.cluster is cluster and relay.active:
-            return relay
-        relay = Relay(cluster, RelayConfig(host=host, sndhwm=sndhwm))
+        if relay is None or relay.cluster is not cluster or not relay.active:
+            relay = Relay(cluster, RelayConfig(host=host, sndhwm=sndhwm, rcvhwm=rcvhwm))
         try:
+            # (re)install every time: cheap and idempotent on a rank, and it covers ranks that
+            # were replaced by cluster.restart() since the last attach
             relay._install_on_ranks()
         except BaseException:
             relay.detach()
