@@ -239,3 +239,30 @@ def test_offload_files_removed_at_exit_and_on_sigterm(tmp_path):
             p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)
         assert not os.path.exists(d), how
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
+def test_gpu_policies_match_pytorch(policy, tmp_path):
+    """The CUDA stack (cuda → cpu → nvme), side-stream prefetch included; runs only with a GPU."""
+    base = _tiny()
+    batches = _batches(STEPS)
+    ref = copy.deepcopy(base).cuda()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    ref_losses = []
+    for x, y in batches:
+        _, loss = ref(x.cuda(), y.cuda())
+        loss.backward(); opt.step(); opt.zero_grad()
+        ref_losses.append(loss.item())
+    kw = dict(device_memory_limit=400_000, nvme_offload_dir=str(tmp_path), chunk_size_mb=0.07) if policy == "auto" else {}
+    plugin = GeminiPlugin(placement_policy=policy, precision="fp32", **kw)
+    model = copy.deepcopy(base)
+    b = Booster(plugin=plugin, mixed_precision="fp32")
+    gm, gopt, *_ = b.boost(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    losses = []
+    for x, y in batches:
+        _, loss = gm(x.cuda(), y.cuda())
+        b.backward(loss, gopt); gopt.step()
+        losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, abs=1e-3)
+    plugin.close()

@@ -1,0 +1,187 @@
+"""Gemini benchmarks (CPU-runnable at small scale): prints one JSON line of ratios and medians.
+
+1. overhead  — tokens/s of Gemini (placement 'cpu', everything resident, fp32, 1 rank) vs a
+   plain PyTorch AdamW loop on the same GPT, interleaved in one run. Target >= 0.9x.
+2. capacity  — the largest GPT (of a ladder of widths) that trains one step with the
+   process's peak RSS growth (peak RSS minus RSS after imports) under --budget-mib: plain
+   PyTorch AdamW vs Gemini 'cpu' vs Gemini 'auto' + NVMe. Each trial is a fresh subprocess.
+   Note: the model is built eagerly in RAM before boost (no lazy init), so Gemini's floor is
+   4 bytes/parameter of construction plus its working set.
+3. nvme_bw   — bytes moved through the NVMe tier per second of optimizer step (Gemini 'auto'
+   + NVMe) vs the directory's raw sequential bandwidth measured with dd in the same run.
+
+GPU parts of the issue (Colossal-AI comparison, 6/24 GB caps) need an accelerator; not run here.
+
+    python bench/gemini.py --nvme-dir /tmp/gemini-bench --budget-mib 384
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+WIDTHS = [256, 384, 512, 640, 768, 1024, 1280, 1536]
+
+
+def _cfg(d, layers=4):
+    from colossal_lab.engine.models import GPTConfig
+
+    return GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=max(1, d // 64), n_embd=d)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def trial(kind: str, d: int, budget_mib: float, nvme_dir: str) -> dict:
+    """One training step of GPT(width d) in this process; reports peak RSS growth."""
+    from colossal_lab.engine.models import GPT
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    warm = GPT(_cfg(64, 1))  # load lazily-imported kernels/libraries before measuring
+    _, wl = warm(torch.randint(0, 256, (1, 8)), torch.randint(0, 256, (1, 8)))
+    wl.backward()
+    del warm, wl
+    base = _rss_mib()
+    torch.manual_seed(0)
+    model = GPT(_cfg(d))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plugin = None
+    if kind != "torch":
+        if kind == "gemini_cpu":
+            plugin = GeminiPlugin(placement_policy="cpu", precision="fp32")
+        else:
+            plugin = GeminiPlugin(placement_policy="auto", precision="fp32", nvme_offload_dir=nvme_dir,
+                                  device_memory_limit=int(budget_mib * 2 ** 20 / 4), max_prefetch=1,
+                                  chunk_size_mb=max(1.0, 12 * d * d * 4 / 2 ** 20 / 3))
+        model, opt, *_ = plugin.configure(model, opt, None, None, None, "fp32")
+    x = torch.randint(0, 256, (2, 64))
+    _, loss = model(x, x)
+    (opt.backward(loss) if plugin else loss.backward())
+    st = model.manager.nvme if plugin is not None and kind == "gemini_nvme" else None
+    before = st.bytes_read + st.bytes_written if st else 0
+    t0 = time.perf_counter()
+    opt.step()  # returns after write-behind has landed
+    step_s = time.perf_counter() - t0
+    moved = (st.bytes_read + st.bytes_written - before) if st else 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    params = sum(p.numel() for p in model.parameters()) if plugin is None else \
+        sum(i.numel for c in model.manager.chunks for i in c.infos)
+    if plugin is not None:
+        plugin.close()
+    return {"params": params, "peak_growth_mib": peak - base, "step_s": step_s, "nvme_bytes": moved}
+
+
+def _run_trial(kind, d, budget, nvme_dir):
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    p = subprocess.run([sys.executable, __file__, "--trial", kind, str(d), str(budget), nvme_dir],
+                       capture_output=True, text=True, env=env, timeout=900)
+    if p.returncode != 0:
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def capacity(budget, nvme_dir):
+    best = {}
+    detail = {}
+    for kind in ("torch", "gemini_cpu", "gemini_nvme"):
+        best[kind] = 0
+        for d in WIDTHS:
+            r = _run_trial(kind, d, budget, nvme_dir)
+            if r is None or r["peak_growth_mib"] > budget:
+                break
+            best[kind] = r["params"]
+            detail[kind] = r
+    return best, detail
+
+
+def overhead(steps=8):
+    from colossal_lab.engine.models import GPT, GPTConfig
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    torch.manual_seed(0)
+    base = GPT(GPTConfig.preset("small"))
+    ref = copy.deepcopy(base)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    plugin = GeminiPlugin(placement_policy="cpu", precision="fp32")
+    g = copy.deepcopy(base)
+    gm, gopt, *_ = plugin.configure(g, torch.optim.AdamW(g.parameters(), lr=1e-3), None, None, None, "fp32")
+    x = torch.randint(0, 256, (4, 256))
+    tok = x.numel()
+    tt, tg = [], []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        _, l = ref(x, x); l.backward(); ropt.step(); ropt.zero_grad()
+        t1 = time.perf_counter()
+        _, l = gm(x, x); gopt.backward(l); gopt.step()
+        t2 = time.perf_counter()
+        if i:  # first step is warm-up for both
+            tt.append(tok / (t1 - t0))
+            tg.append(tok / (t2 - t1))
+    plugin.close()
+    return statistics.median(tg), statistics.median(tt)
+
+
+def raw_bw(nvme_dir, mib=256):
+    f = os.path.join(nvme_dir, "dd-probe")
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={mib}", "conv=fdatasync"],
+                   capture_output=True, check=True)
+    w = mib * 2 ** 20 / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=1M"], capture_output=True, check=True)
+    r = mib * 2 ** 20 / (time.perf_counter() - t0)
+    os.remove(f)
+    return (w + r) / 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trial", nargs=4)
+    ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--budget-mib", type=float, default=384)
+    ap.add_argument("--skip-capacity", action="store_true")
+    a = ap.parse_args()
+    if a.trial:
+        kind, d, budget, nvme_dir = a.trial
+        print(json.dumps(trial(kind, int(d), float(budget), nvme_dir)))
+        return
+    nvme_dir = a.nvme_dir or tempfile.mkdtemp(prefix="gemini-bench-")
+    os.makedirs(nvme_dir, exist_ok=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    g_tps, t_tps = overhead()
+    out = {"bench": "gemini", "device": "cpu", "overhead_ratio": g_tps / t_tps,
+           "gemini_tokens_per_s": g_tps, "torch_tokens_per_s": t_tps}
+    if not a.skip_capacity:
+        best, detail = capacity(a.budget_mib, nvme_dir)
+        out.update({"budget_mib": a.budget_mib, "max_params": best,
+                    "capacity_ratio_cpu": best["gemini_cpu"] / max(best["torch"], 1),
+                    "capacity_ratio_nvme": best["gemini_nvme"] / max(best["torch"], 1)})
+        nv = detail.get("gemini_nvme")
+        raw = raw_bw(nvme_dir)
+        if nv and nv["step_s"] > 0:
+            ours = nv["nvme_bytes"] / nv["step_s"]
+            out.update({"nvme_bw_ratio": ours / raw, "nvme_step_bytes_per_s": ours, "raw_dd_bytes_per_s": raw,
+                        "nvme_bw_note": "NVMe bytes read+written during the optimizer step of the largest NVMe model / step seconds; our writes are not fsynced (page cache), dd's are"})
+    if a.nvme_dir is None:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
