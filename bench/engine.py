@@ -1,0 +1,123 @@
+"""Benchmark: tokens/s of the reference GPT under ``Booster(DDPPlugin)`` vs a plain PyTorch loop.
+
+Both contenders run in this one process on a 1-rank process group (gloo on CPU, nccl on CUDA),
+same model size, same data, same optimizer; they alternate repeat by repeat so drift in the
+machine's load hits both. Prints one JSON line: ``ratio`` = ours / baseline tokens/s (medians).
+
+    python bench/engine.py --preset small --steps 10 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from colossal_lab.engine import Booster, telemetry
+from colossal_lab.engine.models import GPT, GPTConfig
+from colossal_lab.engine.plugins import DDPPlugin
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=None, help="default: the preset's block_size")
+    ap.add_argument("--steps", type=int, default=10, help="optimizer steps per timed repeat")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--telemetry", action="store_true", help="subscribe a no-op listener (StepMetrics built every step)")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    if cuda:
+        torch.cuda.set_device(0)
+    cfg = GPTConfig.preset(args.preset)
+    seq = args.seq or cfg.block_size
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=g).to(device) for _ in range(4)]
+
+    # ours
+    torch.manual_seed(0)
+    booster = Booster(plugin=DDPPlugin(), mixed_precision=args.precision)
+    m1 = GPT(cfg)
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-4)
+    m1, o1, *_ = booster.boost(m1, o1)
+
+    def step_ours(x):
+        _, loss = m1(x[:, :-1], x[:, 1:])
+        booster.backward(loss, o1)
+        o1.step()
+        o1.zero_grad()
+
+    # baseline: what a user writes without us (autocast + GradScaler for reduced precision)
+    torch.manual_seed(0)
+    m2 = GPT(cfg).to(device)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
+
+    def step_base(x):
+        if dtype is None:
+            _, loss = m2(x[:, :-1], x[:, 1:])
+        else:
+            with torch.autocast(device.type, dtype=dtype):
+                _, loss = m2(x[:, :-1], x[:, 1:])
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(o2)
+            scaler.update()
+        else:
+            loss.backward()
+            o2.step()
+        o2.zero_grad()
+
+    unsub = telemetry.subscribe(lambda e: None) if args.telemetry else None
+
+    def timed(step):
+        _sync(device)
+        t = time.perf_counter()
+        for i in range(args.steps):
+            step(data[i % len(data)])
+        _sync(device)
+        return args.batch * seq * args.steps / (time.perf_counter() - t)
+
+    for step in (step_ours, step_base):  # warm-up (allocator, DDP buckets, optimizer state)
+        step(data[0])
+        step(data[1])
+    ours, base = [], []
+    for r in range(args.repeats):
+        order = (("ours", step_ours), ("base", step_base)) if r % 2 == 0 else (("base", step_base), ("ours", step_ours))
+        for name, step in order:
+            (ours if name == "ours" else base).append(timed(step))
+    if unsub:
+        unsub()
+    mo, mb = statistics.median(ours), statistics.median(base)
+    print(json.dumps({
+        "bench": "engine", "contenders": "Booster(DDPPlugin) vs plain torch loop", "device": str(device),
+        "preset": args.preset, "precision": args.precision, "batch": args.batch, "seq": seq,
+        "steps": args.steps, "repeats": args.repeats, "telemetry": args.telemetry,
+        "threads": torch.get_num_threads(),
+        "ratio": round(mo / mb, 4),
+        "ours_tokens_per_s_median": round(mo, 1), "baseline_tokens_per_s_median": round(mb, 1),
+        "ours_tokens_per_s": [round(v, 1) for v in ours], "baseline_tokens_per_s": [round(v, 1) for v in base],
+    }))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
