@@ -35,6 +35,10 @@ def _gpt_sp_plan(module: nn.Module) -> Dict[str, object]:
 
     keys = list(module.blocks.keys())
     plan: Dict[str, object] = {}
+    # positional inputs as GPT calls them: Block(h, cos, sin[, cache, key]), Attention(x, cos, sin, cache, key)
+    nb = 3 if module.cfg.activation_checkpointing else 5
+    blk_in, blk_rest = (Replicate(),) + (None,) * (nb - 1), (None,) * (nb - 1)
+    rest4 = (None,) * 4
     if getattr(module, "tok_emb", None) is not None:
         # replicated embedding; its output is cut into sequence shards for the blocks
         plan["tok_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
@@ -42,15 +46,15 @@ def _gpt_sp_plan(module: nn.Module) -> Dict[str, object]:
     elif keys:
         # a later pipeline stage receives the full sequence (so GPT.forward sees the true length
         # for its rotary tables) and cuts it into shards before its first block
-        plan[f"blocks.{keys[0]}"] = PrepareModuleInput(input_layouts=(Replicate(), None, None),
-                                                       desired_input_layouts=(Shard(1), None, None),
+        plan[f"blocks.{keys[0]}"] = PrepareModuleInput(input_layouts=blk_in,
+                                                       desired_input_layouts=(Shard(1),) + blk_rest,
                                                        use_local_output=True)
     for key in keys:
         p = f"blocks.{key}"
         plan[f"{p}.attn_norm"] = SequenceParallel()
         plan[f"{p}.mlp_norm"] = SequenceParallel()
-        plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                               desired_input_layouts=(Replicate(), None, None),
+        plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1),) + rest4,
+                                               desired_input_layouts=(Replicate(),) + rest4,
                                                use_local_output=True)
         plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                               use_local_output=True)
@@ -68,7 +72,7 @@ def _gpt_sp_plan(module: nn.Module) -> Dict[str, object]:
         last = f"blocks.{keys[-1]}"
         if last in plan:  # a one-block middle stage: shard on the way in, gather on the way out
             plan[last] = PrepareModuleInputOutput(
-                input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
+                input_layouts=blk_in, desired_input_layouts=(Shard(1),) + blk_rest,
                 use_local_input=True, output_layouts=Shard(1), desired_output_layouts=Replicate(),
                 use_local_output=True)
         else:

@@ -329,9 +329,8 @@ class HybridParallelPlugin(Plugin):
         # ---- optimizer over this rank's parameters, same groups and hyper-parameters ----
         hp_optim = None
         if optimizer is not None:
+            # an LR scheduler is pointed at the rebuilt optimizer by Booster.boost
             hp_optim = HybridParallelOptimizer(self._rebuild_optimizer(names_of, optimizer, hp_model), hp_model, self)
-            if lr_scheduler is not None:
-                lr_scheduler.optimizer = hp_optim.optim
         if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):
             dataloader = self.prepare_dataloader(dataloader.dataset, dataloader.batch_size,
                                                  drop_last=dataloader.drop_last)
