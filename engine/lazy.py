@@ -102,12 +102,14 @@ def materialize_module(module: nn.Module, name: str, device: torch.device, state
                        init: InitFn, memo: Dict[int, torch.Tensor], dtype: Optional[torch.dtype] = None) -> None:
     """Materialise ``module``'s own (non-recursive) meta tensors; ``name`` is its path in the model."""
     need_init = False
+    undo = []  # (table, name, meta tensor): a failed init leaves the module lazy, not garbage
     for kind in ("_parameters", "_buffers"):
         table = getattr(module, kind)
         for tname, t in list(table.items()):
             if t is None or not t.is_meta:
                 continue
             full = f"{name}.{tname}" if name else tname
+            undo.append((table, tname, t))
             if id(t) in memo:  # tied: reuse the storage made for the first owner
                 table[tname] = memo[id(t)]
                 continue
@@ -126,7 +128,13 @@ def materialize_module(module: nn.Module, name: str, device: torch.device, state
             memo[id(t)] = new
             table[tname] = new
     if need_init:
-        init(name, module)
+        try:
+            init(name, module)
+        except BaseException:
+            for table, tname, t in undo:
+                table[tname] = t
+                memo.pop(id(t), None)
+            raise
 
 
 def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu",
