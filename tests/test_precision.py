@@ -123,3 +123,15 @@ def test_fp8_trains_on_capable_gpu():
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_fp16_loss_scale_survives_checkpoint(tmp_path):
+    _, opt = _train_losses("fp16", steps=2)
+    opt.loss_scaler.scale, opt.loss_scaler.skipped_steps = 1024.0, 3
+    Booster(mixed_precision="fp16").save_optimizer(opt, tmp_path / "optim")
+    booster = Booster(mixed_precision="fp16")
+    model = tiny_model()
+    model, fresh, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    booster.load_optimizer(fresh, tmp_path / "optim")
+    assert fresh.loss_scaler.scale == 1024.0 and fresh.loss_scaler.skipped_steps == 3
+    assert torch.equal(next(iter(fresh.state.values()))["exp_avg"], next(iter(opt.state.values()))["exp_avg"])

@@ -90,13 +90,17 @@ class GeneralCheckpointIO(CheckpointIO):
         if hasattr(optimizer, "sync_param_groups"):
             optimizer.sync_param_groups()
         osd = get_optimizer_state_dict(module, optim, options=self._OPTS)
+        state = {"optimizer": osd}
+        scaler = getattr(optimizer, "loss_scaler", None)
+        if scaler is not None:  # fp16: resume with the scale reached, not 2**16 again
+            state["loss_scaler"] = {k: torch.tensor(float(v)) for k, v in scaler.state_dict().items()}
         with atomic_dir(path, group=self.group, collective=True) as tmp:
             if _dist():
-                dcp.save({"optimizer": osd}, checkpoint_id=str(tmp), process_group=self.group)
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
             else:
                 with warnings.catch_warnings():  # "assuming single process": that is the intent
                     warnings.simplefilter("ignore", UserWarning)
-                    dcp.save({"optimizer": osd}, checkpoint_id=str(tmp), no_dist=True)
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
 
     def load_optimizer(self, optimizer, path: PathLike, model=None) -> None:
         optim, module = self._targets(optimizer, model)
@@ -117,6 +121,9 @@ class GeneralCheckpointIO(CheckpointIO):
         # its current value
         kept = {k: osd.pop(k) for k in missing}
         state = {"optimizer": osd}
+        scaler = getattr(optimizer, "loss_scaler", None)
+        if scaler is not None and "loss_scaler.scale" in saved:
+            state["loss_scaler"] = {k: torch.tensor(0.0) for k in scaler.state_dict()}
         if _dist():
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         else:
@@ -124,6 +131,8 @@ class GeneralCheckpointIO(CheckpointIO):
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(state, checkpoint_id=str(path), no_dist=True)
         set_optimizer_state_dict(module, optim, {**state["optimizer"], **kept}, options=self._OPTS)
+        if "loss_scaler" in state:
+            scaler.load_state_dict({k: v.item() for k, v in state["loss_scaler"].items()})
         if hasattr(optimizer, "after_load"):
             optimizer.after_load()
 
