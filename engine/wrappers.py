@@ -41,6 +41,7 @@ class ModelWrapper(nn.Module):
         self.module = module
         self.mixed_precision = mixed_precision
         self._dtype = autocast_dtype(mixed_precision)
+        self._device_type = next((p.device.type for p in module.parameters()), "cpu")
         self.tokens = 0  # tokens seen since the last optimizer step
         self.first_forward: Optional[float] = None
 
@@ -54,8 +55,7 @@ class ModelWrapper(nn.Module):
             self.first_forward = time.perf_counter()
         if self._dtype is None:
             return self.module(*args, **kwargs)
-        dev = next((p.device.type for p in self.module.parameters()), "cpu")
-        with torch.autocast(device_type=dev, dtype=self._dtype):
+        with torch.autocast(device_type=self._device_type, dtype=self._dtype):
             return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str):

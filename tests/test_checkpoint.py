@@ -69,7 +69,15 @@ def _train_and_save(rank, world, root, stage):
         sched.step()
         opt.zero_grad()
         losses.append(global_mean(loss))
-    return losses
+    # and back onto 2 ranks: a fresh sharded model loads the saved weights and optimizer
+    fresh = Booster(plugin=LowLevelZeroPlugin(stage=stage))
+    m2 = tiny_model(seed=7)
+    m2, o2, *_ = fresh.boost(m2, torch.optim.AdamW(m2.parameters(), lr=LR))
+    fresh.load_model(m2, path / "model")
+    fresh.load_optimizer(o2, path / "optim")
+    full = fresh.plugin.get_checkpoint_io().full_model_state_dict(m2)
+    return {"losses": losses, "reloaded": full if rank == 0 else None, "state_bytes": sum(
+        v.numel() for st in o2.state.values() for k, v in st.items() if k != "step")}
 
 
 def _both_stages(rank, world, root):
@@ -84,8 +92,19 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+def test_two_rank_save_reloads_on_two_ranks(saved, stage):
+    root, out = saved
+    on_disk = load_state_dict_shards(root / f"zero{stage}" / "model")
+    reloaded = out[stage]["reloaded"]
+    assert set(reloaded) == set(on_disk)
+    assert all(torch.equal(reloaded[k], on_disk[k]) for k in on_disk)
+    assert out[stage]["state_bytes"] > 0
+
+
+@pytest.mark.parametrize("stage", [1, 2])
 def test_two_rank_save_loads_on_one_rank(saved, stage):
-    root, losses = saved
+    root, out = saved
+    losses = {k: v["losses"] for k, v in out.items()}
     path = root / f"zero{stage}"
     assert len(list((path / "model").glob("model-*-of-*.safetensors"))) > 1
     # reference weights: replay the first SAVE_AT steps in one process

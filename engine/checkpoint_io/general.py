@@ -67,8 +67,8 @@ class GeneralCheckpointIO(CheckpointIO):
     def load_model(self, model, path: PathLike, strict: bool = True) -> None:
         module = unwrap_model(model)
         sd = load_state_dict_shards(path)
-        missing = set(get_model_state_dict(module).keys()) - set(sd)
-        unexpected = set(sd) - set(get_model_state_dict(module).keys())
+        want = set(get_model_state_dict(module).keys())
+        missing, unexpected = want - set(sd), set(sd) - want
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_model({path}): missing keys {sorted(missing)[:8]}, "
                                f"unexpected keys {sorted(unexpected)[:8]}; pass strict=False to skip them")
