@@ -120,7 +120,7 @@ class ChunkManager:
 
     def _victim(self, protect) -> Optional[Chunk]:
         cands = [c for c in self.chunks if c.gathered and not c.aliased and not c.in_use
-                 and c.id not in protect and c.id not in self._loading]
+                 and c.id not in protect]
         if not cands:
             return None
         if self.cfg.policy == "auto" and self.trace.ready and not self.trace.lost:
