@@ -69,6 +69,39 @@ def setup(rank: int, world_size: int, local_rank: int, master_addr: str, master_
     return {"rank": dist.get_rank(), "device": device, "pid": os.getpid()}
 
 
+def watch_parent(pid: int, create_time: float, also_kill: Optional[List[int]] = None) -> None:
+    """Exit this rank when the notebook kernel ``pid`` is gone, however it died.
+
+    A kernel that exits normally stops its cluster (atexit); one killed with SIGKILL cannot,
+    and ipyparallel starts engines in their own session, so nothing else would stop them.
+    Only used with the ``local`` launcher, where the kernel's pid means something here.
+    """
+    import threading
+    import time
+
+    import psutil
+
+    def alive() -> bool:
+        try:
+            return abs(psutil.Process(pid).create_time() - create_time) < 1.0
+        except psutil.Error:
+            return False
+
+    def loop() -> None:
+        while alive():
+            time.sleep(1.0)
+        for other in also_kill or []:
+            try:
+                psutil.Process(other).kill()
+            except psutil.Error:
+                pass
+        os._exit(3)
+
+    if not getattr(watch_parent, "_started", False):
+        watch_parent._started = True
+        threading.Thread(target=loop, name="colossal-watch-kernel", daemon=True).start()
+
+
 def _destroy() -> None:
     import torch.distributed as dist
 

@@ -146,6 +146,7 @@ class Cluster:
                                         cfg.n + 1, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=cfg.timeout))
             self.master_port = self._store.port
+            _register_atexit()  # after ipyparallel's own handler, so ours runs first (LIFO)
             self._assign_ranks(self._client.ids)
             self._init_dist()
         except BaseException:
@@ -161,6 +162,8 @@ class Cluster:
         order = sorted(zip(ids, probes), key=lambda t: (t[1]["host"], t[0]))
         self._engines = [eid for eid, _ in order]
         self._info = [p for _, p in order]
+        if self.config.launcher == "local":
+            self._watch_kernel()
         seen: Dict[str, int] = {}
         self._local_rank = []
         for p in self._info:
@@ -174,6 +177,21 @@ class Cluster:
             if short:
                 raise ValueError(f"backend='nccl' needs one GPU per rank, but ranks {short} have none on "
                                  f"their host; launch fewer ranks per host or use backend='gloo'")
+
+    def _watch_kernel(self) -> None:
+        """Have every rank exit if this kernel dies without cleaning up (e.g. SIGKILL);
+        rank 0 also takes the controller down with it."""
+        import psutil
+
+        me = psutil.Process()
+        ctl = []
+        try:
+            ctl = [self._ipp.controller.process.pid]
+        except Exception:
+            pass
+        for r, eid in enumerate(self._engines):
+            self._client[eid].apply_async(_rank_fn("watch_parent"), me.pid, me.create_time(),
+                                          ctl if r == 0 else None).get(timeout=30)
 
     def _init_dist(self) -> None:
         """Join every rank to a fresh default process group (a new store generation)."""
@@ -196,15 +214,20 @@ class Cluster:
                                    f"(backend={self.backend}, MASTER_ADDR={self.master_addr}, "
                                    f"MASTER_PORT={self.master_port}): {e}") from e
 
-    def stop(self) -> None:
-        """Stop every rank and the controller; no process is left behind."""
+    def stop(self, fast: bool = False) -> None:
+        """Stop every rank and the controller; no process is left behind.
+
+        ``fast`` (used at interpreter exit, where Jupyter allows a few seconds before it kills
+        the kernel) skips leaving the process group and kills local ranks at once."""
         with self._lock:
             client, ipp_cluster = self._client, self._ipp
             self._client = None
             leftovers = self._local_tree(self.pids)  # engines and their nannies, found while alive
+            if fast:
+                self._kill(leftovers)
             if client is not None:
                 try:
-                    if self._engines:
+                    if self._engines and not fast:
                         client[self._engines].apply_async(_rank_fn("teardown")).get(timeout=5)
                 except Exception:
                     pass
@@ -493,11 +516,16 @@ class StatusTable(list):
         p.text(str(self))
 
 
-@atexit.register
 def _stop_all() -> None:
     """Kernel/interpreter shutdown: stop every cluster still running (no orphans)."""
     for c in list(_live):
         try:
-            c.stop()
+            c.stop(fast=True)
         except Exception:
             pass
+
+
+def _register_atexit() -> None:
+    if not getattr(_register_atexit, "done", False):
+        _register_atexit.done = True
+        atexit.register(_stop_all)

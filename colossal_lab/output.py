@@ -61,6 +61,8 @@ class RankOutput:
 
             did = f"colossal-{self._key}-rank{rank}"
             bundle = self._bundle(rank, text, result)
+            if not self._shown:
+                self._placeholders()
             if rank in self._shown:
                 update_display(bundle, raw=True, display_id=did)
             else:
@@ -80,9 +82,19 @@ class RankOutput:
                 print(f"[rank {rank}] Out: {result}")
             sys.stdout.flush()
 
+    def _placeholders(self) -> None:
+        """Empty display blocks in rank order, so blocks stay sorted by rank whoever prints first."""
+        from IPython.display import display
+
+        for rank in sorted(self.ars):
+            display({"text/plain": ""}, raw=True, display_id=f"colossal-{self._key}-rank{rank}")
+            self._shown[rank] = ""
+
     def poll(self) -> None:
         if not self.stream:
             return
+        if self.kernel and not self._shown:
+            self._placeholders()
         for rank in sorted(self.ars):
             text = self._text(rank)
             if text and text != self._shown.get(rank) and (self.kernel or len(text) > self._printed.get(rank, 0)):

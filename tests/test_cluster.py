@@ -165,15 +165,6 @@ def test_interrupt_stops_every_rank(cluster):
     assert time.monotonic() - t1 < 10
 
 
-def test_restart_gives_fresh_ranks(cluster):
-    old = cluster.pids
-    cluster.restart()
-    assert set(cluster.pids).isdisjoint(old)
-    with pytest.raises(cl.RankError, match="NameError"):  # fresh processes: x is gone
-        cluster.pull("x")
-    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
-
-
 def test_stop_leaves_no_process(cluster):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
