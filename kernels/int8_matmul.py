@@ -16,6 +16,7 @@ Weights are int8 ``(N, K)`` with one fp scale per output channel (symmetric, see
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 from typing import Optional
 
@@ -35,6 +36,23 @@ def int8_linear_reference(x: torch.Tensor, weight_int8: torch.Tensor, scale: tor
     return y + bias.to(x.dtype) if bias is not None else y
 
 
+_SCALES: dict = {}  # id(scale) -> (weakref to scale, its version, low-precision copy)
+
+
+def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale.to(dtype)``, cached per scale tensor (a decode step would otherwise convert every
+    layer's scales every token); invalidated when the scale is modified in place."""
+    if scale.dtype == dtype:
+        return scale
+    key = id(scale)
+    hit = _SCALES.get(key)
+    if hit is None or hit[0]() is not scale or hit[1] != scale._version or hit[2].dtype != dtype:
+        ref = weakref.ref(scale, lambda _r, k=key: _SCALES.pop(k, None))
+        hit = (ref, scale._version, scale.to(dtype))
+        _SCALES[key] = hit
+    return hit[2]
+
+
 def _cpu_fast(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
               bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Best plain-torch path off CUDA (see module docstring)."""
@@ -45,7 +63,7 @@ def _cpu_fast(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
         # the aten kernel reads K in blocks and can fault on other in-features; dequantise instead
         return int8_linear_reference(x, weight_int8, scale, bias)
     cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-    y = torch.ops.aten._weight_int8pack_mm(x2.to(cdt).contiguous(), weight_int8, scale.to(cdt))
+    y = torch.ops.aten._weight_int8pack_mm(x2.to(cdt).contiguous(), weight_int8, _scale_as(scale, cdt))
     y = y.to(x.dtype).reshape(*x.shape[:-1], weight_int8.shape[0])
     return y + bias.to(x.dtype) if bias is not None else y
 
