@@ -104,6 +104,16 @@ def test_push_pull_status(cluster):
         cluster.run_on([5], read_x)
 
 
+def test_demo_ddp_step(cluster):
+    from colossal_lab.demo import train_steps
+
+    out = cluster.run(train_steps, 1)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert out[0]["losses"] == out[1]["losses"]  # all-reduced
+    assert 4.5 < out[0]["losses"][0] < 6.5  # ~ln(256) for random tokens on a fresh model
+    assert out[0]["checksum"] == pytest.approx(out[1]["checksum"], abs=1e-9)  # DDP kept weights equal
+
+
 def test_every_failing_rank_is_named(cluster):
     with pytest.raises(cl.RankError) as ei:
         cluster.run(every_rank_raises)
