@@ -88,3 +88,17 @@ def split(tokens: torch.Tensor, holdout: float = 0.1) -> Tuple[torch.Tensor, tor
         raise ValueError(f"split(holdout={holdout}): must be in (0, 1)")
     n = int(tokens.numel() * (1 - holdout))
     return tokens[:n], tokens[n:]
+
+
+def stdlib_docs_corpus(max_bytes: int = 2_000_000) -> bytes:
+    """Up to ``max_bytes`` of English prose: the Python reference's help topics (``pydoc_data``).
+
+    A different domain from :func:`stdlib_corpus` (prose, not code) that ships with Python too:
+    the fine-tuning tutorial adapts a code model to it.
+    """
+    if max_bytes < 1:
+        raise ValueError(f"stdlib_docs_corpus(max_bytes={max_bytes}): must be >= 1")
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return text.encode("utf-8")[:max_bytes]

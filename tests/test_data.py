@@ -28,3 +28,11 @@ def test_bad_input():
         stdlib_corpus(10, subdir="nope_not_here")
     with pytest.raises(ValueError, match="block_size"):
         ByteDataset(encode("abc"), block_size=8)
+
+
+def test_docs_corpus_is_prose_not_code():
+    from colossal_lab.engine.data import stdlib_docs_corpus
+
+    docs = stdlib_docs_corpus(100_000)
+    assert len(docs) == 100_000
+    assert docs.count(b"the ") > 200 and docs != stdlib_corpus(100_000)
