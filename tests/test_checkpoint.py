@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from _dist import run_distributed
@@ -80,20 +81,53 @@ def _train_and_save(rank, world, root, stage):
         v.numel() for st in o2.state.values() for k, v in st.items() if k != "step")}
 
 
+def _failed_collective_save(rank, world, root):
+    """Every rank writes into one atomic directory; rank 1 fails midway: nothing is replaced
+    and every rank learns the save failed."""
+    from colossal_lab.engine.checkpoint_io import atomic_dir
+
+    target = Path(root) / "collective"
+    with atomic_dir(target, collective=True) as tmp:
+        (tmp / f"part{rank}").write_text("v1")
+    try:
+        with atomic_dir(target, collective=True) as tmp:
+            (tmp / f"part{rank}").write_text("v2")
+            if rank == 1:
+                raise OSError("disk full (injected)")
+    except (OSError, RuntimeError) as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    else:
+        err = None
+    dist.barrier()
+    return {"error": err, "files": sorted((p.name, p.read_text()) for p in target.iterdir()),
+            "leftovers": sorted(p.name for p in Path(root).iterdir() if p.name.startswith(".collective"))}
+
+
 def _both_stages(rank, world, root):
-    return {stage: _train_and_save(rank, world, root, stage) for stage in (1, 2)}
+    out = {stage: _train_and_save(rank, world, root, stage) for stage in (1, 2)}
+    out["atomic"] = _failed_collective_save(rank, world, root)
+    return out
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = run_distributed(_both_stages, 2, str(root), timeout=240)
-    return root, out[0]
+    return root, out[0], out
+
+
+def test_collective_save_failing_on_one_rank_replaces_nothing(saved):
+    _, _, both = saved
+    for rank, out in enumerate(both):
+        a = out["atomic"]
+        assert a["files"] == [("part0", "v1"), ("part1", "v1")]
+        assert a["leftovers"] == []  # the temporary directory was removed
+        assert a["error"] is not None and ("injected" in a["error"] if rank == 1 else "another rank" in a["error"])
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_rank_save_reloads_on_two_ranks(saved, stage):
-    root, out = saved
+    root, out, _ = saved
     on_disk = load_state_dict_shards(root / f"zero{stage}" / "model")
     reloaded = out[stage]["reloaded"]
     assert set(reloaded) == set(on_disk)
@@ -103,8 +137,8 @@ def test_two_rank_save_reloads_on_two_ranks(saved, stage):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_rank_save_loads_on_one_rank(saved, stage):
-    root, out = saved
-    losses = {k: v["losses"] for k, v in out.items()}
+    root, out, _ = saved
+    losses = {k: out[k]["losses"] for k in (1, 2)}
     path = root / f"zero{stage}"
     assert len(list((path / "model").glob("model-*-of-*.safetensors"))) > 1
     # reference weights: replay the first SAVE_AT steps in one process
