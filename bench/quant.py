@@ -4,6 +4,9 @@ Trains the ``small`` preset for ``--steps`` on bytes of Python's stdlib sources 
 ``colossal_lab.engine.data``), then measures on the same weights, side by side:
 model bytes, held-out perplexity (teacher-forced windows of the tail 10% of the corpus), and
 KV-cache greedy decode tokens/s (batch 1; contenders alternate repeat by repeat).
+Contenders: fp32, bf16, int8 (fp32 activations) and int8 with bf16 activations
+(``quantize(..., dtype=torch.bfloat16)``). Decode speed is also timed on a wider untrained
+model (``--wide-embd``), since the small preset's matrices fit in CPU caches.
 Prints one JSON line: ratios are fp32/int8 and bf16/int8 bytes, int8/fp32 perplexity - 1,
 and int8/fp32 and int8/bf16 tokens/s, plus the raw medians.
 
@@ -60,6 +63,23 @@ def perplexity(m, data, device, batch=8):
     return math.exp(tot / n)
 
 
+def decode_tps(models, prompt, new_tokens, repeats, device):
+    for m in models.values():
+        m.generate(prompt, 4, temperature=0)  # warm-up
+    times = {k: [] for k in models}
+    outs = {}
+    for _ in range(repeats):  # contenders alternate, so machine-load drift hits all of them
+        for k, m in models.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs[k] = m.generate(prompt, new_tokens, temperature=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t)
+    return {k: new_tokens / statistics.median(v) for k, v in times.items()}, outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -70,6 +90,7 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--wide-embd", type=int, default=1024, help="width of the untrained decode-speed model")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GPTConfig.preset("small")
@@ -79,7 +100,8 @@ def main() -> None:
     train_s = time.perf_counter() - t0
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
     int8 = quantize(copy.deepcopy(fp32), "int8")
-    models = {"fp32": fp32, "bf16": bf16, "int8": int8}
+    int8_bf16 = quantize(copy.deepcopy(fp32), "int8", dtype=torch.bfloat16)  # bf16 activations
+    models = {"fp32": fp32, "bf16": bf16, "int8": int8, "int8_bf16act": int8_bf16}
 
     data = ByteDataset(held, cfg.block_size)
     data = [data[i] for i in range(0, len(data), max(1, len(data) // args.eval_windows))][:args.eval_windows]
@@ -87,21 +109,17 @@ def main() -> None:
     size = {k: model_bytes(m) for k, m in models.items()}
 
     prompt = held[:32].unsqueeze(0).to(device)
-    for m in models.values():
-        m.generate(prompt, 4, temperature=0)  # warm-up
-    times = {k: [] for k in models}
-    outs = {}
-    for _ in range(args.repeats):
-        for k, m in models.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            outs[k] = m.generate(prompt, args.new_tokens, temperature=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[k].append(time.perf_counter() - t)
-    tps = {k: args.new_tokens / statistics.median(v) for k, v in times.items()}
+    tps, outs = decode_tps(models, prompt, args.new_tokens, args.repeats, device)
     agree = (outs["int8"][0, 32:] == outs["fp32"][0, 32:]).float().mean().item()
+    # Decode speed does not depend on the weights' values: also time a wider, untrained model
+    # whose matrices no longer sit in the CPU caches (where weight bytes decide the speed).
+    torch.manual_seed(0)
+    wide_cfg = GPTConfig.preset("small", n_embd=args.wide_embd, n_head=args.wide_embd // 64)
+    wide = GPT(wide_cfg).to(device).eval()
+    wide_models = {"fp32": wide, "bf16": copy.deepcopy(wide).to(torch.bfloat16),
+                   "int8": quantize(copy.deepcopy(wide), "int8"),
+                   "int8_bf16act": quantize(copy.deepcopy(wide), "int8", dtype=torch.bfloat16)}
+    wide_tps, _ = decode_tps(wide_models, prompt, args.new_tokens, args.repeats, device)
     print(json.dumps({
         "device": str(device), "threads": torch.get_num_threads(), "preset": "small",
         "train_steps": args.steps, "train_seconds": round(train_s, 1),
@@ -115,7 +133,13 @@ def main() -> None:
         "decode_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "tps_ratio_int8_over_fp32": round(tps["int8"] / tps["fp32"], 3),
         "tps_ratio_int8_over_bf16": round(tps["int8"] / tps["bf16"], 3),
+        "tps_ratio_int8_bf16act_over_fp32": round(tps["int8_bf16act"] / tps["fp32"], 3),
         "greedy_token_agreement_int8_vs_fp32": round(agree, 3),
+        "wide_untrained": {"n_embd": args.wide_embd, "n_layer": wide_cfg.n_layer,
+                           "decode_tokens_per_s": {k: round(v, 1) for k, v in wide_tps.items()},
+                           "tps_ratio_int8_over_fp32": round(wide_tps["int8"] / wide_tps["fp32"], 3),
+                           "tps_ratio_int8_bf16act_over_fp32": round(wide_tps["int8_bf16act"] / wide_tps["fp32"], 3),
+                           "tps_ratio_int8_over_bf16": round(wide_tps["int8"] / wide_tps["bf16"], 3)},
     }))
 
 

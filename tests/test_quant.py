@@ -64,6 +64,18 @@ def test_quantized_generate_with_kv_cache_matches_full_recompute():
     assert torch.equal(a, b)
 
 
+def test_bf16_activations_keep_fp32_scales_and_stay_close():
+    m = _model()
+    idx = torch.randint(0, 256, (2, 24))
+    ref = quantize(copy.deepcopy(m), "int8")(idx)[0]
+    qb = quantize(copy.deepcopy(m), "int8", dtype=torch.bfloat16)
+    assert qb.blocks["0"].attn.wq.scale.dtype == torch.float32 and qb.norm.weight.dtype == torch.bfloat16
+    out = qb(idx)[0]
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 0.03
+    assert qb.generate(idx[:1, :4], 5, temperature=0).shape == (1, 9)
+
+
 def test_quantize_bad_input():
     with pytest.raises(ValueError, match=r"mode='int4' is not supported; choose one of \['int8'\]"):
         quantize(_model(), "int4")
@@ -75,6 +87,8 @@ def test_quantize_bad_input():
         with torch.device("meta"):
             lin = nn.Sequential(nn.Linear(4, 4))
         quantize(lin, "int8")
+    with pytest.raises(ValueError, match=r"dtype=torch.int8 is not supported for activations"):
+        quantize(_model(), "int8", dtype=torch.int8)
     with pytest.raises(ValueError, match=r"skip names \['nope'\]"):
         quantize(_model(), "int8", skip=["nope"])
     q = quantize(_model(), "int8", skip=["lm_head"])

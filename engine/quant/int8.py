@@ -76,10 +76,12 @@ class Int8Linear(nn.Module):
 class Int8Embedding(nn.Module):
     """Embedding rows stored int8 with one scale per row; lookups dequantise only the rows used."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, padding_idx: Optional[int] = None):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, padding_idx: Optional[int] = None,
+                 out_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim = q.shape
         self.padding_idx = padding_idx
+        self.out_dtype = out_dtype  # the dtype the rest of the model computes in
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale)
 
@@ -89,7 +91,7 @@ class Int8Embedding(nn.Module):
         return cls(q, s, emb.padding_idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return F.embedding(idx, self.weight_int8).float() * self.scale[idx].unsqueeze(-1)
+        return (F.embedding(idx, self.weight_int8).float() * self.scale[idx].unsqueeze(-1)).to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"
@@ -106,14 +108,46 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
+ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_dtype(dtype: Optional[torch.dtype]) -> None:
+    if dtype is not None and dtype not in ACT_DTYPES:
+        raise ValueError(f"quantize: dtype={dtype} is not supported for activations; choose one of "
+                         f"{[str(d) for d in ACT_DTYPES]} or None (keep the model's)")
+
+
+@torch.no_grad()
+def cast_unquantized(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating tensor except int8 scales to ``dtype``; int8 embeddings emit ``dtype``."""
+    for m in model.modules():
+        if isinstance(m, Int8Embedding):
+            m.out_dtype = dtype
+            continue
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if isinstance(m, Int8Linear) and name == "scale":
+                    continue  # scales stay fp32: a per-channel rounding error would bias whole channels
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(dtype)
+                else:
+                    table[name] = t.to(dtype)
+
+
 @torch.no_grad()
 def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
-             skip: Iterable[str] = ()) -> nn.Module:
+             skip: Iterable[str] = (), dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Swap ``model``'s linear (and embedding) layers for int8 ones in place; returns ``model``.
 
     ``skip``: module names to leave in full precision (e.g. ``["lm_head"]``).
+    ``dtype``: compute dtype for activations and the tensors left unquantised (e.g.
+    ``torch.bfloat16``: on CPU the int8 matmul then runs without any per-layer casts);
+    ``None`` keeps the model's.
     """
     check_mode(mode)
+    check_dtype(dtype)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize: model must be an nn.Module, got {type(model).__name__}")
     skip = set(skip)
@@ -145,6 +179,8 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
         else:
             new = Int8Embedding(q, s, m.padding_idx)
         _set_submodule(model, n, new)
+    if dtype is not None:
+        cast_unquantized(model, dtype)
     return model
 
 

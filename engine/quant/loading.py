@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_names
-from .int8 import Int8Embedding, Int8Linear, _set_submodule, check_mode, quantize_weight
+from .int8 import Int8Embedding, Int8Linear, _set_submodule, cast_unquantized, check_dtype, check_mode, quantize_weight
 
 PathLike = Union[str, os.PathLike]
 
@@ -105,11 +105,12 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
     """Build ``model`` lazily and fill it from ``checkpoint_path``, quantising as tensors arrive.
 
     ``model``: a ``GPTConfig``, a zero-argument factory, or a module built under ``lazy_init()``.
-    ``dtype``: dtype of the tensors kept in full precision (norms; default: as stored).
+    ``dtype``: compute dtype of activations and unquantised tensors (as in ``quantize``; default: as stored).
     ``tp_group``: a ``torch.distributed`` group (or ``True`` for the default group) — shard
     each quantised linear named in ``model.tp_plan()`` as it loads (see :mod:`.tp`).
     """
     check_mode(mode)
+    check_dtype(dtype)
     device = torch.device(device)
     reader = ShardReader(checkpoint_path)
     model = _build_meta(model)
@@ -161,4 +162,6 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
     left = meta_names(model)
     if left:
         raise ValueError(f"load_quantized: tensors left unloaded: {left[:5]}")
+    if dtype is not None:
+        cast_unquantized(model, dtype)
     return model
