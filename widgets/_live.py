@@ -270,11 +270,26 @@ class LiveView:
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
         if self._live and display_mode() != "static":
+            self._sync_widget_state()
             bundle = self._static_bundle()
             bundle.update(self.widget()._repr_mimebundle_())
             bundle["text/plain"] = self.summary()
             return bundle
         return self._static_bundle()
+
+    def _sync_widget_state(self) -> None:
+        """Give the browser's new view the figure as it is now (what plotly's own repr does).
+
+        A ``FigureWidget`` sends later changes as deltas against the state its view started
+        from; a view created from a stale snapshot would receive edits for traces it lacks.
+        """
+        import copy
+
+        with self._lock:
+            fig = self._fig
+            if isinstance(fig, go.FigureWidget):
+                fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+                fig._widget_data = copy.deepcopy(fig._data)
 
     def _static_bundle(self) -> dict:
         return {"text/html": self.static_html(), "text/plain": self.summary()}

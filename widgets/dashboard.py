@@ -89,6 +89,11 @@ class Dashboard(LiveView):
                                 self.gauges.widget()])
         return self._box
 
+    def _sync_widget_state(self) -> None:
+        super()._sync_widget_state()
+        for v in (self.chunk_map, self.timeline, self.gauges):
+            v._sync_widget_state()
+
     def static_html(self) -> str:
         return "\n".join(v.static_figure().to_html(full_html=False,
                                                     include_plotlyjs="cdn" if i == 0 else False)
