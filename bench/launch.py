@@ -33,6 +33,7 @@ def _all_reduce():
 
 
 def _init(rank, world, port):
+    import os
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -32,15 +32,18 @@ def probe() -> Dict[str, Any]:
 
 def setup(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
           backend: str, timeout_s: float, generation: int, cwd: Optional[str],
-          sys_path: List[str], threads: Optional[int]) -> Dict[str, Any]:
+          sys_path: List[str], threads: Optional[int], watch: Optional[tuple] = None) -> Dict[str, Any]:
     """Set the rank's environment, pick its device and join the default process group.
 
     ``generation`` namespaces the store keys, so a process group rebuilt after a failure
     never reads keys left by the previous one.
+    ``watch``: (kernel pid, kernel start time, pids to kill) for ``watch_parent``.
     """
     import torch
     import torch.distributed as dist
 
+    if watch:
+        watch_parent(*watch)
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)  # the notebook's folder: relative paths mean the same thing on every rank
     for p in reversed(sys_path):

@@ -92,7 +92,9 @@ class Cluster:
         self.master_addr = config.master_addr or "127.0.0.1"
         self.master_port: Optional[int] = None
         self._lock = threading.RLock()
-        self._collateral: set = set()
+        # called with the cluster after every restart (explicit or after a stuck failure), so
+        # rank-side state others installed (e.g. the telemetry relay) can be re-installed
+        self.restart_hooks: List[Callable[["Cluster"], None]] = []
 
     # ------------------------------------------------------------------ properties
     @property
@@ -162,8 +164,6 @@ class Cluster:
         order = sorted(zip(ids, probes), key=lambda t: (t[1]["host"], t[0]))
         self._engines = [eid for eid, _ in order]
         self._info = [p for _, p in order]
-        if self.config.launcher == "local":
-            self._watch_kernel()
         seen: Dict[str, int] = {}
         self._local_rank = []
         for p in self._info:
@@ -178,20 +178,21 @@ class Cluster:
                 raise ValueError(f"backend='nccl' needs one GPU per rank, but ranks {short} have none on "
                                  f"their host; launch fewer ranks per host or use backend='gloo'")
 
-    def _watch_kernel(self) -> None:
-        """Have every rank exit if this kernel dies without cleaning up (e.g. SIGKILL);
-        rank 0 also takes the controller down with it."""
+    def _watch_args(self, rank: int):
+        """(kernel pid, its start time, pids to take down) for ranks watching this kernel
+        (local launcher only): a kernel killed without cleanup still leaves no process."""
+        if self.config.launcher != "local":
+            return None
         import psutil
 
         me = psutil.Process()
         ctl = []
-        try:
-            ctl = [self._ipp.controller.process.pid]
-        except Exception:
-            pass
-        for r, eid in enumerate(self._engines):
-            self._client[eid].apply_async(_rank_fn("watch_parent"), me.pid, me.create_time(),
-                                          ctl if r == 0 else None).get(timeout=30)
+        if rank == 0:
+            try:
+                ctl = [self._ipp.controller.process.pid]
+            except Exception:
+                pass
+        return (me.pid, me.create_time(), ctl)
 
     def _init_dist(self) -> None:
         """Join every rank to a fresh default process group (a new store generation)."""
@@ -203,7 +204,8 @@ class Cluster:
         path = [p for p in sys.path if p]
         ars = {r: self._client[eid].apply_async(
                    _rank_fn("setup"), r, cfg.n, self._local_rank[r], self.master_addr, self.master_port,
-                   self.backend, cfg.timeout, self._generation, os.getcwd(), path, threads)
+                   self.backend, cfg.timeout, self._generation, os.getcwd(), path, threads,
+                   self._watch_args(r))
                for r, eid in enumerate(self._engines)}
         deadline = time.monotonic() + cfg.timeout + 30
         for r, ar in ars.items():
@@ -276,7 +278,12 @@ class Cluster:
             self._assign_ranks(new)
             self._init_dist()
             _set_current(self)
-            return self
+        for hook in list(self.restart_hooks):
+            try:
+                hook(self)
+            except Exception as e:  # a hook must not make a good restart look failed
+                print(f"colossal_lab: restart hook {hook!r} failed: {e}", file=sys.stderr)
+        return self
 
     def rebuild(self, timeout: Optional[float] = None) -> None:
         """Re-create the default process group on every rank, optionally with a new collective
@@ -397,21 +404,19 @@ class Cluster:
                     break
                 ars[pending[0]].wait(0.05)
         except KeyboardInterrupt:
-            note = self._recover(ars, reason="interrupt")
+            note, _ = self._recover(ars, reason="interrupt")
             if poll:
                 poll()
             raise KeyboardInterrupt(f"interrupted on ranks {sorted(ars)}. {note}".strip()) from None
-        self._collateral = set()
-        note = self._recover(ars, reason="failure") if failed else ""
-        return self._collect(ars, note)
+        note, collateral = self._recover(ars, reason="failure") if failed else ("", set())
+        return self._collect(ars, note, collateral)
 
-    def _recover(self, ars: Dict[int, Any], reason: str) -> str:
+    def _recover(self, ars: Dict[int, Any], reason: str) -> tuple:
         """Bring every rank of this call back to idle; rebuild or restart if needed.
 
-        Ranks that we interrupted or that were lost in a restart are remembered in
-        ``self._collateral`` so the error names the rank that failed first, not its victims.
+        Returns (note for the error, collateral ranks): ranks we interrupted or lost in a
+        restart, so the error names the rank that failed first, not its victims.
         """
-        self._collateral = set()
         if reason == "failure":
             end = time.monotonic() + self.config.failure_grace
             while time.monotonic() < end and any(not a.ready() for a in ars.values()):
@@ -422,8 +427,8 @@ class Cluster:
         if not busy and not dead:
             if reason == "failure" and self._any_timeout(ars):
                 self._init_dist()
-                return "The process group was rebuilt after the timeout."
-            return ""
+                return "The process group was rebuilt after the timeout.", set()
+            return "", set()
         if busy and not dead:
             try:
                 self.interrupt(busy)
@@ -432,20 +437,20 @@ class Cluster:
             end = time.monotonic() + self.config.interrupt_grace
             while time.monotonic() < end and any(not ars[r].ready() for r in busy):
                 time.sleep(0.05)
-        self._collateral = set(busy)
+        collateral = set(busy)
         stuck = [r for r in busy if not ars[r].ready()]
         if dead:
             self.restart()
             return (f"The process of ranks {dead} died; the cluster was restarted with fresh processes, "
-                    f"so variables defined on the ranks are gone.")
+                    f"so variables defined on the ranks are gone."), collateral
         if stuck:
             self.restart()
             return (f"Ranks {stuck} did not respond to an interrupt within {self.config.interrupt_grace:g}s "
                     f"(most likely blocked in a collective); the cluster was restarted with fresh processes, "
-                    f"so variables defined on the ranks are gone.")
+                    f"so variables defined on the ranks are gone."), collateral
         self._init_dist()
         return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
-                f"bound to the old one, e.g. DDP models or device meshes).")
+                f"bound to the old one, e.g. DDP models or device meshes)."), collateral
 
     def _any_timeout(self, ars: Dict[int, Any]) -> bool:
         for a in ars.values():
@@ -455,7 +460,7 @@ class Cluster:
                     return True
         return False
 
-    def _collect(self, ars: Dict[int, Any], note: str) -> List[Any]:
+    def _collect(self, ars: Dict[int, Any], note: str, collateral: frozenset = frozenset()) -> List[Any]:
         failures: Dict[int, RankFailure] = {}
         results: List[Any] = []
         for r in sorted(ars):
@@ -475,7 +480,6 @@ class Cluster:
             failures[r] = RankFailure(r, ename, evalue, clean_traceback(tb or f"{ename}: {evalue}"),
                                       collective_timeout=is_collective_timeout(ename, evalue))
         if failures:
-            collateral = getattr(self, "_collateral", set())
             first = {r: f for r, f in failures.items() if r not in collateral
                      and f.ename not in ("KeyboardInterrupt", "Unfinished")}
             raise RankError(first or failures, note=note, timeout_s=self.config.timeout)
