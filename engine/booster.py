@@ -134,7 +134,9 @@ class Booster:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_model(self, model, checkpoint, shard: bool = True, size_per_shard: float = 1024) -> None:
-        """HF-style safetensors (shards + index JSON) in directory ``checkpoint``; ``size_per_shard`` in MB."""
+        """HF-style safetensors (shards + index JSON) in directory ``checkpoint``; ``size_per_shard``
+        in MB. ``shard=False`` writes ``checkpoint/model.safetensors``, or exactly ``checkpoint``
+        when that path ends in ``.safetensors``."""
         self.plugin.get_checkpoint_io().save_model(model, checkpoint, shard=shard, size_per_shard=size_per_shard)
 
     def load_model(self, model, checkpoint, strict: bool = True) -> None:

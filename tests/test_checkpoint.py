@@ -47,6 +47,11 @@ def test_sharded_layout_is_plain_safetensors(tmp_path):
     save_state_dict_shards(sd, tmp_path / "one", shard=False)
     assert os.listdir(tmp_path / "one") == ["model.safetensors"]
     assert all(torch.equal(v, sd[k]) for k, v in load_file(str(tmp_path / "one" / "model.safetensors")).items())
+    booster = Booster()
+    booster.save_model(model, tmp_path / "weights.safetensors", shard=False)
+    assert all(torch.equal(v, sd[k]) for k, v in load_file(str(tmp_path / "weights.safetensors")).items())
+    with pytest.raises(ValueError, match="shard=False"):
+        booster.save_model(model, tmp_path / "w2.safetensors")
 
 
 def _train_and_save(rank, world, root, stage):

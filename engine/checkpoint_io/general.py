@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .atomic import atomic_dir, atomic_file, recover
 from .checkpoint_io_base import CheckpointIO, PathLike, unwrap_model, unwrap_optimizer
-from .safetensors_shards import load_state_dict_shards, save_state_dict_shards
+from .safetensors_shards import _prepare, load_state_dict_shards, save_state_dict_shards
 
 
 def _dist() -> bool:
@@ -57,10 +58,17 @@ class GeneralCheckpointIO(CheckpointIO):
         return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_model(self, model, path: PathLike, shard: bool = True, size_per_shard: float = 1024) -> None:
+        if str(path).endswith(".safetensors") and shard:
+            raise ValueError(f"save_model(path={str(path)!r}, shard=True): shards need a directory; "
+                             "pass a directory path, or shard=False to write this one file")
         sd = self.full_model_state_dict(model)
         if self._is_writer():
-            with atomic_dir(path) as tmp:
-                save_state_dict_shards(sd, tmp, size_per_shard=size_per_shard, shard=shard)
+            if str(path).endswith(".safetensors"):  # one file at exactly this path
+                with atomic_file(path) as tmp:
+                    save_file(_prepare(sd), str(tmp), metadata={"format": "pt"})
+            else:
+                with atomic_dir(path) as tmp:
+                    save_state_dict_shards(sd, tmp, size_per_shard=size_per_shard, shard=shard)
         if _dist():
             dist.barrier(self.group)
 
