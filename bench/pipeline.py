@@ -72,14 +72,18 @@ def _worker(rank, world, port, args, q):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    res = {}
     try:
-        res = {}
         if world == 2:
             for m in (2, 4, 8):
                 for style, chunks in STYLES:
                     res[(style, m)] = _run(style, chunks, 2, m, args)
         else:
             res[("pp1", 8)] = _run("1f1b", 1, 1, 8, args)
+    except BaseException as e:
+        q.put(("error", rank, repr(e)))
+        raise
+    else:
         if rank == 0:
             q.put(res)
     finally:
@@ -95,7 +99,11 @@ def _launch(world, args):
         p.start()
     res = q.get(timeout=1800)
     for p in ps:
-        p.join()
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if isinstance(res, tuple):
+        raise SystemExit(f"bench/pipeline.py: rank {res[1]} failed: {res[2]}")
     return res
 
 

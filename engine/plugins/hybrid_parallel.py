@@ -351,15 +351,23 @@ class HybridParallelPlugin(Plugin):
                         params.append(q)
             groups.append({"params": params, **extra})
         cls = type(optimizer)
+        import inspect
+
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        # every group already carries its own hyper-parameters; drop keys the constructor
+        # does not take (AdamW records 'decoupled_weight_decay' in defaults but rejects it)
+        groups = [{k: v for k, v in g.items() if k == "params" or k in accepted or k == "initial_lr"}
+                  for g in groups]
         if self.zero_stage == 1 and self.dp_size > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             zo = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=self._dp_group,
-                                         **{k: v for k, v in groups[0].items() if k in optimizer.defaults})
+                                         **{k: v for k, v in groups[0].items() if k in defaults})
             for g in groups[1:]:
                 zo.add_param_group(g)
             return zo
-        return cls(groups, **optimizer.defaults)
+        return cls(groups, **defaults)
 
     # ---- gradient sync ------------------------------------------------------------------
     def _setup_tied(self, spec: ScheduleSpec) -> None:
