@@ -94,13 +94,17 @@ def main() -> None:
 
     unsub = telemetry.subscribe(lambda e: None) if args.telemetry else None
 
-    def timed(step):
+    cpu_tps = {"ours": [], "base": []}
+
+    def timed(step, name):
         _sync(device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for i in range(args.steps):
             step(data[i % len(data)])
         _sync(device)
-        return args.batch * seq * args.steps / (time.perf_counter() - t)
+        tokens = args.batch * seq * args.steps
+        cpu_tps[name].append(tokens / (time.process_time() - c))
+        return tokens / (time.perf_counter() - t)
 
     for step in (step_ours, step_base):  # warm-up (allocator, DDP buckets, optimizer state)
         step(data[0])
@@ -109,18 +113,22 @@ def main() -> None:
     for r in range(args.repeats):
         order = (("ours", step_ours), ("base", step_base)) if r % 2 == 0 else (("base", step_base), ("ours", step_ours))
         for name, step in order:
-            (ours if name == "ours" else base).append(timed(step))
+            (ours if name == "ours" else base).append(timed(step, name))
     if unsub:
         unsub()
     mo, mb = statistics.median(ours), statistics.median(base)
     # paired: each repeat timed both back to back, so load drift cancels within a pair
     paired = statistics.median(o / b for o, b in zip(ours, base))
+    # CPU time of this process: on a CPU run with one thread, insensitive to other processes
+    # competing for the cores (wall-clock figures on a shared machine swing by 2x)
+    cpu_paired = statistics.median(o / b for o, b in zip(cpu_tps["ours"], cpu_tps["base"]))
     print(json.dumps({
         "bench": "engine", "contenders": f"Booster(DDPPlugin) vs {args.baseline} torch loop", "device": str(device),
         "preset": args.preset, "precision": args.precision, "batch": args.batch, "seq": seq,
         "steps": args.steps, "repeats": args.repeats, "telemetry": args.telemetry,
         "threads": torch.get_num_threads(),
         "ratio": round(mo / mb, 4), "paired_ratio_median": round(paired, 4),
+        "cpu_time_paired_ratio_median": round(cpu_paired, 4),
         "ours_tokens_per_s_median": round(mo, 1), "baseline_tokens_per_s_median": round(mb, 1),
         "ours_tokens_per_s": [round(v, 1) for v in ours], "baseline_tokens_per_s": [round(v, 1) for v in base],
     }))
