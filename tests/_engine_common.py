@@ -27,10 +27,17 @@ def batch(step: int, rank: int = 0, world: int = 1):
     return idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
 
 
+def param_groups(model):
+    """Two groups as real recipes have them: weight decay on matrices, none on norms."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def reference_losses(steps: int, clip: float = 1.0):
     """Single process, plain torch: the loss curve every plugin must follow."""
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
     out = []
     for s in range(steps):
         _, loss = model(*batch(s))

@@ -80,13 +80,35 @@ def _overflow(rank, world, plugin_name):
     return log
 
 
+def _bf16_sharded(rank, world, stage):
+    from colossal_lab.engine.plugins import LowLevelZeroPlugin
+
+    from _engine_common import global_mean
+
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=stage), mixed_precision="bf16")
+    model = tiny_model()
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses = []
+    for s in range(10):
+        _, loss = model(*batch(s, rank, world))
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
 def _overflow_both(rank, world):
-    return {name: _overflow(rank, world, name) for name in ("ddp", "zero2")}
+    out = {name: _overflow(rank, world, name) for name in ("ddp", "zero2")}
+    bf16 = {f"bf16_zero{stage}": _bf16_sharded(rank, world, stage) for stage in (1, 2)}
+    return out, bf16
 
 
 def test_fp16_overflow_skips_step_on_every_rank():
     out = run_distributed(_overflow_both, 2, timeout=240)
-    for rank_out in out:
+    for rank_out, bf16 in out:
+        for name, losses in bf16.items():  # bf16 under ZeRO-1/2 on 2 ranks trains too
+            assert losses[-1] < losses[0] - 0.3, (name, losses)
         for name, log in rank_out.items():
             assert [e["skipped"] for e in log] == [False, False, True] + [False] * 5, name
             assert not log[2]["changed"], "a skipped step must not touch the weights"

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_distributed
-from _engine_common import GLOBAL_BATCH, LR, SEQ, batch, global_mean, reference_losses, state_bytes, tiny_model
+from _engine_common import GLOBAL_BATCH, LR, SEQ, batch, global_mean, param_groups, reference_losses, state_bytes, tiny_model
 
 STEPS = 20
 
@@ -19,8 +19,9 @@ def _train(rank, world, plugin_name):
               "zero2": lambda: LowLevelZeroPlugin(stage=2)}[plugin_name]()
     booster = Booster(plugin=plugin)
     model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)  # two groups survive the ZeRO rebuild
     model, opt, *_ = booster.boost(model, opt)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     events = []
     unsub = telemetry.subscribe(events.append)
     losses = []
