@@ -389,7 +389,11 @@ class Cluster:
     def interrupt(self, ranks: Optional[Iterable[int]] = None) -> None:
         """Send SIGINT to ranks (over ipyparallel's control channel: works on remote hosts too)."""
         ranks = self._check(ranks)
-        self._client.send_signal(signal.SIGINT, targets=[self._engines[r] for r in ranks], block=True)
+        fut = self._client.send_signal(signal.SIGINT, targets=[self._engines[r] for r in ranks], block=False)
+        try:
+            fut.result(timeout=5)  # a dead engine never answers: don't wait for it forever
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ waiting & recovery
     def _wait(self, ars: Dict[int, Any], poll: Optional[Callable[[], None]] = None) -> List[Any]:

@@ -56,6 +56,17 @@ def only_rank0_collects():
     return dist.get_rank()
 
 
+def rank1_process_dies():
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.all_reduce(torch.ones(1))
+
+
 def sleep_long(seconds):
     import time
 
@@ -138,6 +149,17 @@ def test_raising_rank_does_not_hang_the_others(cluster):
     assert "restarted" in e.note  # rank 0 was blocked in C++ (gloo) and could not be interrupted
     assert elapsed < cluster.config.timeout, "waited for the collective timeout instead of recovering"
     assert cluster.pids != old_pids
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
+
+
+def test_dead_rank_process_is_replaced(cluster):
+    old_pids = cluster.pids
+    with pytest.raises(cl.RankError) as ei:
+        cluster.run(rank1_process_dies)
+    e = ei.value
+    assert 1 in e.ranks and e.failures[1].ename == "EngineError"
+    assert "The process of ranks [1] died; the cluster was restarted" in str(e)
+    assert set(cluster.pids).isdisjoint(old_pids)
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 
