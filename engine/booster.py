@@ -34,12 +34,15 @@ class _SingleProcess(Plugin):
     supported_precisions = ("fp32", "fp16", "bf16", "fp8")
 
     def configure(self, model, optimizer, criterion, dataloader, lr_scheduler, mixed_precision):
+        from .mixed_precision import DynamicLossScaler, needs_loss_scaling
         from .plugins.ddp import prepare_module
         from .wrappers import ModelWrapper, OptimizerWrapper
 
         wrapped = ModelWrapper(prepare_module(model, mixed_precision), mixed_precision)
         if optimizer is not None:
-            optimizer = OptimizerWrapper(optimizer, wrapped, mixed_precision, group=self.dp_group)
+            # even inside a multi-rank cluster this model trains alone: no cross-rank inf check
+            scaler = DynamicLossScaler(sync=False) if needs_loss_scaling(mixed_precision) else None
+            optimizer = OptimizerWrapper(optimizer, wrapped, mixed_precision, loss_scaler=scaler)
         return wrapped, optimizer, criterion, dataloader, lr_scheduler
 
     def no_sync(self, model, optimizer=None):

@@ -21,7 +21,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, min_scale: float = 1.0,
-                 max_scale: float = 2.0 ** 24, group: Optional["dist.ProcessGroup"] = None):
+                 max_scale: float = 2.0 ** 24, group: Optional["dist.ProcessGroup"] = None,
+                 sync: bool = True):
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1):
             raise ValueError("DynamicLossScaler: need growth_factor > 1, 0 < backoff_factor < 1, "
                              "growth_interval >= 1")
@@ -29,6 +30,7 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale, self.max_scale = growth_interval, min_scale, max_scale
         self.group = group
+        self.sync = sync  # False: this process trains alone (plugin=None), no cross-rank check
         self._good_steps = 0
         self.skipped_steps = 0
 
@@ -51,7 +53,7 @@ class DynamicLossScaler:
                 total = torch.stack([n.float() for n in norms]).sum()
                 if not torch.isfinite(total).item():
                     found.fill_(1.0)
-        if dist.is_available() and dist.is_initialized():
+        if self.sync and dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         return bool(found.item() > 0)
 
