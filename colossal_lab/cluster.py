@@ -411,7 +411,9 @@ class Cluster:
             note, _ = self._recover(ars, reason="interrupt")
             if poll:
                 poll()
-            raise KeyboardInterrupt(f"interrupted on ranks {sorted(ars)}. {note}".strip()) from None
+            err = KeyboardInterrupt(f"interrupted on ranks {sorted(ars)}. {note}".strip())
+            err._render_traceback_ = lambda: [f"KeyboardInterrupt: {err}"]  # IPython: no local frames
+            raise err from None
         note, collateral = self._recover(ars, reason="failure") if failed else ("", set())
         return self._collect(ars, note, collateral)
 

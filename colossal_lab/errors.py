@@ -9,7 +9,7 @@ died in a collective timeout, says so in plain words.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 # Messages torch/gloo/NCCL use when a collective gives up waiting.
