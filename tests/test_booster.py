@@ -108,3 +108,23 @@ def test_prepare_dataloader_and_no_sync_on_two_ranks():
         got = out[0][name]
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+
+
+def test_rebuild_refuses_a_stepped_optimizer_and_foreign_params():
+    from colossal_lab.engine.wrappers import rebuild_optimizer
+
+    model = tiny_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    new = rebuild_optimizer(opt, names, dict(model.named_parameters()))
+    assert type(new) is torch.optim.AdamW and new.defaults["lr"] == LR
+    stray = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="not in the model"):
+        rebuild_optimizer(stray, names, dict(model.named_parameters()))
+    _, loss = model(*batch(0))
+    loss.backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already stepped.*load_optimizer"):
+        rebuild_optimizer(opt, names, dict(model.named_parameters()))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        Booster().boost("not a model")
