@@ -67,6 +67,18 @@ def rank1_process_dies():
     dist.all_reduce(torch.ones(1))
 
 
+def rank0_in_collective_rank1_sleeps():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # never completes: rank 1 is asleep
+    else:
+        time.sleep(60)
+
+
 def sleep_long(seconds):
     import time
 
@@ -83,7 +95,7 @@ def read_x():
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=1.0, interrupt_grace=3.0)
+    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=0.5, interrupt_grace=3.0)
     yield c
     c.stop()
 
@@ -195,6 +207,21 @@ def test_interrupt_stops_every_rank(cluster):
     assert cluster.pull("x") == [5, 5]  # same processes, nothing queued behind a sleep
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
     assert time.monotonic() - t1 < 10
+
+
+def test_interrupt_with_a_rank_stuck_in_a_collective(cluster):
+    old_pids = cluster.pids
+    timer = threading.Timer(1.5, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match=r"Ranks \[0\] did not respond .* restarted"):
+            cluster.run(rank0_in_collective_rank1_sleeps)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < cluster.config.timeout  # recovered long before the timeout
+    assert set(cluster.pids).isdisjoint(old_pids)
+    assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 
 def test_stop_leaves_no_process(cluster):
