@@ -443,8 +443,9 @@ class Cluster:
             end = time.monotonic() + self.config.interrupt_grace
             while time.monotonic() < end and any(not ars[r].ready() for r in busy):
                 time.sleep(0.05)
-        collateral = set(busy)
         stuck = [r for r in busy if not ars[r].ready()]
+        # victims: ranks we are about to kill; an interrupted rank that raised is still shown
+        collateral = set(stuck)
         if dead:
             self.restart()
             return (f"The process of ranks {dead} died; the cluster was restarted with fresh processes, "
@@ -456,7 +457,7 @@ class Cluster:
                     f"so variables defined on the ranks are gone."), collateral
         self._init_dist()
         return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
-                f"bound to the old one, e.g. DDP models or device meshes)."), collateral
+                f"bound to the old one, e.g. DDP models or device meshes)."), set()
 
     def _any_timeout(self, ars: Dict[int, Any]) -> bool:
         for a in ars.values():

@@ -95,7 +95,7 @@ def read_x():
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=0.5, interrupt_grace=3.0)
+    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=1.0, interrupt_grace=3.0)
     yield c
     c.stop()
 
