@@ -238,6 +238,7 @@ class Cluster:
                 except Exception:
                     pass
             if ipp_cluster is not None:
+                _quiet_intended_stop(ipp_cluster)
                 try:
                     ipp_cluster.stop_cluster_sync()
                 except Exception:
@@ -540,3 +541,17 @@ def _register_atexit() -> None:
     if not getattr(_register_atexit, "done", False):
         _register_atexit.done = True
         atexit.register(_stop_all)
+
+
+def _quiet_intended_stop(ipp_cluster) -> None:
+    """Silence ipyparallel's stop-time warnings: engines we stop on purpose exit non-zero, and
+    ipyparallel then dumps every engine's start-up log into the cell ("Output for 1: ...",
+    "engine set stopped ... exit_code 1"), which reads like a failure when nothing failed."""
+    loggers = {getattr(ipp_cluster, "log", None)}
+    for es in list(getattr(ipp_cluster, "engines", {}).values()) + [getattr(ipp_cluster, "controller", None)]:
+        loggers.add(getattr(es, "log", None))
+        for launcher in getattr(es, "launchers", {}).values() if hasattr(es, "launchers") else ():
+            loggers.add(getattr(launcher, "log", None))
+    for log in loggers:
+        if log is not None:
+            log.setLevel(logging.ERROR)
