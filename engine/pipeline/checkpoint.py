@@ -1,19 +1,75 @@
-"""Checkpoints of a hybrid-parallel model under the *unsplit* model's names.
+"""Checkpoints of a hybrid-parallel model and optimizer under the *unsplit* model's names.
 
-Save gathers the whole model (DTensor shards made whole with ``full_tensor``; each pipeline
-stage contributes its own parameters) and rank 0 writes HF-style safetensors shards through
-the shared :class:`GeneralCheckpointIO`, so a checkpoint from ``pp=2 × tp=2`` loads into a
-plain ``GPT`` and back into any other layout. Load reads the full state dict and copies each
-rank's slice in (``distribute_tensor`` for DTensor parameters). Optimizer state uses the base
-class (torch.distributed.checkpoint), unchanged.
+Model: save gathers the whole model (DTensor shards made whole with ``full_tensor``; each
+pipeline stage contributes its own parameters) and world rank 0 alone writes HF-style
+safetensors shards through the shared :class:`GeneralCheckpointIO` (atomically, via
+``atomic_dir``/``atomic_file``), so a checkpoint from ``pp=2 × tp=2`` loads into a plain ``GPT``
+and back into any other layout. Load reads the full state dict and copies each rank's slice in
+(``distribute_tensor`` for DTensor parameters).
+
+Optimizer: torch.distributed.checkpoint (DCP), as in the base class, but keyed by hand. The
+base class asks torch's ``get_optimizer_state_dict`` for FQNs of the module it is given, and
+here that module is the wrapper: every pipeline rank calls its own stage
+``stage_modules.0.inner...``, so two stages' states would collide under one key. We key each
+state tensor by the *unsplit model's* parameter name instead::
+
+    state.<param name>.<state key>     (exp_avg, exp_avg_sq, step, momentum_buffer, ...)
+    param_groups.<param name>          (that parameter's group hyper-parameters: lr, betas, ...)
+    loss_scaler.scale / .good          (fp16)
+
+DCP then does the rest: a key held by several ranks (data-parallel replicas) is written once,
+DTensor states (tensor parallel) are written as shards, each rank writes its own file into one
+atomic directory, and on load each rank reads exactly the keys — and DTensor slices — of the
+parameters it now holds. That makes the optimizer checkpoint layout-free: pp=2 → tp=2, or a
+ZeRO-1 run (each rank owns the state of a subset of parameters) → any other layout.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Dict, List
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from ..checkpoint_io import GeneralCheckpointIO, load_state_dict_shards
+from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _targets(optimizer, model):
+    if not hasattr(optimizer, "checkpoint_target"):
+        raise TypeError("HybridCheckpointIO.save/load_optimizer: pass the optimizer returned by "
+                        "booster.boost() with HybridParallelPlugin")
+    optim, owner = optimizer.checkpoint_target()
+    return optim, (model if model is not None else owner)
+
+
+def _local(optim):
+    """The torch optimizer holding this rank's state (ZeRO-1: its partition's local optimizer)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optim.optim if isinstance(optim, ZeroRedundancyOptimizer) else optim
+
+
+def _names(model) -> Dict[int, List[str]]:
+    out: Dict[int, List[str]] = {}
+    for n, p in model.named_model_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(n)
+    return out
+
+
+def _hyper(optim) -> Dict[int, dict]:
+    """Each parameter's group hyper-parameters, from the optimizer's global (non-ZeRO) view."""
+    out = {}
+    for g in optim.param_groups:
+        hp = {k: v for k, v in g.items() if k != "params"}
+        for p in g["params"]:
+            out[id(p)] = hp
+    return out
 
 
 class HybridCheckpointIO(GeneralCheckpointIO):
@@ -25,18 +81,98 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         sd = load_state_dict_shards(path)
-        seen = set()
         for mod in model.stage_modules:
             for name, t in mod.inner.state_dict().items():
                 if name not in sd:
                     if strict:
                         raise RuntimeError(f"load_model({path}): missing key {name!r}; pass strict=False to skip it")
                     continue
-                seen.add(name)
-                src = sd[name].to(dtype=t.dtype)
+                src = sd[name]
+                if tuple(src.shape) != tuple(t.shape):
+                    raise RuntimeError(f"load_model({path}): {name!r} has shape {tuple(src.shape)} in the "
+                                       f"checkpoint but {tuple(t.shape)} in the model; was it saved from the "
+                                       "same model configuration?")
+                src = src.to(dtype=t.dtype)
                 if isinstance(t, DTensor):
                     t.copy_(distribute_tensor(src.to(t.device), t.device_mesh, t.placements))
                 else:
                     t.copy_(src)
-        if dist.is_initialized():
+        if _dist():
             dist.barrier()
+
+    # ---- optimizer ---------------------------------------------------------------------
+    def save_optimizer(self, optimizer, path, model=None) -> None:
+        optim, model = _targets(optimizer, model)
+        local, names, hyper = _local(optim), _names(model), _hyper(optim)
+        sd: dict = {}
+        for p, hp in ((p, hyper[id(p)]) for g in optim.param_groups for p in g["params"]):
+            for n in names.get(id(p), []):
+                for k, v in hp.items():  # one leaf per hyper-parameter (DCP pickles non-tensors)
+                    sd[f"param_groups.{n}.{k}"] = v
+        for p in (p for g in local.param_groups for p in g["params"]):
+            for n in names[id(p)]:
+                for k, v in local.state.get(p, {}).items():
+                    sd[f"state.{n}.{k}"] = v
+        scaler = getattr(getattr(optimizer, "plugin", None), "_scaler", None)
+        if scaler is not None:
+            sd["loss_scaler.scale"] = torch.tensor(float(scaler.scale))
+            sd["loss_scaler.good"] = torch.tensor(float(scaler._good))
+        with atomic_dir(path, group=None, collective=True) as tmp:
+            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not _dist())
+
+    def load_optimizer(self, optimizer, path, model=None) -> None:
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        optim, model = _targets(optimizer, model)
+        path = recover(path) if not _dist() or dist.get_rank() == 0 else Path(path)
+        if _dist():
+            dist.barrier()
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        local, names = _local(optim), _names(model)
+        has_state = any(k.startswith("state.") for k in saved)
+        if has_state:
+            _init_optim_state(local)  # a zero-lr step: state tensors of the right shapes/placements
+        want: dict = {}
+        saved_name: Dict[int, str] = {}
+        for p in (p for g in optim.param_groups for p in g["params"]):
+            # a tied weight is saved under each name its stages use; read whichever exists
+            n = next((n for n in names[id(p)] if any(k.startswith(f"param_groups.{n}.") for k in saved)), None)
+            if n is None:
+                raise RuntimeError(
+                    f"load_optimizer({path}): the checkpoint has nothing for parameter {names[id(p)][0]!r}. "
+                    "Hybrid optimizer checkpoints load into any pp/tp/dp/ZeRO-1 layout of the same model "
+                    "and optimizer type; was this one saved from another model?")
+            saved_name[id(p)] = n
+            for k in saved:
+                if k.startswith(f"param_groups.{n}.") and "." not in k[len(f"param_groups.{n}."):]:
+                    want[k] = None
+        for p in (p for g in local.param_groups for p in g["params"]):
+            for k, v in local.state.get(p, {}).items():
+                key = f"state.{saved_name[id(p)]}.{k}"
+                if key not in saved:
+                    raise RuntimeError(
+                        f"load_optimizer({path}): no {key!r} in the checkpoint; it loads only into the same "
+                        f"optimizer type ({type(local).__name__}: state {sorted(local.state[p])})")
+                want[key] = v
+        scaler = getattr(getattr(optimizer, "plugin", None), "_scaler", None)
+        if scaler is not None and "loss_scaler.scale" in saved:
+            want["loss_scaler.scale"] = torch.tensor(0.0)
+            want["loss_scaler.good"] = torch.tensor(0.0)
+        dcp.load(want, checkpoint_id=str(path), no_dist=not _dist())
+        # tensors were loaded in place into the live state; non-tensor leaves come back new
+        for p in (p for g in local.param_groups for p in g["params"]):
+            st = local.state.get(p, {})
+            for k in list(st):
+                v = want[f"state.{saved_name[id(p)]}.{k}"]
+                if v is not st[k]:
+                    st[k] = v
+        if not has_state:
+            local.state.clear()
+        for g in optim.param_groups:  # hyper-parameters (lr, initial_lr, ...) as saved
+            n = saved_name[id(g["params"][0])] if g["params"] else None
+            if n is not None:
+                pre = f"param_groups.{n}."
+                g.update({k[len(pre):]: v for k, v in want.items() if k.startswith(pre)})
+        if "loss_scaler.scale" in want:
+            scaler.scale = float(want["loss_scaler.scale"])
+            scaler._good = int(want["loss_scaler.good"])

@@ -34,6 +34,7 @@ from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from .base import Plugin
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CKPT_INFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper adds it to parameter names
 
 
 def _world_size() -> Optional[int]:
@@ -67,11 +68,15 @@ class HybridParallelModule(nn.Module):
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
         return self.stage_modules[0].inner(*args, **kwargs)
 
-    def named_model_parameters(self):
-        """``(name, param)`` under the unsplit model's names (``blocks.0.attn.wq.weight``)."""
+    def named_model_parameters(self, remove_duplicate: bool = True):
+        """``(name, param)`` under the unsplit model's names (``blocks.0.attn.wq.weight``).
+
+        Activation-checkpoint wrappers are invisible here (their ``_checkpoint_wrapped_module.``
+        infix is dropped), as they are in ``state_dict``. ``remove_duplicate=False`` also yields
+        the second name of a tied weight held by one stage."""
         for mod in self.stage_modules:
-            for n, p in mod.inner.named_parameters():
-                yield n, p
+            for n, p in mod.inner.named_parameters(remove_duplicate=remove_duplicate):
+                yield n.replace(_CKPT_INFIX, ""), p
 
     def unwrap(self) -> nn.Module:
         return self
@@ -83,7 +88,7 @@ class HybridParallelModule(nn.Module):
         for mod in self.stage_modules:
             for n, t in mod.inner.state_dict().items():
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
-                local[n] = t.detach().cpu()
+                local[n] = t.detach().to("cpu", copy=True)  # a snapshot, never the live tensor
         group = self.runtime.pp_group
         if group is None or dist.get_world_size(group) == 1:
             return local
@@ -289,13 +294,13 @@ class HybridParallelPlugin(Plugin):
         names_of: Dict[int, List[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(n)  # a tied weight has two names
-        if self.activation_checkpointing:
-            if hasattr(model, "cfg"):
-                model.cfg.activation_checkpointing = True
-            elif isinstance(model, nn.Sequential):
-                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-                for i in range(len(model)):
-                    model[i] = checkpoint_wrapper(model[i])
+        gpt_ac = self.activation_checkpointing and hasattr(getattr(model, "cfg", None), "activation_checkpointing")
+        if self.activation_checkpointing and not gpt_ac and not isinstance(model, nn.Sequential):
+            raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): supported for the reference "
+                             f"GPT and nn.Sequential models, not {type(model).__name__}; wrap your layers in "
+                             "nn.Sequential or set activation_checkpointing=False")
+        if gpt_ac:
+            model.cfg.activation_checkpointing = True
 
         # ---- groups ----
         dp = world // (self.tp_size * self.pp_size)
@@ -311,7 +316,14 @@ class HybridParallelPlugin(Plugin):
         self._scaler = _LossScaler() if self.precision == "fp16" else None
 
         def prepare(part: nn.Module) -> nn.Module:
-            return apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
+            part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
+            if self.activation_checkpointing and not gpt_ac:
+                # each child of the (stage's) Sequential recomputes in backward; wrapped after
+                # tensor parallelism so a tp_plan sees the user's own module names
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                for i in range(len(part)):
+                    part[i] = checkpoint_wrapper(part[i])
+            return part
 
         if self.pp_size > 1:
             modules, stages = build_stages(model, spec.stage_indices(pp_rank), spec.num_stages, pp_group,
@@ -427,6 +439,8 @@ class HybridParallelPlugin(Plugin):
         if not isinstance(batch, dict):
             raise TypeError(f"execute_pipeline: batches must be dicts like {{'idx': x, 'targets': y}}, got {type(batch).__name__}")
         m = self.num_microbatches
+        if m is None and self.microbatch_size is None:
+            m = 1  # pp_size == 1 without a split: the whole batch at once
         if m is None:
             bs = batch[self.input_key].shape[0]
             if bs % self.microbatch_size:
