@@ -31,6 +31,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from .. import telemetry
 from .chunk import Chunk, TensorInfo, TensorState
@@ -129,22 +130,42 @@ class ChunkManager:
         return min(cands, key=lambda c: order.index(c.id) if c.id in self._lru else -1)
 
     # ---- set-up ------------------------------------------------------------------------------
-    def materialize(self) -> None:
-        """Pack parameter values into chunk homes and point every parameter into ``chunk.full``."""
+    def materialize(self, source=None) -> None:
+        """Pack parameter values into chunk homes and point every parameter into ``chunk.full``.
+
+        One chunk at a time: its values come from ``source`` (a ``materialize.ParamSource``,
+        which materialises meta parameters on demand) and go straight to the chunk's home
+        tier, so at most one chunk's staging buffers exist at once, whatever the model size.
+        """
+        from .materialize import ParamSource, bind
+
+        if source is None:
+            source = ParamSource(nn.Module())
         for c in self.chunks:
             flat = torch.zeros(c.size, dtype=c.dtype)
             for info in c.infos:
-                flat[info.offset:info.end].copy_(info.param.detach().reshape(-1).to("cpu", c.dtype))
+                flat[info.offset:info.end].copy_(source.value(info).reshape(-1).to("cpu", c.dtype))
             s0, s1 = c.shard_range
             master = flat[s0:s1].float()
-            c.full = torch.empty(c.size, dtype=c.dtype, device=self.device)
-            for info in c.infos:  # views first: a view needs the storage's full size to exist
-                info.param.data = c.full[info.offset:info.end].view(info.shape)
             alias = c.param_home == self.compute.name and (not c.sharded or self.world == 1)
+            share = self.shares_master(c)
+            st = None
+            if c.optim_home != "nvme":
+                st = self._alloc_ram(c.optim_home, 3 * c.shard_size, torch.float32)
+                st.zero_()
+                st[:c.shard_size].copy_(master)
+                self._optim_state[c.id] = st
+            if alias and share:
+                c.full = st[:c.shard_size]  # fp32: the master *is* the parameter (no second copy)
+            else:
+                c.full = torch.empty(c.size, dtype=c.dtype, device=self.device)
+            for info in c.infos:  # views first: a view needs the storage's full size to exist
+                bind(info, c.full[info.offset:info.end].view(info.shape))
             if alias:
-                c.full.copy_(flat)
+                if not share:
+                    c.full.copy_(flat)
+                    self.compute.alloc(c.full_bytes)
                 c.shard = c.full
-                self.compute.alloc(c.full_bytes)
                 c.gathered = True
                 c.set_state(TensorState.HOLD)
             else:
@@ -152,19 +173,24 @@ class ChunkManager:
                 if c.param_home == "nvme":
                     self.nvme.write(f"c{c.id}.param", flat[s0:s1].clone()).result()
                     c.shard = None
+                elif share:
+                    c.shard = st[:c.shard_size]
                 else:
                     c.shard = self._alloc_ram(c.param_home, c.shard_size, c.dtype)
                     c.shard.copy_(flat[s0:s1])
-            state = torch.zeros(3 * c.shard_size, dtype=torch.float32)
-            state[:c.shard_size].copy_(master)
             if c.optim_home == "nvme":
+                state = torch.zeros(3 * c.shard_size, dtype=torch.float32)
+                state[:c.shard_size].copy_(master)
                 self.nvme.write(f"c{c.id}.state", state).result()
-            else:
-                st = self._alloc_ram(c.optim_home, 3 * c.shard_size, torch.float32)
-                st.copy_(state)
-                self._optim_state[c.id] = st
-            del flat, state
+                del state
+            del flat, master
         self.nonmodel.chunk_storages = {c.full.untyped_storage().data_ptr() for c in self.chunks}
+
+    def shares_master(self, c: Chunk) -> bool:
+        """fp32 chunk whose parameter shard and optimizer state share a RAM home: the parameter
+        shard is the master's own memory (4 bytes/parameter saved; torch's 16 bytes/parameter)."""
+        return c.dtype == torch.float32 and c.param_home == c.optim_home and c.param_home != "nvme" \
+            and self.stack.get(c.param_home).device == self.device
 
     # ---- gather / release ------------------------------------------------------------------------
     def access(self, c: Chunk, infos: List[TensorInfo], state: TensorState) -> None:
@@ -326,17 +352,24 @@ class ChunkManager:
         else:
             out = g
         c.reduced = True
-        self._store_grad(c, out)
+        adopted = self._store_grad(c, out)
         c.grad_full = None
-        self.compute.free(c.size * 4)
+        if not adopted:
+            self.compute.free(c.size * 4)
         c.set_state(TensorState.HOLD, [i for i in c.infos if i.state == TensorState.READY_FOR_REDUCE])
         self._maybe_release(c)
 
-    def _store_grad(self, c: Chunk, g: torch.Tensor) -> None:
+    def _store_grad(self, c: Chunk, g: torch.Tensor) -> bool:
+        """Hand the reduced gradient to the optimizer home; True if ``g`` itself was adopted."""
         if c.optim_home == "nvme":
-            if self.stack.host is self.compute:
-                self._reserve(c.shard_size * 4, protect=(c.id,))
-            host = g.detach().to("cpu", copy=True)
+            adopt = g is c.grad_full and g.device.type == "cpu"  # write the reduced buffer itself
+            if adopt:
+                host = g.detach()
+                self.compute.free(g.numel() * 4)
+            else:
+                if self.stack.host is self.compute:
+                    self._reserve(c.shard_size * 4, protect=(c.id,))
+                host = g.detach().to("cpu", copy=True)
             if self._grad_on_nvme.get(c.id):  # accumulation across backward calls before a step
                 prev = torch.empty_like(host)
                 self.nvme.read(f"c{c.id}.grad", prev).result()
@@ -344,14 +377,22 @@ class ChunkManager:
             self.stack.host.alloc(host.numel() * 4)
             self._writes.append((self.nvme.write(f"c{c.id}.grad", host), self.stack.host, host.numel() * 4, host))
             self._grad_on_nvme[c.id] = True
+            return adopt
         else:
             prev = self._grad_shard.get(c.id)
             if prev is not None:
                 prev.add_(g.to(prev.device))
+            elif g is c.grad_full and g.device == self.stack.get(c.optim_home).device:
+                # one rank, unsharded: the reduced buffer becomes the optimizer's gradient (no copy)
+                self.compute.free(g.numel() * 4)
+                self.stack.get(c.optim_home).alloc(g.numel() * 4)
+                self._grad_shard[c.id] = g
+                return True
             else:
                 t = self._alloc_ram(c.optim_home, c.shard_size, torch.float32)
                 t.copy_(g)
                 self._grad_shard[c.id] = t
+        return False
 
     def _finish_oldest_write(self) -> None:
         fut, tier, nbytes, _keep = self._writes.popleft()
@@ -414,7 +455,8 @@ class ChunkManager:
             self.stack.host.alloc(nbytes)
             self._writes.append((self.nvme.write(f"c{c.id}.param", new), self.stack.host, nbytes, new))
             return
-        c.shard.copy_(master)
+        if c.shard.data_ptr() != master.data_ptr():
+            c.shard.copy_(master)
 
     # ---- steps and telemetry -----------------------------------------------------------------
     def begin_step(self) -> None:

@@ -117,6 +117,8 @@ class GeminiPlugin(Plugin):
     def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision="fp32"):
         from ..gemini.chunk import Chunk, TensorInfo, pack, search_chunk_size
         from ..gemini.chunk_manager import ChunkManager
+        from ..gemini.hostmem import bound_host_heap
+        from ..gemini.materialize import ParamSource
         from ..gemini.nvme import NVMeStore
         from ..gemini.placement import PlacementConfig, min_working_set_bytes, plan_homes
         from ..gemini.tiers import TierStack
@@ -147,7 +149,7 @@ class GeminiPlugin(Plugin):
                     f"{max(numels) * elem / 2 ** 20:.3f} or None to search")
             size = -(-size // world) * world
         else:
-            size = search_chunk_size(numels, world)
+            size = search_chunk_size(numels, world, max_size=self._max_chunk_elems(elem))
         groups = pack(numels, size)
         n_shard = int(round(self.shard_param_frac * len(groups)))
         chunks = []
@@ -172,20 +174,34 @@ class GeminiPlugin(Plugin):
                               max_prefetch=self.max_prefetch)
         plan_homes(chunks, stack, cfg)  # raises before any memory is touched
         # ---- work starts here --------------------------------------------------------------
+        if stack.compute.device.type == "cpu" and self.device_memory_limit is not None:
+            bound_host_heap()  # RSS must follow the compute tier's accounting (see gemini/hostmem.py)
         nvme = NVMeStore(self.nvme_offload_dir) if self.nvme_offload_dir is not None else None
-        for m in model.modules():  # buffers go to the compute device; parameters go into chunks
-            for bname, b in list(m._buffers.items()):
-                if b is not None:
-                    m._buffers[bname] = b.to(device)
         telemetry_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         mgr = ChunkManager(chunks, stack, cfg, device, group=self.dp_group, nvme=nvme,
                            pin_memory=self.pin_memory, telemetry_rank=telemetry_rank)
-        mgr.materialize()
+        source = ParamSource(model)  # meta (lazy_init) parameters are materialised chunk by chunk
+        mgr.materialize(source)
+        source.finish(torch.device("cpu"))
+        for m in model.modules():  # buffers go to the compute device; parameters went into chunks
+            for bname, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[bname] = b.to(device)
         self._managers.append(mgr)
         gmodel = GeminiModel(model, mgr)
         goptim = GeminiOptimizer(optimizer, mgr, precision, group=self.dp_group) if optimizer is not None else None
         mgr.snapshot()
         return gmodel, goptim, criterion, dataloader, lr_scheduler
+
+    def _max_chunk_elems(self, elem: int) -> int:
+        """Largest chunk the size search may pick: under ``device_memory_limit`` the run-time working
+        set (chunks in compute and in flight, fp32 gradient buffers, an optimizer window) must stay a
+        fraction of the budget, or everything spills and the limit is hit by the working set alone."""
+        default = 32 << 20
+        if self.device_memory_limit is None:
+            return default
+        per_elem = max((2 + self.max_prefetch) * elem + 8, 2 * (16 + elem) + 2 * elem)
+        return max(1, min(default, self.device_memory_limit // (2 * per_elem)))
 
     def get_checkpoint_io(self):
         from ..gemini.checkpoint import GeminiCheckpointIO

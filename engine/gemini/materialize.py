@@ -1,0 +1,80 @@
+"""Parameter values for chunks, produced one chunk at a time — so a lazy model never exists in RAM.
+
+``booster.boost`` accepts a model built under ``engine.lazy.lazy_init()`` (every parameter on
+the meta device). ``ParamSource.value(info)`` hands the chunk manager one parameter's values as
+its chunk is packed: a meta parameter's owning module is materialised on CPU then (with
+``engine.lazy.materialize_module`` — the module's own ``reset_parameters``/``_init_weights``
+rules, or a ``state_dict_loader``), its values are kept only until their chunk is written to its
+home tier, and the module keeps pointing at the *original* ``nn.Parameter`` object. ``bind``
+then turns that object into a view of the chunk with ``torch.utils.swap_tensors`` (a meta
+tensor cannot take ``.data = cpu_tensor``), so the user's optimizer ``param_groups`` and any
+other reference stay valid. At most one chunk plus one module's parameters are alive at once.
+
+Random init order matches ``engine.lazy.materialize(model)`` (modules in ``named_modules``
+order, which is the order their parameters reach chunks), so a lazily built model boosted by
+Gemini starts from exactly the weights the same lazy model materialised eagerly would have.
+With tied weights the value comes from the first module that owns the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..lazy import Loader, default_init, materialize_module
+from .chunk import TensorInfo
+
+
+class ParamSource:
+    def __init__(self, model: nn.Module, state_dict_loader: Optional[Loader] = None):
+        self.model = model
+        self.loader = state_dict_loader
+        self.init = default_init(model)
+        self._owners: Dict[int, List[Tuple[str, nn.Module]]] = {}
+        for mname, m in model.named_modules():
+            for p in m._parameters.values():
+                if p is not None:
+                    self._owners.setdefault(id(p), []).append((mname, m))
+        self._pending: Dict[int, torch.Tensor] = {}
+
+    def value(self, info: TensorInfo) -> torch.Tensor:
+        """The parameter's values (CPU, its own dtype); materialises its module if it is meta."""
+        p = info.param
+        if not p.is_meta:
+            return p.detach()
+        if id(p) not in self._pending:
+            mname, module = self._owners[id(p)][0]
+            self._materialize(mname, module)
+        return self._pending.pop(id(p))
+
+    def _materialize(self, mname: str, module: nn.Module) -> None:
+        originals = dict(module._parameters)
+        materialize_module(module, mname, torch.device("cpu"), self.loader, self.init, memo={})
+        for pname, orig in originals.items():
+            new = module._parameters[pname]
+            if orig is not None and orig.is_meta and new is not orig:
+                self._pending[id(orig)] = new.detach()
+                module._parameters[pname] = orig  # the module keeps the object the optimizer holds
+
+    def finish(self, device: torch.device) -> None:
+        """Materialise meta buffers of modules that own no parameter (e.g. GPT's rotary tables)."""
+        for mname, m in self.model.named_modules():
+            if any(b is not None and b.is_meta for b in m._buffers.values()):
+                params = dict(m._parameters)
+                m._parameters.clear()  # buffers only: its parameters are already in chunks
+                try:
+                    materialize_module(m, mname, device, self.loader, self.init, memo={})
+                finally:
+                    m._parameters.update(params)
+        self._pending.clear()
+
+
+def bind(info: TensorInfo, view: torch.Tensor) -> None:
+    """Make ``info.param`` a view of its chunk (same Python object, new storage)."""
+    p = info.param
+    if p.is_meta:
+        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+    else:
+        p.data = view
