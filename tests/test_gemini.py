@@ -266,3 +266,28 @@ def test_gpu_policies_match_pytorch(policy, tmp_path):
         losses.append(loss.item())
     assert losses == pytest.approx(ref_losses, abs=1e-3)
     plugin.close()
+
+
+def test_fp16_overflow_in_nvme_resident_grads_skips_the_step(tmp_path):
+    """fp16: a non-finite gradient whose optimizer home is NVMe is caught before the update."""
+    model = _tiny()
+    plugin = GeminiPlugin(placement_policy="cpu", precision="fp16", nvme_offload_dir=str(tmp_path),
+                          nvme_offload_frac=1.0, chunk_size_mb=0.07)
+    booster = Booster(plugin=plugin)
+    gm, gopt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    assert {c.optim_home for c in gm.manager.chunks} == {"nvme"}
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    gopt.scale = 2.0 ** 40  # fp16 gradients overflow
+    x, y = _batches(1)[0]
+    _, loss = gm(x, y)
+    booster.backward(loss, gopt)
+    gopt.step()
+    assert gopt.skipped == 1 and gopt.scale == 2.0 ** 39
+    after = gm.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    gopt.scale = 1.0
+    _, loss = gm(x, y)
+    booster.backward(loss, gopt)
+    gopt.step()  # a finite step updates
+    assert gopt.skipped == 1 and not all(torch.equal(before[k], gm.state_dict()[k]) for k in before)
+    plugin.close()

@@ -75,6 +75,8 @@ class ChunkManager:
         self._grad_on_nvme: Dict[int, bool] = {}
         self._optim_state: Dict[int, torch.Tensor] = {}      # master|exp_avg|exp_avg_sq, optim home in RAM
         self._in_backward = False
+        self.check_finite = False   # set by the fp16 optimizer: inf/nan check of NVMe-bound grads
+        self.found_inf = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: Dict[int, "torch.cuda.Event"] = {}
 
@@ -374,6 +376,8 @@ class ChunkManager:
                 prev = torch.empty_like(host)
                 self.nvme.read(f"c{c.id}.grad", prev).result()
                 host.add_(prev)
+            if self.check_finite and not self.found_inf and not bool(torch.isfinite(host).all()):
+                self.found_inf = True  # fp16: seen here, before the gradient goes to disk
             self.stack.host.alloc(host.numel() * 4)
             self._writes.append((self.nvme.write(f"c{c.id}.grad", host), self.stack.host, host.numel() * 4, host))
             self._grad_on_nvme[c.id] = True

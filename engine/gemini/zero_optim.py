@@ -63,6 +63,7 @@ class GeminiOptimizer:
         self._clean = 0
         self.skipped = 0
         self.optim.state.clear()  # the user's optimizer never steps; its state would be stale
+        manager.check_finite = precision == "fp16"
 
     # ---- torch.optim.Optimizer-like surface ------------------------------------------------------
     @property
@@ -82,6 +83,8 @@ class GeminiOptimizer:
 
     def _found_inf(self) -> bool:
         bad = torch.zeros(1)
+        if self.mgr.found_inf:  # an NVMe-resident gradient was non-finite when it was stored
+            bad.fill_(1)
         for c in self.mgr.chunks:
             g = self.mgr._grad_shard.get(c.id)
             if g is not None and not torch.isfinite(g).all():
@@ -97,7 +100,9 @@ class GeminiOptimizer:
         mgr = self.mgr
         mgr.finish_backward()
         mgr.flush_writes()
-        if self.precision == "fp16" and self._found_inf():
+        found_inf = self.precision == "fp16" and self._found_inf()
+        mgr.found_inf = False
+        if found_inf:
             self.skipped += 1
             self.scale /= 2
             self._clean = 0

@@ -15,7 +15,8 @@ Colossal-AI's argument names and order. Arguments and the trade-off each makes:
   optimizer states kept there (slowest tier, nearly unlimited). With a directory, anything that
   does not fit the tiers above spills to it as well.
 * ``device_memory_limit`` — bytes Gemini may use on the compute device (emulates a smaller
-  card; on a CPU-only machine the budget of the RAM compute tier).
+  card; on a CPU-only machine the budget of the RAM compute tier, and glibc's mmap threshold is
+  fixed process-wide so freed chunk buffers return to the OS). It also caps the searched chunk size.
 * ``chunk_size_mb`` — chunk payload size; ``None`` searches the size that wastes least padding.
   Bigger chunks mean fewer, larger transfers but a larger working set.
 * ``max_prefetch`` — chunks loaded ahead of use (overlap vs. memory held for them).
@@ -23,6 +24,11 @@ Colossal-AI's argument names and order. Arguments and the trade-off each makes:
   scale) or ``fp32``; master weights and Adam states are always fp32. A ``Booster``
   ``mixed_precision`` other than the default ``"fp32"`` takes precedence.
 * ``pin_memory`` — page-locked host buffers for faster host↔device copies (CUDA only).
+
+Models built under ``engine.lazy.lazy_init()`` (meta parameters) are accepted: each parameter is
+materialised straight into its chunk as the chunk is packed and the chunk goes to its home tier
+(RAM or an NVMe file) before the next is built, so the full model never exists in RAM; with a CPU
+``device_memory_limit`` peak RSS is that limit plus a fixed margin, independent of model size.
 
 Call ``plugin.close()`` (or let the process exit) to remove the NVMe files.
 """
