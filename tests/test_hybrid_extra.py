@@ -191,6 +191,7 @@ def _worker2(rank, world, ckpt_dir):
     out["bf16"] = _fp_training("bf16")
     out["fp16"] = _fp_training("fp16")
     out["ckpt"] = _checkpoints(ckpt_dir)
+    out["wrong_optim"] = _worker_errors(rank, world, ckpt_dir)
     return out
 
 
@@ -255,6 +256,9 @@ def test_hybrid_features_two_ranks(tmp_path):
     for rank, r in enumerate(per_rank):
         skip = r["fp16"]["skip"]
         assert skip == {"stepped": False, "scale_ratio": 0.5, "unchanged": True}, (rank, skip)
+    # an optimizer checkpoint of another model: one clear error on every rank, no hang
+    for r in per_rank:
+        assert r["wrong_optim"] and "same model and optimizer type" in r["wrong_optim"], r["wrong_optim"]
     # checkpoints: one writer, atomic (no temporary names left), plain-GPT loadable
     ck = [r["ckpt"] for r in per_rank]
     assert ck[0]["files"] == ["model", "optim"], ck[0]["files"]
@@ -272,3 +276,81 @@ def test_hybrid_features_two_ranks(tmp_path):
         assert len(ref) == len(got) == 2
         for a, b in zip(got, ref):
             assert _close(a, b, 1e-4), (name, got, ref)
+
+
+def _worker4(rank, world, ckpt_dir):
+    out = {}
+    res = _train("gpt", "adamw", dp_rows=True, zero_stage=1, pp_size=2, num_microbatches=2, pp_style="1f1b")
+    o = res["opt"].optim
+    out["zero_kind"] = type(o).__name__
+    out["parity"] = [dict(_parity(res, "gpt", "adamw"), label="zero1 pp=2 x dp=2", dp=True)]
+    # pp=2 x tp=2 saves; a plain GPT (parent) and pp=2 x dp=2 with ZeRO-1 load it
+    data = _gpt_data(4)
+    booster, plugin, m, o, loss_fn = _boost("gpt", "adamw", pp_size=2, tp_size=2, num_microbatches=2,
+                                            pp_style="gpipe")
+    _steps(booster, plugin, m, o, loss_fn, data[:2])
+    booster.save_model(m, os.path.join(ckpt_dir, "model"))
+    booster.save_optimizer(o, os.path.join(ckpt_dir, "optim"))
+    out["saved_state"] = m.full_state_dict()
+    out["ref"] = _steps(booster, plugin, m, o, loss_fn, data[2:])
+    booster, plugin, m, o, loss_fn = _boost("gpt", "adamw", pp_size=2, zero_stage=1, num_microbatches=2,
+                                            pp_style="gpipe")
+    booster.load_model(m, os.path.join(ckpt_dir, "model"))
+    booster.load_optimizer(o, os.path.join(ckpt_dir, "optim"))
+    # each dp rank trains on the whole batch here, so its loss is the full-batch loss
+    out["resumed"] = _steps(booster, plugin, m, o, loss_fn, data[2:])
+    out["files"] = sorted(os.listdir(ckpt_dir))
+    return out
+
+
+def test_zero1_pipeline_data_parallel_and_checkpoints_four_ranks(tmp_path):
+    from colossal_lab.engine.checkpoint_io import load_state_dict_shards
+
+    per_rank = run_distributed(_worker4, 4, str(tmp_path), timeout=400)
+    _check_parity(per_rank)
+    assert {r["zero_kind"] for r in per_rank} == {"ZeroRedundancyOptimizer"}
+    assert per_rank[0]["files"] == ["model", "optim"]
+    plain = _gpt()
+    plain.load_state_dict(load_state_dict_shards(tmp_path / "model"), strict=True)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, per_rank[0]["saved_state"][k]), k
+    # step 3's loss checks the weights, step 4's the Adam state loaded into ZeRO-1 partitions
+    ref = [r["ref"] for r in per_rank if r["ref"][0] is not None]
+    got = [r["resumed"] for r in per_rank if r["resumed"][0] is not None]
+    assert ref and len(got) == 2, (ref, got)  # the last stage of each of the two dp replicas
+    for g in got:
+        assert all(_close(a, b, 1e-4) for a, b in zip(g, ref[0])), (ref, got)
+
+
+def _worker_errors(rank, world, ckpt_dir):
+    """Wrong optimizer checkpoint: one clear error on every rank, naming what does load."""
+    booster, plugin, m, o, loss_fn = _boost("mlp", "adamw")  # dp=2
+    _steps(booster, plugin, m, o, loss_fn, _mlp_data(1))
+    booster.save_optimizer(o, os.path.join(ckpt_dir, "mlp_optim"))
+    booster, plugin, m, o, loss_fn = _boost("seq", "adamw", pp_size=2, num_microbatches=2, pp_style="gpipe")
+    try:
+        booster.load_optimizer(o, os.path.join(ckpt_dir, "mlp_optim"))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_unsupported_model_choices_fail_before_any_group():
+    import pytest
+    import torch.distributed as dist
+
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    class Net(nn.Module):  # neither the GPT nor an nn.Sequential
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True.*Net.*nn.Sequential"):
+        HybridParallelPlugin(activation_checkpointing=True).configure(Net(), None, None, None, None, "fp32")
+    with pytest.raises(ValueError, match=r"tp_size=2.*Sequential has no tp_plan.*tp_plan="):
+        HybridParallelPlugin(tp_size=2).configure(_mlp(), None, None, None, None, "fp32")
+    assert not dist.is_initialized()

@@ -134,26 +134,41 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             _init_optim_state(local)  # a zero-lr step: state tensors of the right shapes/placements
         want: dict = {}
         saved_name: Dict[int, str] = {}
+        error = None
+        hint = ("hybrid optimizer checkpoints load into any pp/tp/dp/ZeRO-1 layout of the same model and "
+                "optimizer type")
         for p in (p for g in optim.param_groups for p in g["params"]):
             # a tied weight is saved under each name its stages use; read whichever exists
             n = next((n for n in names[id(p)] if any(k.startswith(f"param_groups.{n}.") for k in saved)), None)
             if n is None:
-                raise RuntimeError(
-                    f"load_optimizer({path}): the checkpoint has nothing for parameter {names[id(p)][0]!r}. "
-                    "Hybrid optimizer checkpoints load into any pp/tp/dp/ZeRO-1 layout of the same model "
-                    "and optimizer type; was this one saved from another model?")
+                error = error or (f"load_optimizer({path}): the checkpoint has nothing for parameter "
+                                  f"{names[id(p)][0]!r}; {hint}. Was it saved from another model?")
+                continue
             saved_name[id(p)] = n
             for k in saved:
                 if k.startswith(f"param_groups.{n}.") and "." not in k[len(f"param_groups.{n}."):]:
                     want[k] = None
         for p in (p for g in local.param_groups for p in g["params"]):
+            if id(p) not in saved_name:
+                continue
             for k, v in local.state.get(p, {}).items():
                 key = f"state.{saved_name[id(p)]}.{k}"
+                size = getattr(saved.get(key), "size", None)
                 if key not in saved:
-                    raise RuntimeError(
-                        f"load_optimizer({path}): no {key!r} in the checkpoint; it loads only into the same "
-                        f"optimizer type ({type(local).__name__}: state {sorted(local.state[p])})")
-                want[key] = v
+                    error = error or (f"load_optimizer({path}): no {key!r} in the checkpoint ({type(local).__name__} "
+                                      f"state has {sorted(local.state[p])}); {hint}")
+                elif isinstance(v, torch.Tensor) and size is not None and tuple(size) != tuple(v.shape):
+                    error = error or (f"load_optimizer({path}): {key!r} has shape {tuple(size)} in the checkpoint "
+                                      f"but {tuple(v.shape)} here; {hint}")
+                else:
+                    want[key] = v
+        # every rank learns of any rank's error before the collective load (else peers would hang)
+        if _dist():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise RuntimeError(error)
         scaler = getattr(getattr(optimizer, "plugin", None), "_scaler", None)
         if scaler is not None and "loss_scaler.scale" in saved:
             want["loss_scaler.scale"] = torch.tensor(0.0)

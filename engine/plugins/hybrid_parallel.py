@@ -282,6 +282,14 @@ class HybridParallelPlugin(Plugin):
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
             check_divisible(model, spec.num_stages)
+        gpt_ac = self.activation_checkpointing and hasattr(getattr(model, "cfg", None), "activation_checkpointing")
+        if self.activation_checkpointing and not gpt_ac and not isinstance(model, nn.Sequential):
+            raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): supported for the reference "
+                             f"GPT and nn.Sequential models, not {type(model).__name__}; wrap your layers in "
+                             "nn.Sequential or set activation_checkpointing=False")
+        if self.tp_size > 1 and self.tp_plan is None and not self.sequence_parallel and not hasattr(model, "tp_plan"):
+            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}): {type(model).__name__} has no tp_plan(); "
+                             "pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
         if not dist.is_initialized():
             raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
                                "with cl.launch(n=...) or torchrun")
@@ -294,11 +302,6 @@ class HybridParallelPlugin(Plugin):
         names_of: Dict[int, List[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(n)  # a tied weight has two names
-        gpt_ac = self.activation_checkpointing and hasattr(getattr(model, "cfg", None), "activation_checkpointing")
-        if self.activation_checkpointing and not gpt_ac and not isinstance(model, nn.Sequential):
-            raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): supported for the reference "
-                             f"GPT and nn.Sequential models, not {type(model).__name__}; wrap your layers in "
-                             "nn.Sequential or set activation_checkpointing=False")
         if gpt_ac:
             model.cfg.activation_checkpointing = True
 
