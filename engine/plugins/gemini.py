@@ -201,13 +201,13 @@ class GeminiPlugin(Plugin):
 
     def _max_chunk_elems(self, elem: int) -> int:
         """Largest chunk the size search may pick: under ``device_memory_limit`` the run-time working
-        set (chunks in compute and in flight, fp32 gradient buffers, an optimizer window) must stay a
-        fraction of the budget, or everything spills and the limit is hit by the working set alone."""
+        set (chunks in compute and in flight, fp32 gradient buffers, an optimizer window) must stay an
+        eighth of the budget, or everything spills and the limit is hit by the working set alone."""
         default = 32 << 20
         if self.device_memory_limit is None:
             return default
         per_elem = max((2 + self.max_prefetch) * elem + 8, 2 * (16 + elem) + 2 * elem)
-        return max(1, min(default, self.device_memory_limit // (2 * per_elem)))
+        return max(1, min(default, self.device_memory_limit // (8 * per_elem)))
 
     def get_checkpoint_io(self):
         from ..gemini.checkpoint import GeminiCheckpointIO
