@@ -155,7 +155,14 @@ class ColossalMagics(Magics):
             raise UsageError(f"%colossal dashboard needs colossal_lab.relay.attach and "
                              f"colossal_lab.widgets.Dashboard, which are not available here: {e}") from None
         attach(c)
-        display(Dashboard())
+        # One dashboard per cluster: showing it again (e.g. after training) shows everything it
+        # has gathered since the first call, not an empty new one.
+        dash = getattr(c, "_dashboard", None)
+        if dash is None:
+            dash = c._dashboard = Dashboard()
+        else:
+            dash.flush()
+        display(dash)
 
     @staticmethod
     def _current():

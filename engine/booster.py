@@ -108,10 +108,18 @@ class Booster:
             # the new param groups (which carry over lr and initial_lr)
             _retarget_scheduler(boosted_sched, inner)
         self._boosted = True
+        self._meter = None
+        if boosted_opt is not None and not hasattr(boosted_opt, "_emit"):
+            # Gemini / hybrid optimizers don't emit StepMetrics themselves (OptimizerWrapper does)
+            from .step_metrics import StepMeter
+
+            self._meter = StepMeter(out[0], boosted_opt)
         return out
 
     # ---- the training step ---------------------------------------------------------------
     def backward(self, loss, optimizer) -> None:
+        if getattr(self, "_meter", None) is not None:
+            self._meter.record_loss(loss)
         self.plugin.backward(loss, optimizer)
 
     def no_sync(self, model: nn.Module = None, optimizer=None) -> contextlib.AbstractContextManager:
@@ -123,8 +131,18 @@ class Booster:
 
     def execute_pipeline(self, data_iter: Iterator, model, criterion, optimizer=None,
                          return_loss: bool = True, return_outputs: bool = False) -> dict:
-        return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer,
-                                            return_loss=return_loss, return_outputs=return_outputs)
+        meter = getattr(self, "_meter", None)
+        if meter is None:
+            return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer,
+                                                return_loss=return_loss, return_outputs=return_outputs)
+        meter.in_pipeline = True  # count the batches drawn, not the stages' forwards
+        try:
+            out = self.plugin.execute_pipeline(meter.count_batches(data_iter), model, criterion, optimizer,
+                                               return_loss=return_loss, return_outputs=return_outputs)
+        finally:
+            meter.in_pipeline = False
+        meter.record_loss(out.get("loss") if isinstance(out, dict) else None)
+        return out
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,
