@@ -207,18 +207,33 @@ def test_live_subscription_redraws_throttled_and_never_blocks_the_emitter():
     assert len(cm.chunks.chunks) == before  # closed: unsubscribed
 
 
-def test_live_figure_widget_updates_from_a_background_thread():
+def test_live_output_widget_redraws_from_a_background_thread():
+    """Live views draw into an ipywidgets.Output carrying the plotly mime bundle (see _live.py
+    for why not FigureWidget); the redraw thread replaces it with the full, latest picture."""
+    import ipywidgets as W
+
     g = MemoryGauges(live=True, max_hz=10)
     try:
-        assert isinstance(g.figure, go.FigureWidget)
+        out = g.widget()
+        assert isinstance(out, W.Output) and isinstance(g.figure, go.Figure)
         th = threading.Thread(target=lambda: T.emit(T.MemorySample(3, time.time(), "cpu", 42 * MIB, 84 * MIB)))
         th.start(); th.join()
         deadline = time.time() + 5
         while time.time() < deadline and not g.figure.data:
             time.sleep(0.05)
         assert g.figure.data[0].value == pytest.approx(42.0)
+        (bundle,) = out.outputs
+        fig = bundle["data"]["application/vnd.plotly.v1+json"]
+        assert fig["data"][0]["value"] == pytest.approx(42.0) and "rank 3" in bundle["data"]["text/plain"]
+        json.dumps(fig)  # plain JSON (no numpy), what the browser's plotly renderer receives
+        assert "application/vnd.jupyter.widget-view+json" in g._repr_mimebundle_()
     finally:
         g.close()
+    d = Dashboard(live=True, subscribe=False)
+    assert isinstance(d.widget(), W.VBox) and len(d.widget().children) == 4
+    d.update([T.StepMetrics(0, 1, 2.5, 10, 1.0), T.ChunkEvent(0, 1, 0, "nvme", "hold", MIB, ())])
+    names = {t.get("name") for t in d.chunk_map.widget().outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]}
+    assert "nvme" in names
 
 
 def test_memory_sampler_measures_real_host_and_nvme_dir(tmp_path):

@@ -1,9 +1,9 @@
 """The live machinery every widget shares: queue, throttled redraw thread, display fallback.
 
-Why hand-written: ipywidgets and plotly's ``FigureWidget`` give the picture and the comm to
-the browser, but nothing that (a) takes events from a training thread without ever blocking
-it, (b) coalesces a burst of thousands of events into one redraw, and (c) bounds the redraw
-rate so a slow browser tab cannot back-pressure training. That is this file:
+Why hand-written: ipywidgets and plotly give the picture and the comm to the browser, but
+nothing that (a) takes events from a training thread without ever blocking it, (b) coalesces
+a burst of thousands of events into one redraw, and (c) bounds the redraw rate so a slow
+browser tab cannot back-pressure training. That is this file:
 
 * the bus subscriber only appends to a ``deque`` and sets an ``Event`` (O(1), never blocks
   on the notebook, never raises into the emitter);
@@ -12,6 +12,24 @@ rate so a slow browser tab cannot back-pressure training. That is this file:
   from the *latest* state, so intermediate states are skipped, not queued;
 * ipykernel sends comm messages from any thread through its IOPub thread, so the redraw
   reaches JupyterLab while the main thread is busy in a ``%%colossal`` cell or a torch op.
+
+How a live view reaches the browser, and why not plotly's ``FigureWidget``: each view owns
+an ``ipywidgets.Output`` whose ``outputs`` the redraw thread replaces with one
+``application/vnd.plotly.v1+json`` bundle (the figure as it is now), which JupyterLab's
+plotly mime renderer (the ``jupyterlab-plotly`` extension that ships with plotly) draws.
+``.figure`` stays a plain ``go.Figure`` holding the same picture. We used ``FigureWidget``
+first and it rendered empty axes in the real-browser test (JupyterLab 4.6, ipywidgets 8.1.9,
+anywidget 0.11, plotly 7.1). The cause, read in plotly's ``package_data/widgetbundle.js``:
+the anywidget ``FigureModel`` applies every Python-side delta (``_py2js_addTraces``,
+``restyle``, ``relayout``, ``update``) to ``this.model.get("_widget_data")``, and that getter
+returns a *freshly deserialized copy*, so the model in the browser never records a delta;
+only views alive at that moment apply it. A view created later (JupyterLab renders outputs
+lazily, a reloaded tab, a second view, a page still loading while the kernel streams
+updates) starts from the state at the last *full* ``_widget_data`` assignment, which for a
+live dashboard is the empty figure it was displayed with. A bare ``FigureWidget`` with data
+in its constructor does render, which is why the bug looked version-specific. The ``Output``
+route carries the full state in every update (a few KB to ~100 KB at <= ``max_hz``), so any
+view, created at any time, shows the latest picture, and it needs no 5 MB ESM per figure.
 
 Display: inside a Jupyter kernel a view is a live widget whose display bundle also carries
 a static plotly figure (``text/html``) and a text summary, so JupyterLab draws the widget and
@@ -72,49 +90,45 @@ def widget_frontend_present() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
-def make_figure(live: bool) -> go.Figure:
-    """A ``FigureWidget`` where it can draw live, else a plain ``Figure`` (same API)."""
-    if live:
-        try:
-            return go.FigureWidget()
-        except Exception:  # no anywidget / broken widget stack: degrade to static
-            pass
-    return go.Figure()
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def _jsonable(obj: Any) -> Any:
+    """Plain JSON for the mime bundle: numpy arrays become lists (not plotly's base64
+    ``bdata``, so the page's ``gd.data`` stays plain arrays that tests and users can read)."""
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    tolist = getattr(obj, "tolist", None)
+    if tolist is not None and not isinstance(obj, (str, bytes)):
+        return _jsonable(tolist())
+    return obj
+
+
+def plotly_bundle(fig: go.Figure, text: str = "") -> dict:
+    """One ``display_data`` output that JupyterLab's plotly mime renderer draws."""
+    return {"output_type": "display_data", "metadata": {},
+            "data": {PLOTLY_MIME: _jsonable(fig.to_plotly_json()), "text/plain": text}}
+
+
+def make_output():
+    """An ``ipywidgets.Output`` for a live view, or None where ipywidgets is unusable."""
+    try:
+        import ipywidgets as W
+
+        return W.Output()
+    except Exception:  # no ipywidgets: degrade to static
+        return None
 
 
 def replace_figure(target: go.Figure, new: go.Figure) -> None:
-    """Make ``target`` look like ``new`` in one batched message to the browser.
-
-    Traces are updated in place when the trace list has the same shape (cheap diff on the
-    wire); otherwise they are replaced.
-    """
-    same = (len(target.data) == len(new.data)
-            and all(a.type == b.type for a, b in zip(target.data, new.data)))
-    batch = target.batch_update() if isinstance(target, go.FigureWidget) else _nullctx()
-    with batch:
-        if same:
-            for t, n in zip(target.data, new.data):
-                t.update(n.to_plotly_json(), overwrite=True)
-        else:
-            target.data = ()
-            if new.data:
-                target.add_traces(list(new.data))
-        if getattr(target, "_colossal_layout_set", False):
-            # the template (a few KB) is the same every time: send only what changed
-            lay = new.layout.to_plotly_json()
-            lay.pop("template", None)
-            target.update_layout(lay, overwrite=True)
-        else:
-            target.layout = new.layout
-            target._colossal_layout_set = True
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    """Make ``target`` hold ``new``'s traces and layout (``.figure`` keeps its identity)."""
+    with target.batch_update():
+        target.data = ()
+        if new.data:
+            target.add_traces(list(new.data))
+        target.layout = new.layout
 
 
 class Throttle:
@@ -172,7 +186,8 @@ class LiveView:
         self._lock = threading.RLock()
         self._queue: collections.deque = collections.deque()
         self._live = widget_frontend_present() if live is None else bool(live)
-        self._fig = make_figure(self._live)
+        self._fig = go.Figure()
+        self._out = make_output() if self._live else None
         self._unsubscribe: Optional[Callable[[], None]] = None
         self._throttle: Optional[Throttle] = None
         self._closed = False
@@ -251,13 +266,16 @@ class LiveView:
     def redraw(self) -> None:
         with self._lock:
             new = self.build_figure()
+            if self._out is not None:
+                # one trait assignment = one comm message with the full picture
+                self._out.outputs = (plotly_bundle(new, self.summary()),)
             replace_figure(self._fig, new)
             self.redraws += 1
 
     # ---- outputs --------------------------------------------------------------------------
     @property
     def figure(self) -> go.Figure:
-        """The plotly figure this view draws into (a ``FigureWidget`` when live)."""
+        """The plotly figure this view draws into (the picture the browser shows)."""
         return self._fig
 
     def static_figure(self) -> go.Figure:
@@ -265,31 +283,16 @@ class LiveView:
             return self.build_figure()
 
     def widget(self):
-        """The ipywidgets object shown in a notebook (the figure itself for simple views)."""
-        return self._fig
+        """The ipywidgets object shown in a notebook (an ``Output`` redrawn live), or None."""
+        return self._out
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
-        if self._live and display_mode() != "static":
-            self._sync_widget_state()
+        if self._live and display_mode() != "static" and self.widget() is not None:
             bundle = self._static_bundle()
             bundle.update(self.widget()._repr_mimebundle_())
             bundle["text/plain"] = self.summary()
             return bundle
         return self._static_bundle()
-
-    def _sync_widget_state(self) -> None:
-        """Give the browser's new view the figure as it is now (what plotly's own repr does).
-
-        A ``FigureWidget`` sends later changes as deltas against the state its view started
-        from; a view created from a stale snapshot would receive edits for traces it lacks.
-        """
-        import copy
-
-        with self._lock:
-            fig = self._fig
-            if isinstance(fig, go.FigureWidget):
-                fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
-                fig._widget_data = copy.deepcopy(fig._data)
 
     def _static_bundle(self) -> dict:
         return {"text/html": self.static_html(), "text/plain": self.summary()}

@@ -85,14 +85,12 @@ class Dashboard(LiveView):
         if self._box is None:
             import ipywidgets as W
 
-            self._box = W.VBox([self._fig, self.chunk_map.widget(), self.timeline.widget(),
-                                self.gauges.widget()])
+            parts = [self._out, self.chunk_map.widget(), self.timeline.widget(),
+                     self.gauges.widget()]
+            if any(p is None for p in parts):
+                return None
+            self._box = W.VBox(parts)
         return self._box
-
-    def _sync_widget_state(self) -> None:
-        super()._sync_widget_state()
-        for v in (self.chunk_map, self.timeline, self.gauges):
-            v._sync_widget_state()
 
     def static_html(self) -> str:
         return "\n".join(v.static_figure().to_html(full_html=False,

@@ -118,6 +118,8 @@ class PipelineTimeline(LiveView):
             self._selector.value = self.step if self.step in self.timeline.steps else None
 
     def widget(self):
+        if self._out is None:
+            return None
         if self._selector is None:
             import ipywidgets as W
 
@@ -125,7 +127,7 @@ class PipelineTimeline(LiveView):
                                         value=None, layout=W.Layout(width="220px"))
             self._sync_selector()
             self._selector.observe(lambda ch: self.select_step(ch["new"]), names="value")
-            self._box = W.VBox([self._selector, self._fig])
+            self._box = W.VBox([self._selector, self._out])
         return self._box
 
     def summary(self) -> str:
