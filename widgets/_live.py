@@ -122,22 +122,17 @@ def make_output():
         return None
 
 
-def replace_figure(target: go.Figure, new: go.Figure) -> None:
-    """Make ``target`` hold ``new``'s traces and layout (``.figure`` keeps its identity)."""
-    with target.batch_update():
-        target.data = ()
-        if new.data:
-            target.add_traces(list(new.data))
-        target.layout = new.layout
-
-
 class Throttle:
-    """A daemon thread that calls ``fn()`` after ``poke()``, at most ``max_hz`` times/second."""
+    """A daemon thread that calls ``fn()`` after ``poke()``, at most ``max_hz`` times/second
+    and spending at most ``max_duty`` of the wall clock in ``fn``."""
 
-    def __init__(self, fn: Callable[[], None], max_hz: float = 8.0, name: str = "redraw"):
+    def __init__(self, fn: Callable[[], None], max_hz: float = 8.0, name: str = "redraw",
+                 max_duty: float = 0.05):
         if not max_hz > 0:
             raise ValueError(f"max_hz={max_hz!r}: must be > 0 (redraws per second)")
-        self._fn, self._period = fn, 1.0 / max_hz
+        if not 0 < max_duty <= 1:
+            raise ValueError(f"max_duty={max_duty!r}: must be in (0, 1] (fraction of wall time)")
+        self._fn, self._period, self._duty = fn, 1.0 / max_hz, max_duty
         self._wake, self._stop = threading.Event(), threading.Event()
         self.calls = 0
         self.errors: List[BaseException] = []
@@ -162,7 +157,11 @@ class Throttle:
             except BaseException as exc:  # a drawing bug must not kill the live view
                 self.errors.append(exc)
                 del self.errors[:-10]
-            rest = self._period - (time.monotonic() - t0)
+            took = time.monotonic() - t0
+            # at most max_hz, and at most ``max_duty`` of the wall clock spent drawing: building
+            # a plotly figure is GIL-held Python (tens of ms), so a redraw thread that draws
+            # flat out would slow the training thread that shares the interpreter
+            rest = max(self._period, took / self._duty) - took
             if rest > 0:
                 self._stop.wait(rest)
 
@@ -269,7 +268,7 @@ class LiveView:
             if self._out is not None:
                 # one trait assignment = one comm message with the full picture
                 self._out.outputs = (plotly_bundle(new, self.summary()),)
-            replace_figure(self._fig, new)
+            self._fig = new  # a fresh figure each redraw (copying into the old one cost 2x)
             self.redraws += 1
 
     # ---- outputs --------------------------------------------------------------------------
