@@ -6,16 +6,17 @@
     PipelineTimeline.from_trace("run.jsonl").export_chrome_trace("run.trace.json")
 
 Each view: a no-argument constructor that subscribes to ``telemetry.subscribe``;
-``from_trace(path)``; ``.figure`` (a plotly figure); ``feed(event)`` / ``update(events)``;
+``from_trace(path)``; ``.figure`` (a plotly figure, built on read from the plain dict the live path sends); ``feed(event)`` / ``update(events)``;
 ``close()``. Only telemetry event types, plotly and ipywidgets are imported here (DESIGN.md).
 """
 
 from ._live import display_mode, set_display_mode, widget_frontend_present
-from .chunk_map import ChunkMap, chunk_map_figure
-from .dashboard import Dashboard, metrics_figure
-from .gauges import MemoryGauges, gauges_figure
-from .timeline import PipelineTimeline, timeline_figure
+from .chunk_map import ChunkMap, chunk_map_dict, chunk_map_figure
+from .dashboard import Dashboard, metrics_dict, metrics_figure
+from .gauges import MemoryGauges, gauges_dict, gauges_figure
+from .timeline import PipelineTimeline, timeline_dict, timeline_figure
 
 __all__ = ["ChunkMap", "PipelineTimeline", "MemoryGauges", "Dashboard", "chunk_map_figure",
-           "timeline_figure", "gauges_figure", "metrics_figure", "set_display_mode",
+           "timeline_figure", "gauges_figure", "metrics_figure", "chunk_map_dict", "timeline_dict",
+           "gauges_dict", "metrics_dict", "set_display_mode",
            "display_mode", "widget_frontend_present"]

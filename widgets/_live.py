@@ -31,6 +31,15 @@ in its constructor does render, which is why the bug looked version-specific. Th
 route carries the full state in every update (a few KB to ~100 KB at <= ``max_hz``), so any
 view, created at any time, shows the latest picture, and it needs no 5 MB ESM per figure.
 
+Why the redraw path builds plain dicts, not ``go.Figure``: plotly's ``graph_objects`` validate
+every property on construction (10-50 ms of GIL-held Python per figure), and the redraw
+threads share the interpreter with training, so that cost came straight out of tokens/s. Each
+view's ``build_dict()`` writes the ``{"data": [...], "layout": {...}}`` plotly.js reads,
+directly from the reduced state (plain lists, the default template's JSON shared by
+reference), and that dict *is* the mime bundle. ``.figure`` (a real ``go.Figure``, validated)
+is built from the same dict only when someone reads it, so tests and static exports see
+exactly what the browser got. A redraw whose dict equals the last one sends nothing.
+
 Display: inside a Jupyter kernel a view is a live widget whose display bundle also carries
 a static plotly figure (``text/html``) and a text summary, so JupyterLab draws the widget and
 a client without a widget manager shows the static figure; outside a kernel (a plain
@@ -106,10 +115,50 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def plotly_bundle(fig: go.Figure, text: str = "") -> dict:
-    """One ``display_data`` output that JupyterLab's plotly mime renderer draws."""
+def plotly_bundle(fig: Any, text: str = "") -> dict:
+    """One ``display_data`` output that JupyterLab's plotly mime renderer draws.
+
+    ``fig`` is a figure dict from a view's ``build_dict()`` (already plain JSON: sent as is)
+    or a ``go.Figure`` (converted)."""
+    if isinstance(fig, go.Figure):
+        fig = _jsonable(fig.to_plotly_json())
     return {"output_type": "display_data", "metadata": {},
-            "data": {PLOTLY_MIME: _jsonable(fig.to_plotly_json()), "text/plain": text}}
+            "data": {PLOTLY_MIME: fig, "text/plain": text}}
+
+
+_template: Optional[dict] = None
+
+
+def template_json() -> dict:
+    """plotly's default template as JSON, resolved once and shared by every figure dict (what
+    ``go.Figure`` would embed; without it plotly.js would draw with its bare defaults)."""
+    global _template
+    if _template is None:
+        import plotly.io as pio
+
+        name = pio.templates.default
+        _template = _jsonable(pio.templates[name].to_plotly_json()) if name else {}
+    return _template
+
+
+def columns_layout(widths: List[float], spacing: float, titles: Iterable[str]) -> dict:
+    """The axes and title annotations ``make_subplots(rows=1, cols=len(widths),
+    column_widths=widths, horizontal_spacing=spacing, subplot_titles=titles)`` would write, as
+    plain layout keys (``xaxis``, ``yaxis``, ``xaxis2``, ... and ``annotations``)."""
+    n, total = len(widths), float(sum(widths))
+    free = 1.0 - spacing * (n - 1)
+    out: dict = {"annotations": []}
+    x0 = 0.0
+    for i, (w, title) in enumerate(zip(widths, titles)):
+        sfx = "" if i == 0 else str(i + 1)
+        x1 = x0 + free * w / total
+        out["xaxis" + sfx] = {"anchor": "y" + sfx, "domain": [x0, x1]}
+        out["yaxis" + sfx] = {"anchor": "x" + sfx, "domain": [0.0, 1.0]}
+        out["annotations"].append({"font": {"size": 16}, "showarrow": False, "text": title,
+                                   "x": (x0 + x1) / 2, "xanchor": "center", "xref": "paper",
+                                   "y": 1.0, "yanchor": "bottom", "yref": "paper"})
+        x0 = x1 + spacing
+    return out
 
 
 def make_output():
@@ -175,9 +224,9 @@ class Throttle:
 class LiveView:
     """Base of every widget: subscribe, queue, fold into state, redraw throttled, display.
 
-    Subclasses set ``self._fig`` (a figure they own), implement ``_fold(events)`` (update state,
-    return True when something changed), ``build_figure()`` (a fresh ``go.Figure`` from state)
-    and ``summary()`` (text).
+    Subclasses implement ``_fold(events)`` (update state, return True when something
+    changed), ``build_dict()`` (the plotly figure as a plain JSON dict, from state; no
+    ``graph_objects`` on this path) and ``summary()`` (text).
     """
 
     def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
@@ -185,12 +234,14 @@ class LiveView:
         self._lock = threading.RLock()
         self._queue: collections.deque = collections.deque()
         self._live = widget_frontend_present() if live is None else bool(live)
-        self._fig = go.Figure()
+        self._dict: dict = {"data": [], "layout": {}}
+        self._fig: Optional[go.Figure] = None  # built from ``_dict`` on first read
         self._out = make_output() if self._live else None
         self._unsubscribe: Optional[Callable[[], None]] = None
         self._throttle: Optional[Throttle] = None
         self._closed = False
         self.redraws = 0
+        self.skipped = 0  # redraws whose picture equalled the last one (nothing sent)
         self._init_state()
         self.redraw()
         if subscribe:
@@ -204,8 +255,13 @@ class LiveView:
     def _fold(self, events: List[Any]) -> bool:
         raise NotImplementedError
 
-    def build_figure(self) -> go.Figure:
+    def build_dict(self) -> dict:
         raise NotImplementedError
+
+    def build_figure(self) -> go.Figure:
+        """A validated ``go.Figure`` of the current state (for static exports; not live)."""
+        with self._lock:
+            return go.Figure(self.build_dict())
 
     def summary(self) -> str:
         raise NotImplementedError
@@ -264,22 +320,32 @@ class LiveView:
 
     def redraw(self) -> None:
         with self._lock:
-            new = self.build_figure()
+            new = self.build_dict()
+            if self.redraws and new == self._dict:
+                self.skipped += 1  # same picture: send nothing
+                return
             if self._out is not None:
                 # one trait assignment = one comm message with the full picture
                 self._out.outputs = (plotly_bundle(new, self.summary()),)
-            self._fig = new  # a fresh figure each redraw (copying into the old one cost 2x)
+            self._dict, self._fig = new, None  # ``.figure`` is rebuilt from the dict on demand
             self.redraws += 1
 
     # ---- outputs --------------------------------------------------------------------------
     @property
     def figure(self) -> go.Figure:
-        """The plotly figure this view draws into (the picture the browser shows)."""
-        return self._fig
+        """The latest picture as a plotly ``go.Figure`` (the dict the browser got, validated;
+        built on first read after a redraw, so the live path never pays for it)."""
+        with self._lock:
+            if self._fig is None:
+                self._fig = go.Figure(self._dict)
+            return self._fig
+
+    def figure_dict(self) -> dict:
+        """The latest picture as the plain dict sent to the browser (do not mutate)."""
+        return self._dict
 
     def static_figure(self) -> go.Figure:
-        with self._lock:
-            return self.build_figure()
+        return self.build_figure()
 
     def widget(self):
         """The ipywidgets object shown in a notebook (an ``Output`` redrawn live), or None."""

@@ -5,8 +5,8 @@ cell names its parameters and bytes; a chunk that changed tier at the newest ste
 with a thick black outline, so moves show as they happen. Right: a bar per tier with the
 bytes of chunks there against the tier's capacity and sampled use (from ``MemorySample``).
 
-The trace list has a fixed shape (one scatter per tier, three bars), so a live redraw is an
-in-place update of a few arrays, not a rebuild of the figure in the browser.
+The trace list has a fixed shape (one scatter per tier, three bars); a redraw writes it as a
+plain dict (``chunk_map_dict``), never through plotly's validated objects.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import math
 from typing import Any, Dict, List
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from colossal_lab.engine.telemetry import TIERS
 
-from ._live import LiveView
+from ._live import LiveView, columns_layout, template_json
 from .state import TIER_COLORS, ChunkState, MemoryState, reduce_all
 
 STATE_SYMBOLS = {"compute": "square-x", "hold": "square", "free": "square-open"}
@@ -33,11 +32,9 @@ def _hover(e) -> str:
             f"<br>{e.nbytes / MIB:.3f} MiB ({e.nbytes} B)<br>params: {shown or '—'}")
 
 
-def chunk_map_figure(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) -> go.Figure:
-    """The ChunkMap picture of ``chunks`` and ``memory`` (pure: state in, figure out)."""
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.7, 0.3], horizontal_spacing=0.1,
-                        subplot_titles=("chunks per rank (colour = tier, shape = state)",
-                                        "MiB per tier"))
+def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) -> dict:
+    """The ChunkMap picture of ``chunks`` and ``memory`` as a plain plotly JSON dict (pure:
+    state in, dict out; no ``graph_objects``, see ``_live.py``)."""
     ranks = chunks.ranks
     by_rank = {r: sorted((e for (rr, _), e in chunks.chunks.items() if rr == r),
                          key=lambda e: e.chunk_id) for r in ranks}
@@ -61,35 +58,44 @@ def chunk_map_figure(chunks: ChunkState, memory: MemoryState, max_cols: int = 16
             p["cd"].append([e.rank, e.chunk_id])
         row0 += max(1, math.ceil(len(by_rank[r]) / ncols)) + 1  # one blank row between ranks
 
+    data: List[dict] = []
     for t in TIERS:
         p = pts[t]
-        fig.add_trace(go.Scatter(
-            name=t, x=p["x"], y=p["y"], mode="markers", hovertext=p["text"],
-            hoverinfo="text", customdata=p["cd"], legendgroup=t,
-            marker=dict(color=TIER_COLORS[t], symbol=p["sym"], size=18,
-                        line=dict(color="black", width=p["lw"]))), row=1, col=1)
+        data.append({"type": "scatter", "name": t, "x": p["x"], "y": p["y"], "mode": "markers",
+                     "hovertext": p["text"], "hoverinfo": "text", "customdata": p["cd"],
+                     "legendgroup": t, "xaxis": "x", "yaxis": "y",
+                     "marker": {"color": TIER_COLORS[t], "symbol": p["sym"], "size": 18,
+                                "line": {"color": "black", "width": p["lw"]}}})
 
     chunk_bytes = chunks.bytes_by_tier()
     cap, used = memory.capacity_by_tier(), memory.used_by_tier()
     tiers = list(TIERS)
-    fig.add_trace(go.Bar(name="capacity", x=tiers, y=[cap.get(t, 0) / MIB for t in tiers],
-                         marker_color="#e6e6e6", width=0.8, showlegend=True), row=1, col=2)
-    fig.add_trace(go.Bar(name="used (sampled)", x=tiers, y=[used.get(t, 0) / MIB for t in tiers],
-                         marker_color="#9a9a9a", width=0.6), row=1, col=2)
-    fig.add_trace(go.Bar(name="chunks", x=tiers, y=[chunk_bytes[t] / MIB for t in tiers],
-                         marker_color=[TIER_COLORS[t] for t in tiers], width=0.35), row=1, col=2)
+    bar = {"type": "bar", "x": tiers, "xaxis": "x2", "yaxis": "y2"}
+    data.append(dict(bar, name="capacity", y=[cap.get(t, 0) / MIB for t in tiers],
+                     marker={"color": "#e6e6e6"}, width=0.8, showlegend=True))
+    data.append(dict(bar, name="used (sampled)", y=[used.get(t, 0) / MIB for t in tiers],
+                     marker={"color": "#9a9a9a"}, width=0.6))
+    data.append(dict(bar, name="chunks", y=[chunk_bytes[t] / MIB for t in tiers],
+                     marker={"color": [TIER_COLORS[t] for t in tiers]}, width=0.35))
 
     n_moves_now = len(moved)
     title = (f"ChunkMap · {len(chunks.chunks)} chunks on {len(ranks)} rank(s)"
              + (f" · step {last} · {n_moves_now} move(s) this step" if last is not None else
                 " · waiting for ChunkEvents"))
-    fig.update_layout(title=title, barmode="overlay", height=max(320, 60 + 26 * row0),
-                      margin=dict(l=60, r=20, t=70, b=40), hovermode="closest",
-                      legend=dict(orientation="h", y=-0.08))
-    fig.update_xaxes(visible=False, range=[-0.7, ncols - 0.3], row=1, col=1)
-    fig.update_yaxes(tickvals=tickvals, ticktext=ticktext, zeroline=False, showgrid=False,
-                     range=[-(max(row0, 2) - 0.3), 0.7], row=1, col=1)
-    return fig
+    layout = columns_layout([0.7, 0.3], 0.1, ("chunks per rank (colour = tier, shape = state)",
+                                              "MiB per tier"))
+    layout["xaxis"].update(visible=False, range=[-0.7, ncols - 0.3])
+    layout["yaxis"].update(tickvals=tickvals, ticktext=ticktext, zeroline=False, showgrid=False,
+                           range=[-(max(row0, 2) - 0.3), 0.7])
+    layout.update(template=template_json(), title={"text": title}, barmode="overlay",
+                  height=max(320, 60 + 26 * row0), margin={"l": 60, "r": 20, "t": 70, "b": 40},
+                  hovermode="closest", legend={"orientation": "h", "y": -0.08})
+    return {"data": data, "layout": layout}
+
+
+def chunk_map_figure(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) -> go.Figure:
+    """``chunk_map_dict`` as a validated ``go.Figure`` (for static use)."""
+    return go.Figure(chunk_map_dict(chunks, memory, max_cols))
 
 
 class ChunkMap(LiveView):
@@ -106,8 +112,8 @@ class ChunkMap(LiveView):
     def _fold(self, events) -> bool:
         return reduce_all(events, chunk=self.chunks, memory=self.memory) > 0
 
-    def build_figure(self) -> go.Figure:
-        return chunk_map_figure(self.chunks, self.memory)
+    def build_dict(self) -> dict:
+        return chunk_map_dict(self.chunks, self.memory)
 
     def summary(self) -> str:
         if not self.chunks.chunks:

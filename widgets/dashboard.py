@@ -11,29 +11,36 @@ from __future__ import annotations
 from typing import Dict, Iterable, Optional
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-from ._live import LiveView
+from ._live import LiveView, columns_layout, template_json
 from .chunk_map import ChunkMap
 from .gauges import MemoryGauges
 from .state import MetricsState, reduce_all
 from .timeline import PipelineTimeline
 
 
-def metrics_figure(metrics: MetricsState) -> go.Figure:
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("loss", "tokens/s per rank"),
-                        horizontal_spacing=0.12)
+def metrics_dict(metrics: MetricsState) -> dict:
+    """Loss and per-rank tokens/s curves as a plain plotly dict."""
     xs, ys = metrics.loss_curve()
-    fig.add_trace(go.Scatter(name="loss", x=xs, y=ys, mode="lines+markers"), row=1, col=1)
+    data = [{"type": "scatter", "name": "loss", "x": list(xs), "y": list(ys),
+             "mode": "lines+markers", "xaxis": "x", "yaxis": "y"}]
     for r in metrics.ranks:
         sx, sy = metrics.tokens_per_s(r)
-        fig.add_trace(go.Scatter(name=f"rank {r} tok/s", x=sx, y=sy, mode="lines+markers"),
-                      row=1, col=2)
+        data.append({"type": "scatter", "name": f"rank {r} tok/s", "x": list(sx), "y": list(sy),
+                     "mode": "lines+markers", "xaxis": "x2", "yaxis": "y2"})
     last = f" · step {xs[-1]} loss {ys[-1]:.4f}" if xs else " · waiting for StepMetrics"
-    fig.update_layout(title="Training" + last, height=300, margin=dict(l=50, r=20, t=60, b=40),
-                      legend=dict(orientation="h", y=-0.25))
-    fig.update_xaxes(title_text="step")
-    return fig
+    layout = columns_layout([1, 1], 0.12, ("loss", "tokens/s per rank"))
+    layout["xaxis"]["title"] = {"text": "step"}
+    layout["xaxis2"]["title"] = {"text": "step"}
+    layout.update(template=template_json(), title={"text": "Training" + last}, height=300,
+                  margin={"l": 50, "r": 20, "t": 60, "b": 40},
+                  legend={"orientation": "h", "y": -0.25})
+    return {"data": data, "layout": layout}
+
+
+def metrics_figure(metrics: MetricsState) -> go.Figure:
+    """``metrics_dict`` as a validated ``go.Figure`` (for static use)."""
+    return go.Figure(metrics_dict(metrics))
 
 
 class Dashboard(LiveView):
@@ -55,7 +62,7 @@ class Dashboard(LiveView):
 
     @property
     def figures(self) -> Dict[str, go.Figure]:
-        return {k: (v._fig if v is self else v.figure) for k, v in self.views.items()}
+        return {k: v.figure for k, v in self.views.items()}
 
     def _init_state(self) -> None:
         self.metrics = MetricsState()
@@ -63,8 +70,8 @@ class Dashboard(LiveView):
     def _fold(self, events) -> bool:
         return reduce_all(events, metrics=self.metrics) > 0
 
-    def build_figure(self) -> go.Figure:
-        return metrics_figure(self.metrics)
+    def build_dict(self) -> dict:
+        return metrics_dict(self.metrics)
 
     def update(self, events: Iterable) -> None:
         events = list(events)

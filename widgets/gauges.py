@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from ._live import LiveView
+from ._live import LiveView, template_json
 from .state import TIER_COLORS, MemoryState, reduce_all
 
 MIB = float(1 << 20)
 
 
-def gauges_figure(memory: MemoryState) -> go.Figure:
+def gauges_dict(memory: MemoryState) -> dict:
+    """One indicator per rank x tier, as a plain plotly dict."""
     ranks, tiers = memory.ranks, memory.tiers
-    fig = go.Figure()
+    data = []
     nr, nc = max(1, len(ranks)), max(1, len(tiers))
     for i, r in enumerate(ranks):
         for j, t in enumerate(tiers):
@@ -28,17 +29,24 @@ def gauges_figure(memory: MemoryState) -> go.Figure:
             cap = max(s.capacity, s.used, 1) / MIB
             frac = s.used / max(s.capacity, 1)
             color = "#d62728" if frac > 0.95 else "#ff7f0e" if frac > 0.8 else TIER_COLORS[t]
-            fig.add_trace(go.Indicator(
-                mode="gauge+number", value=s.used / MIB, name=f"rank {r} {t}",
-                number=dict(suffix=" MiB", valueformat=",.1f", font=dict(size=16)),
-                title=dict(text=f"rank {r} · {t}<br><span style='font-size:0.7em'>"
-                                f"of {s.capacity / MIB:,.0f} MiB</span>", font=dict(size=13)),
-                gauge=dict(axis=dict(range=[0, cap]), bar=dict(color=color)),
-                domain=dict(row=i, column=j)))
-    fig.update_layout(grid=dict(rows=nr, columns=nc, pattern="independent"),
-                      height=max(200, 190 * nr), margin=dict(l=30, r=30, t=60, b=10),
-                      title="MemoryGauges" + ("" if ranks else " · waiting for MemorySamples"))
-    return fig
+            data.append({
+                "type": "indicator", "mode": "gauge+number", "value": s.used / MIB,
+                "name": f"rank {r} {t}",
+                "number": {"suffix": " MiB", "valueformat": ",.1f", "font": {"size": 16}},
+                "title": {"text": f"rank {r} · {t}<br><span style='font-size:0.7em'>"
+                                  f"of {s.capacity / MIB:,.0f} MiB</span>", "font": {"size": 13}},
+                "gauge": {"axis": {"range": [0, cap]}, "bar": {"color": color}},
+                "domain": {"row": i, "column": j}})
+    layout = {"template": template_json(),
+              "grid": {"rows": nr, "columns": nc, "pattern": "independent"},
+              "height": max(200, 190 * nr), "margin": {"l": 30, "r": 30, "t": 60, "b": 10},
+              "title": {"text": "MemoryGauges" + ("" if ranks else " · waiting for MemorySamples")}}
+    return {"data": data, "layout": layout}
+
+
+def gauges_figure(memory: MemoryState) -> go.Figure:
+    """``gauges_dict`` as a validated ``go.Figure`` (for static use)."""
+    return go.Figure(gauges_dict(memory))
 
 
 class MemoryGauges(LiveView):
@@ -50,8 +58,8 @@ class MemoryGauges(LiveView):
     def _fold(self, events) -> bool:
         return reduce_all(events, memory=self.memory) > 0
 
-    def build_figure(self) -> go.Figure:
-        return gauges_figure(self.memory)
+    def build_dict(self) -> dict:
+        return gauges_dict(self.memory)
 
     def values(self):
         """``{(rank, tier): (used bytes, capacity bytes)}`` as currently drawn."""

@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 
 from colossal_lab.engine.telemetry import SPAN_KINDS, to_chrome_trace
 
-from ._live import LiveView
+from ._live import LiveView, template_json
 from .state import KIND_COLORS, TimelineState, reduce_all
 
 
@@ -27,8 +27,8 @@ def _row(stage: int, rank: int, bubble: Optional[float]) -> str:
     return f"stage {stage} (rank {rank}){b}"
 
 
-def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figure:
-    """The Gantt chart of ``step`` (default: the newest step seen)."""
+def timeline_dict(state: TimelineState, step: Optional[int] = None) -> dict:
+    """The Gantt chart of ``step`` (default: the newest step seen) as a plain plotly dict."""
     steps = state.steps
     if step is None and steps:
         step = steps[-1]
@@ -38,18 +38,18 @@ def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figu
     rows = {s: _row(s, stage_rank[s], bubbles.get(s)) for s in sorted(stage_rank)}
     t0 = min((s.start for s in spans), default=0.0)
 
-    fig = go.Figure()
+    data = []
     for kind in SPAN_KINDS:
         ks = [s for s in spans if s.kind == kind]
-        fig.add_trace(go.Bar(
-            name=kind, orientation="h", y=[rows[s.stage] for s in ks],
-            base=[(s.start - t0) * 1e3 for s in ks], x=[s.duration * 1e3 for s in ks],
-            text=["" if s.microbatch < 0 else str(s.microbatch) for s in ks],
-            textposition="inside", insidetextanchor="middle",
-            customdata=[[s.stage, s.microbatch, s.start, s.end] for s in ks],
-            hovertemplate=(f"{kind}" + " mb %{customdata[1]} · stage %{customdata[0]}"
-                           "<br>%{base:.2f} → %{x:.2f} ms long<extra></extra>"),
-            marker=dict(color=KIND_COLORS[kind], line=dict(color="white", width=0.5))))
+        data.append({
+            "type": "bar", "name": kind, "orientation": "h", "y": [rows[s.stage] for s in ks],
+            "base": [(s.start - t0) * 1e3 for s in ks], "x": [s.duration * 1e3 for s in ks],
+            "text": ["" if s.microbatch < 0 else str(s.microbatch) for s in ks],
+            "textposition": "inside", "insidetextanchor": "middle",
+            "customdata": [[s.stage, s.microbatch, s.start, s.end] for s in ks],
+            "hovertemplate": (f"{kind}" + " mb %{customdata[1]} · stage %{customdata[0]}"
+                              "<br>%{base:.2f} → %{x:.2f} ms long<extra></extra>"),
+            "marker": {"color": KIND_COLORS[kind], "line": {"color": "white", "width": 0.5}}})
     if spans:
         mean = sum(bubbles.values()) / max(1, len(bubbles))
         title = (f"PipelineTimeline · step {step} of {len(steps)} seen · "
@@ -57,12 +57,19 @@ def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figu
     else:
         title = "PipelineTimeline · waiting for StageSpans"
     order = [rows[s] for s in sorted(rows)]
-    fig.update_layout(title=title, barmode="overlay", height=max(260, 90 + 48 * len(rows)),
-                      margin=dict(l=40, r=20, t=60, b=40), legend=dict(orientation="h", y=-0.2),
-                      bargap=0.25)
-    fig.update_xaxes(title_text="ms since the step's first span")
-    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1], automargin=True)
-    return fig
+    layout = {"template": template_json(), "title": {"text": title}, "barmode": "overlay",
+              "height": max(260, 90 + 48 * len(rows)),
+              "margin": {"l": 40, "r": 20, "t": 60, "b": 40},
+              "legend": {"orientation": "h", "y": -0.2}, "bargap": 0.25,
+              "xaxis": {"title": {"text": "ms since the step's first span"}},
+              "yaxis": {"categoryorder": "array", "categoryarray": order[::-1],
+                        "automargin": True}}
+    return {"data": data, "layout": layout}
+
+
+def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figure:
+    """``timeline_dict`` as a validated ``go.Figure`` (for static use)."""
+    return go.Figure(timeline_dict(state, step))
 
 
 class PipelineTimeline(LiveView):
@@ -79,9 +86,9 @@ class PipelineTimeline(LiveView):
             self._sync_selector()
         return changed
 
-    def build_figure(self) -> go.Figure:
+    def build_dict(self) -> dict:
         step = self.step if self.step in self.timeline.steps else None
-        return timeline_figure(self.timeline, step)
+        return timeline_dict(self.timeline, step)
 
     def select_step(self, step: Optional[int]) -> None:
         """Show ``step`` (``None`` follows the newest step)."""
