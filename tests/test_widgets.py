@@ -256,3 +256,31 @@ def test_memory_sampler_measures_real_host_and_nvme_dir(tmp_path):
     assert tiers.count("nvme") >= 2 and tiers.count("cpu") >= 2
     g = MemoryGauges.from_events(got)
     assert g.values()[(1, "nvme")][0] == 123_457
+
+
+def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
+    """The redraw path sends a plain dict (no plotly objects); ``.figure`` is that same picture,
+    validated by plotly; an unchanged picture is not sent again."""
+    import ipywidgets as W  # noqa: F401
+
+    from colossal_lab.widgets import chunk_map_dict
+
+    ev = [T.ChunkEvent(r, 1, c, ("cpu", "nvme", "cuda")[c % 3], "hold", MIB, (f"p{c}",))
+          for r in (0, 1) for c in range(5)] + [T.MemorySample(0, 1.0, "cpu", MIB, 8 * MIB)]
+    cm = ChunkMap(live=True, subscribe=False)
+    cm.update(ev)
+    (bundle,) = cm.widget().outputs
+    sent = bundle["data"]["application/vnd.plotly.v1+json"]
+    assert sent is cm.figure_dict() and sent == chunk_map_dict(cm.chunks, cm.memory)
+    assert json.loads(json.dumps(sent)) == sent  # already plain JSON: nothing to convert
+    as_fig = json.loads(cm.figure.to_json())
+    assert as_fig["data"] == sent["data"]
+    assert {k: v for k, v in as_fig["layout"].items()} == json.loads(json.dumps(sent["layout"]))
+    assert cm.figure is cm.figure  # built once per redraw, on read
+    n, out = cm.redraws, cm.widget().outputs
+    cm.update(ev)          # duplicates: state unchanged, nothing folded
+    cm.redraw()            # same picture: skipped, nothing sent
+    assert cm.redraws == n and cm.skipped >= 1 and cm.widget().outputs is out
+    cm.update([T.ChunkEvent(0, 2, 0, "nvme", "free", MIB, ("p0",))])
+    assert cm.redraws == n + 1 and cm.widget().outputs is not out
+    assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
