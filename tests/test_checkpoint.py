@@ -232,3 +232,17 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     Booster().load_model(fresh, target)
     for a, b in zip(old.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_checkpoints_get_the_users_usual_permissions(tmp_path):
+    """tempfile makes 0700 dirs / 0600 files; the renamed-in checkpoint must not keep that."""
+    mask = os.umask(0o022)
+    try:
+        booster = Booster()
+        model = GPT(GPTConfig.preset("tiny"))
+        booster.save_model(model, tmp_path / "ck", shard=True)
+        booster.save_model(model, tmp_path / "w.safetensors", shard=False)
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "ck").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "w.safetensors").stat().st_mode & 0o777 == 0o644

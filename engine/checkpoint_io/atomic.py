@@ -27,6 +27,19 @@ import torch.distributed as dist
 PathLike = Union[str, os.PathLike]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _usual_mode(path: Path, is_dir: bool) -> Path:
+    """tempfile creates 0700 dirs / 0600 files; a checkpoint should get the permissions any
+    other new file or folder of this user gets (others on a shared filesystem can read it)."""
+    os.chmod(path, (0o777 if is_dir else 0o666) & ~_umask())
+    return path
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -98,7 +111,8 @@ def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     multi = collective and _group_size(group) > 1
     lead = (not multi) or dist.get_rank(group) == 0
-    name = [str(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))] if lead else [None]
+    name = [str(_usual_mode(Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)), True))] \
+        if lead else [None]
     if multi:
         dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0,
                                    group=group)
@@ -136,6 +150,7 @@ def atomic_file(path: PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        _usual_mode(tmp, False)  # after the writer: some (safetensors) recreate the file 0600
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
