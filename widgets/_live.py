@@ -175,7 +175,7 @@ class Throttle:
     """A daemon thread that calls ``fn()`` after ``poke()``, at most ``max_hz`` times/second
     and spending at most ``max_duty`` of the wall clock in ``fn``."""
 
-    def __init__(self, fn: Callable[[], None], max_hz: float = 8.0, name: str = "redraw",
+    def __init__(self, fn: Callable[[], None], max_hz: float = 5.0, name: str = "redraw",
                  max_duty: float = 0.05):
         if not max_hz > 0:
             raise ValueError(f"max_hz={max_hz!r}: must be > 0 (redraws per second)")
@@ -230,7 +230,7 @@ class LiveView:
     """
 
     def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
-                 max_hz: float = 8.0):
+                 max_hz: float = 5.0):
         self._lock = threading.RLock()
         self._queue: collections.deque = collections.deque()
         self._live = widget_frontend_present() if live is None else bool(live)

@@ -47,7 +47,7 @@ class Dashboard(LiveView):
     """The four views in one layout, all fed from this process's telemetry bus."""
 
     def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
-                 max_hz: float = 8.0):
+                 max_hz: float = 5.0):
         kw = dict(subscribe=subscribe, live=live, max_hz=max_hz)
         self.chunk_map = ChunkMap(**kw)
         self.timeline = PipelineTimeline(**kw)
