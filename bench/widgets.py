@@ -63,6 +63,7 @@ def run(args, attached: bool) -> dict:
         for i in range(args.warmup):
             step(i)
         r0 = dict(dash.redraw_counts) if dash else {}
+        b0 = sum(v._throttle.busy_s for v in dash.views.values()) if dash else 0.0
         e0 = events[0]
         t0 = time.perf_counter()
         for i in range(args.steps):
@@ -75,6 +76,7 @@ def run(args, attached: bool) -> dict:
             # views that had anything to draw (no StageSpans without a pipeline: timeline idle)
             active = [v for v in per.values() if v > 0]
             out["redraws_per_s_per_view"] = sum(active) / max(1, len(active))
+            out["redraw_busy_frac"] = (sum(v._throttle.busy_s for v in dash.views.values()) - b0) / dt
             out["errors"] = sum(len(v._throttle.errors) for v in dash.views.values())
         return out
     finally:
@@ -120,6 +122,7 @@ def main() -> None:
         "redraws_per_s_per_active_view": round(statistics.median(x["redraws_per_s_per_view"] for x in res[True]), 2),
         "redraws_per_s_by_view": {k: round(statistics.median(x["redraws_per_s_by_view"][k] for x in res[True]), 2)
                                   for k in res[True][0]["redraws_per_s_by_view"]},
+        "redraw_busy_frac_all_views": round(statistics.median(x["redraw_busy_frac"] for x in res[True]), 4),
         "redraw_errors": sum(x["errors"] for x in res[True]),
         "target": 0.97}))
 

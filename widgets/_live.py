@@ -184,6 +184,7 @@ class Throttle:
         self._fn, self._period, self._duty = fn, 1.0 / max_hz, max_duty
         self._wake, self._stop = threading.Event(), threading.Event()
         self.calls = 0
+        self.busy_s = 0.0  # wall seconds spent in ``fn`` (what the redraws cost the process)
         self.errors: List[BaseException] = []
         self._thread = threading.Thread(target=self._loop, name=f"colossal-{name}", daemon=True)
         self._thread.start()
@@ -207,6 +208,7 @@ class Throttle:
                 self.errors.append(exc)
                 del self.errors[:-10]
             took = time.monotonic() - t0
+            self.busy_s += took
             # at most max_hz, and at most ``max_duty`` of the wall clock spent drawing: building
             # a plotly figure is GIL-held Python (tens of ms), so a redraw thread that draws
             # flat out would slow the training thread that shares the interpreter
