@@ -103,7 +103,7 @@ def _notebook(path: Path) -> None:
     import nbformat as nbf
 
     nb = nbf.v4.new_notebook()
-    nb.cells = [nbf.v4.new_code_cell("STEPS, PP_STEPS, PAUSE = 16, 6, 0.6"),
+    nb.cells = [nbf.v4.new_code_cell("STEPS, PP_STEPS, PAUSE = 16, 16, 0.6"),
                 nbf.v4.new_code_cell(SETUP),
                 nbf.v4.new_code_cell("import colossal_lab as cl\n"
                                      "cl.current_cluster().push({'STEPS': STEPS, 'PP_STEPS': PP_STEPS, 'PAUSE': PAUSE})"),
