@@ -6,6 +6,19 @@ read lands straight in tensor memory with no staging copy, and both calls releas
 hand-wrote this because torch has no async file IO; DeepSpeed's aio library is a C++ build
 dependency we do not want.
 
+Two IO modes:
+
+* buffered (default): through the page cache. On a machine with RAM to spare the kernel keeps
+  recently written chunks cached and reads come back at memory speed; the cache is not part of
+  the process's RSS, but it is the machine's RAM.
+* ``direct=True``: ``O_DIRECT`` (what DeepSpeed's aio and libaio-based offload use): every byte
+  goes to the device, the page cache is neither used nor polluted, and bandwidth is what the
+  disk gives. ``O_DIRECT`` wants 4 KiB-aligned addresses, lengths and offsets, which tensor
+  memory is not, so each IO thread moves data through its own page-aligned bounce buffer
+  (``mmap``) with ``ctypes.memmove`` (releases the GIL; a memory copy is ~20x faster than the
+  disk) and files are padded to a multiple of 4 KiB. A file system without ``O_DIRECT``
+  (tmpfs, some overlays) is reported by ``check_direct_io`` before any work.
+
 Cleanup: every store owns a directory ``<root>/gemini-<pid>-<uuid>/``. ``close()`` removes it,
 ``atexit`` removes it on a normal exit or an uncaught exception, and a SIGTERM handler (only
 installed when none was set) turns SIGTERM into ``SystemExit`` so ``atexit`` still runs. A
@@ -17,6 +30,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
+import mmap
 import os
 import shutil
 import signal
@@ -29,6 +44,8 @@ from typing import Dict
 import torch
 
 _LIVE: "weakref.WeakSet[NVMeStore]" = weakref.WeakSet()
+_ALIGN = 4096                # O_DIRECT alignment (logical block size of any common disk divides it)
+_BOUNCE = 8 << 20            # bytes per IO thread's bounce buffer in direct mode
 _SIGTERM_INSTALLED = False
 
 
@@ -93,10 +110,45 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
 
 
+def check_direct_io(root: str) -> None:
+    """Raise ``ValueError`` if files under ``root`` cannot be opened with ``O_DIRECT``."""
+    if not hasattr(os, "O_DIRECT"):
+        raise ValueError("GeminiPlugin(nvme_direct_io=True): this platform has no O_DIRECT; "
+                         "use nvme_direct_io=False (buffered IO)")
+    os.makedirs(root, exist_ok=True)
+    probe = os.path.join(root, f".gemini-direct-probe-{os.getpid()}")
+    buf = mmap.mmap(-1, _ALIGN)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, memoryview(buf), 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ValueError(f"GeminiPlugin(nvme_direct_io=True): the file system of nvme_offload_dir={root!r} "
+                         f"does not support O_DIRECT ({exc.strerror}); use a directory on a local disk "
+                         "(ext4/xfs) or nvme_direct_io=False") from None
+    finally:
+        buf.close()
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 class NVMeStore:
     """Files under ``root`` holding tensor bytes; ``write``/``read`` return futures."""
 
-    def __init__(self, root: str, io_threads: int = 4):
+    def __init__(self, root: str, io_threads: int = 4, direct: bool = False):
+        if direct:
+            check_direct_io(root)
+        self.direct = direct
+        self._local = threading.local()
+        self._lock = threading.Lock()
         os.makedirs(root, exist_ok=True)
         remove_stale(root)
         self.root = root
@@ -119,46 +171,112 @@ class NVMeStore:
         return sum(self._sizes.values())
 
     # ---- blocking primitives (run on the pool) -------------------------------------------------
+    def _count(self, nread: int, nwritten: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes_read += nread
+            self.bytes_written += nwritten
+            self.io_seconds += seconds
+
+    def _bounce(self) -> mmap.mmap:
+        b = getattr(self._local, "buf", None)
+        if b is None:
+            b = self._local.buf = mmap.mmap(-1, _BOUNCE)  # anonymous mmap: page-aligned
+        return b
+
+    def _write_error(self, key: str, n: int, exc: OSError) -> OSError:
+        return OSError(exc.errno, f"Gemini NVMe tier: writing {n} bytes to {self.path(key)} "
+                       f"failed ({exc.strerror}); free space on the disk of nvme_offload_dir or "
+                       "lower nvme_offload_frac. Checkpoints written before this step are intact.")
+
     def _write(self, key: str, t: torch.Tensor) -> None:
         import time
 
         buf = _as_bytes(t)
+        n = len(buf)
         t0 = time.perf_counter()
-        fd = os.open(self.path(key), os.O_WRONLY | os.O_CREAT, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(self.path(key), flags, 0o600)
         try:
-            done = 0
-            while done < len(buf):
-                try:
-                    done += os.pwrite(fd, buf[done:], done)
-                except OSError as exc:
-                    raise OSError(exc.errno, f"Gemini NVMe tier: writing {len(buf)} bytes to {self.path(key)} "
-                                  f"failed ({exc.strerror}); free space on the disk of nvme_offload_dir or "
-                                  "lower nvme_offload_frac. Checkpoints written before this step are intact.") from exc
+            if self.direct:
+                self._write_direct(fd, key, t.data_ptr(), n)
+            else:
+                done = 0
+                while done < n:
+                    try:
+                        done += os.pwrite(fd, buf[done:], done)
+                    except OSError as exc:
+                        raise self._write_error(key, n, exc) from exc
         finally:
             os.close(fd)
-        self.io_seconds += time.perf_counter() - t0
-        self._sizes[key] = len(buf)
-        self.bytes_written += len(buf)
+        self._sizes[key] = n
+        self._count(0, n, time.perf_counter() - t0)
+
+    def _write_direct(self, fd: int, key: str, src: int, n: int) -> None:
+        bounce = self._bounce()
+        view = memoryview(bounce)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+        off = 0
+        while off < n:
+            k = min(_BOUNCE, n - off)
+            ctypes.memmove(addr, src + off, k)          # releases the GIL
+            kk = _round_up(k)
+            if kk != k:
+                ctypes.memset(addr + k, 0, kk - k)       # pad the last block
+            done = 0
+            while done < kk:
+                try:
+                    w = os.pwrite(fd, view[done:kk], off + done)
+                except OSError as exc:
+                    raise self._write_error(key, n, exc) from exc
+                if w <= 0:
+                    raise self._write_error(key, n, OSError(errno.EIO, "short write"))
+                done += w
+            off += k
+        del view
 
     def _read(self, key: str, out: torch.Tensor) -> torch.Tensor:
         import time
 
         buf = _as_bytes(out)
+        n = len(buf)
         t0 = time.perf_counter()
-        fd = os.open(self.path(key), os.O_RDONLY)
+        fd = os.open(self.path(key), os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         try:
-            done = 0
-            while done < len(buf):
-                n = os.preadv(fd, [buf[done:]], done)
-                if n == 0:
-                    raise IOError(f"Gemini NVMe tier: {self.path(key)} is shorter than expected "
-                                  f"({done} of {len(buf)} bytes); was the offload directory modified?")
-                done += n
+            if self.direct:
+                self._read_direct(fd, key, out.data_ptr(), n)
+            else:
+                done = 0
+                while done < n:
+                    r = os.preadv(fd, [buf[done:]], done)
+                    if r == 0:
+                        raise self._short(key, done, n)
+                    done += r
         finally:
             os.close(fd)
-        self.io_seconds += time.perf_counter() - t0
-        self.bytes_read += len(buf)
+        self._count(n, 0, time.perf_counter() - t0)
         return out
+
+    def _short(self, key: str, done: int, n: int) -> IOError:
+        return IOError(f"Gemini NVMe tier: {self.path(key)} is shorter than expected "
+                       f"({done} of {n} bytes); was the offload directory modified?")
+
+    def _read_direct(self, fd: int, key: str, dst: int, n: int) -> None:
+        bounce = self._bounce()
+        view = memoryview(bounce)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+        off = 0
+        while off < n:
+            k = min(_BOUNCE, n - off)
+            kk = _round_up(k)
+            done = 0
+            while done < k:
+                r = os.preadv(fd, [view[done:kk]], off + done)
+                if r == 0:
+                    raise self._short(key, off + done, n)
+                done += r
+            ctypes.memmove(dst + off, addr, k)           # releases the GIL
+            off += k
+        del view
 
     # ---- async API ---------------------------------------------------------------------------
     def write(self, key: str, t: torch.Tensor) -> Future:

@@ -14,6 +14,9 @@ Colossal-AI's argument names and order. Arguments and the trade-off each makes:
 * ``nvme_offload_dir`` / ``nvme_offload_frac`` — directory for the NVMe tier and the fraction of
   optimizer states kept there (slowest tier, nearly unlimited). With a directory, anything that
   does not fit the tiers above spills to it as well.
+* ``nvme_direct_io`` — ``O_DIRECT`` file IO for the NVMe tier (bypasses the page cache: bandwidth
+  is the disk's, no RAM is used behind the process's back; needs a local file system such as
+  ext4/xfs). The default, buffered IO, lets the kernel cache recently written chunks in free RAM.
 * ``device_memory_limit`` — bytes Gemini may use on the compute device (emulates a smaller
   card; on a CPU-only machine the budget of the RAM compute tier, and glibc's mmap threshold is
   fixed process-wide so freed chunk buffers return to the OS). It also caps the searched chunk size.
@@ -62,6 +65,7 @@ class GeminiPlugin(Plugin):
     max_prefetch: int = 2
     precision: str = "bf16"
     pin_memory: bool = True
+    nvme_direct_io: bool = False
     _managers: List = field(default_factory=list, init=False, repr=False)
 
     supported_precisions = ("fp32", "fp16", "bf16")
@@ -96,8 +100,15 @@ class GeminiPlugin(Plugin):
             raise ValueError(f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb!r}): must be > 0 or None (search)")
         if not isinstance(self.max_prefetch, int) or self.max_prefetch < 0:
             raise ValueError(f"GeminiPlugin(max_prefetch={self.max_prefetch!r}): must be an int >= 0")
+        if self.nvme_direct_io and not self.nvme_offload_dir:
+            raise ValueError("GeminiPlugin(nvme_direct_io=True): needs nvme_offload_dir=... (a directory on a "
+                             "local disk), or set nvme_direct_io=False")
         if self.nvme_offload_dir is not None:
             self._check_dir(self.nvme_offload_dir)
+            if self.nvme_direct_io:
+                from ..gemini.nvme import check_direct_io
+
+                check_direct_io(self.nvme_offload_dir)
 
     @staticmethod
     def _check_dir(d: str) -> None:
@@ -182,7 +193,7 @@ class GeminiPlugin(Plugin):
         # ---- work starts here --------------------------------------------------------------
         if stack.compute.device.type == "cpu" and self.device_memory_limit is not None:
             bound_host_heap()  # RSS must follow the compute tier's accounting (see gemini/hostmem.py)
-        nvme = NVMeStore(self.nvme_offload_dir) if self.nvme_offload_dir is not None else None
+        nvme = NVMeStore(self.nvme_offload_dir, direct=self.nvme_direct_io) if self.nvme_offload_dir is not None else None
         telemetry_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         mgr = ChunkManager(chunks, stack, cfg, device, group=self.dp_group, nvme=nvme,
                            pin_memory=self.pin_memory, telemetry_rank=telemetry_rank)
