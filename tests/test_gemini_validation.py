@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -81,3 +82,32 @@ def test_unsupported_optimizer():
     model = GPT(GPTConfig.preset("tiny"))
     with pytest.raises(ValueError, match="optimizer=SGD"):
         Booster(plugin=GeminiPlugin(precision="fp32")).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_fp32_plan_counts_the_shared_master_once():
+    """fp32 chunks homed in the compute tier's RAM keep one copy (parameter = master): the plan
+    must count 16 bytes/parameter, not 20, or a budget torch fits in is refused. The tier's
+    measured peak over real steps stays within the limit."""
+    from colossal_lab.engine.gemini.placement import working_set_bytes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    probe = GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=0.07)
+    gm, gopt, *_ = _boost(probe, copy.deepcopy(model))
+    chunks = gm.manager.chunks
+    padded = sum(c.size for c in chunks)
+    ws = working_set_bytes(chunks, probe.max_prefetch)
+    limit = 16 * padded + ws + 4096
+    assert limit < 20 * padded + ws  # what the old 20 bytes/parameter plan required
+    probe.close()
+    plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=0.07, device_memory_limit=limit)
+    gm, gopt, *_ = _boost(plugin, copy.deepcopy(model))
+    assert all(c.param_home == c.optim_home == "cpu" for c in gm.manager.chunks)
+    x = torch.randint(0, 256, (2, 32))
+    for _ in range(2):
+        _, loss = gm(x, x)
+        gopt.backward(loss)
+        gopt.step()
+    tier = gm.manager.stack.compute
+    assert 0 < tier.peak <= limit
+    plugin.close()

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
+import torch
+
 from .chunk import Chunk
 from .tiers import TierStack
 
@@ -41,6 +43,18 @@ class PlacementConfig:
 def optim_block_bytes(c: Chunk) -> int:
     """fp32 master + exp_avg + exp_avg_sq + gradient for this rank's shard."""
     return 4 * 4 * c.shard_size
+
+
+def shares_master(c: Chunk, param_tier: str, optim_tier: str, stack: TierStack) -> bool:
+    """An fp32 chunk whose parameter shard and optimizer state share a RAM home on the compute
+    device keeps one copy: the parameter shard *is* the fp32 master (see ``ChunkManager.shares_master``)."""
+    return c.dtype == torch.float32 and param_tier == optim_tier and param_tier != "nvme" \
+        and stack.get(param_tier).device == stack.compute.device
+
+
+def optim_cost(c: Chunk, tier: str, stack: TierStack) -> int:
+    """Bytes the optimizer block of ``c`` adds to ``tier`` given where its parameter lives."""
+    return optim_block_bytes(c) - (c.shard_bytes if shares_master(c, c.param_home, tier, stack) else 0)
 
 
 def working_set_bytes(chunks: List[Chunk], max_prefetch: int) -> int:
@@ -99,6 +113,8 @@ def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> N
     for c, kind, pref, nbytes in prefs:
         placed = None
         for name in order[order.index(pref):]:
+            if kind == "optim":
+                nbytes = optim_cost(c, name, stack)
             if budget[name] >= nbytes:
                 placed = name
                 break
@@ -121,11 +137,11 @@ def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> N
             c.optim_home = placed
 
 
-def planned_bytes(chunks: List[Chunk], tier: str) -> int:
+def planned_bytes(chunks: List[Chunk], tier: str, stack: TierStack = None) -> int:
     total = 0
     for c in chunks:
         if c.param_home == tier:
             total += c.shard_bytes
         if c.optim_home == tier:
-            total += optim_block_bytes(c)
+            total += optim_cost(c, tier, stack) if stack is not None else optim_block_bytes(c)
     return total
