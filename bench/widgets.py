@@ -1,18 +1,36 @@
 """Training tokens/s with the live dashboard attached vs without (target >= 0.97x).
 
-Same run shape for both contenders: the tiny/small GPT boosted with GeminiPlugin (CPU + NVMe
-tiers, so ChunkEvents flow every step), one rank on a gloo group. "attached" = a live
-``Dashboard(live=True)`` subscribed to this process's telemetry bus with its four redraw
-threads running, each redraw building the figure dict and its plotly mime bundle for the
-``ipywidgets.Output`` (exactly the work done in a kernel; outside a kernel the comm message
-is simply not sent). Contenders alternate, the order flips each repeat; each repeat builds a
-fresh model and booster and times ``--steps`` steps after ``--warmup``.
+Two run shapes, each comparing the same training with and without a live ``Dashboard``:
 
-Prints one JSON line: ratio = median tokens/s attached / median tokens/s detached, the raw
-medians, and the redraw rate achieved (redraws per second per view that had events to draw, and per
-view; the timeline stays idle here since Gemini emits no StageSpans), and events per second.
+* ``--mode inproc``: training and the dashboard in one process (the tiny GPT boosted with
+  GeminiPlugin, CPU + NVMe tiers so ChunkEvents flow every step, one rank on a gloo group).
+  "attached" = a live ``Dashboard(live=True)`` subscribed to this process's telemetry bus
+  with its redraw thread running; "detached" = no subscriber at all (so the engine does not
+  even build its events: the baseline a user without the dashboard gets).
+* ``--mode cluster``: the shape of real use. Training runs on a 2-rank ``colossal_lab.launch``
+  cluster (other processes); this process is the notebook kernel and only draws.
+  "attached" = ``relay.attach(cluster)`` + ``Dashboard(live=True)`` here (ranks JSON-encode
+  and PUSH every event, this process decodes, re-emits and draws); "relay_only" = the relay
+  without a dashboard; "detached" = neither (ranks emit nothing).
 
-    OMP_NUM_THREADS=1 python bench/widgets.py --preset tiny --repeats 5
+Each redraw pays what it pays in a kernel: the views build their figure dicts, ipywidgets
+builds the ``Output`` update, and the comm message is serialized and HMAC-signed by
+jupyter_client's ``Session`` exactly as ipykernel's ``Comm.publish_msg`` does (only the final
+zmq send to a browser is left out; ``--no-serialize`` skips the serialization too).
+
+Per repeat: a fresh model and booster, ``--warmup`` steps, then ``--pairs`` rounds of one
+block of ``--steps`` timed steps per contender, the order alternating (ABBA...) and rotating
+per repeat. Short interleaved blocks: the other jobs on a shared box change its speed over
+seconds, and blocks seconds apart see the same load. A live dashboard is created (outside
+the timing) before each attached block and closed after it. Prints one JSON line per mode:
+ratio = median block tokens/s attached / median detached; pooled_ratio = all tokens / all
+seconds, attached over detached; the median of the paired (adjacent) block ratios; in
+inproc mode the ratio of this process's CPU seconds per token (all threads: the direct cost,
+which other jobs disturb less than wall time); and the redraw rate achieved (redraws per
+second of each view, and per view that had something new to draw), events/s, the redraw
+thread's wakes, ticks and CPU share, and comm bytes.
+
+    OMP_NUM_THREADS=1 python bench/widgets.py --mode both --repeats 5 --pairs 6
 """
 
 from __future__ import annotations
@@ -20,111 +38,360 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
-from colossal_lab.engine import Booster, telemetry
-from colossal_lab.engine.models import GPT, GPTConfig
-from colossal_lab.engine.plugins import GeminiPlugin
-from colossal_lab.widgets import Dashboard
+# ---------------------------------------------------------------- kernel-like comm
 
 
-def run(args, attached: bool) -> dict:
+def install_serializing_comm() -> dict:
+    """Make ipywidgets' comms serialize and sign every message the way ipykernel's does.
+
+    Outside a kernel ipywidgets gets ``comm.DummyComm``, whose ``publish_msg`` drops the
+    message before any JSON is written, which would leave the biggest per-redraw cost out of
+    the benchmark. This comm builds the same message ipykernel builds and runs it through
+    ``jupyter_client.session.Session.serialize`` (JSON + HMAC-SHA256), discarding the frames.
+    Returns counters (messages, bytes) that it updates."""
+    import comm
+    from comm.base_comm import BaseComm
+    from jupyter_client.session import Session
+
+    session = Session(key=b"colossal-lab-bench", username="bench")
+    stats = {"messages": 0, "bytes": 0}
+
+    class SerializingComm(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            content = dict(data={} if data is None else data, comm_id=self.comm_id, **keys)
+            msg = session.msg(msg_type, content, parent={}, metadata=metadata or {})
+            frames = session.serialize(msg, ident=self.topic)
+            stats["messages"] += 1
+            stats["bytes"] += sum(len(f) for f in frames)
+
+    comm.create_comm = SerializingComm
+    return stats
+
+
+# ---------------------------------------------------------------- the training step (any rank)
+
+
+def _build(preset, device_memory_limit, chunk_mb, batch, seq):
+    """Model, Gemini booster (CPU + NVMe), a few fixed batches; returns (step_fn, cleanup, seq)."""
+    import tempfile as _tf
+    import shutil as _sh
+
+    import torch
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.models import GPT, GPTConfig
+    from colossal_lab.engine.plugins import GeminiPlugin
+
     torch.manual_seed(0)
-    nvme = tempfile.mkdtemp(prefix="bench_widgets_")
-    cfg = GPTConfig.preset(args.preset)
+    nvme = _tf.mkdtemp(prefix="bench_widgets_")
+    cfg = GPTConfig.preset(preset)
     model = GPT(cfg)
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32",
-                          device_memory_limit=args.device_memory_limit, chunk_size_mb=args.chunk_mb,
+                          device_memory_limit=device_memory_limit, chunk_size_mb=chunk_mb,
                           nvme_offload_dir=nvme, nvme_offload_frac=1.0)
     booster = Booster(plugin=plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gm, gopt, *_ = booster.boost(model, opt)
-    seq = min(args.seq, cfg.block_size)
+    seq = min(seq, cfg.block_size)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=g) for _ in range(4)]
-    events = [0]
-    count = telemetry.subscribe(lambda e: events.__setitem__(0, events[0] + 1))
-    dash = Dashboard(live=True, max_hz=args.max_hz) if attached else None
-    try:
-        def step(i):
-            x = batches[i % len(batches)]
-            _, loss = gm(x, x.roll(-1, 1))
-            booster.backward(loss, gopt)
-            gopt.step()
-            gopt.zero_grad()
+    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g) for _ in range(4)]
 
-        for i in range(args.warmup):
-            step(i)
-        r0 = dict(dash.redraw_counts) if dash else {}
-        b0 = sum(v._throttle.busy_s for v in dash.views.values()) if dash else 0.0
-        e0 = events[0]
-        t0 = time.perf_counter()
-        for i in range(args.steps):
-            step(i)
-        dt = time.perf_counter() - t0
-        out = {"tok_s": args.steps * args.batch * seq / dt, "seconds": dt, "events": events[0] - e0}
-        if dash:
-            per = {k: (v - r0[k]) / dt for k, v in dash.redraw_counts.items()}
-            out["redraws_per_s_by_view"] = per
-            # views that had anything to draw (no StageSpans without a pipeline: timeline idle)
-            active = [v for v in per.values() if v > 0]
-            out["redraws_per_s_per_view"] = sum(active) / max(1, len(active))
-            out["redraw_busy_frac"] = (sum(v._throttle.busy_s for v in dash.views.values()) - b0) / dt
-            out["errors"] = sum(len(v._throttle.errors) for v in dash.views.values())
-        return out
-    finally:
-        count()
-        if dash:
-            dash.close()
+    def step(i):
+        x = batches[i % len(batches)]
+        _, loss = gm(x, x.roll(-1, 1))
+        booster.backward(loss, gopt)
+        gopt.step()
+        gopt.zero_grad()
+
+    def cleanup():
         plugin.close()
-        shutil.rmtree(nvme, ignore_errors=True)
+        _sh.rmtree(nvme, ignore_errors=True)
+
+    return step, cleanup, seq
+
+
+# ---------------------------------------------------------------- dashboard measurements
+
+
+class DashProbe:
+    """A live Dashboard plus counters read at the start and end of a timed block."""
+
+    def __init__(self, max_hz: float, comm_stats: dict):
+        from colossal_lab.widgets import Dashboard
+
+        self.dash = Dashboard(live=True, max_hz=max_hz)
+        self.comm = comm_stats
+
+    def _snap(self) -> dict:
+        th = self.dash._throttle
+        return {"redraws": dict(self.dash.redraw_counts), "events": th.events + len(th.queue),
+                "cpu": th.cpu_s, "busy": th.busy_s, "calls": th.calls, "wakes": th.wakes,
+                "msgs": self.comm.get("messages", 0), "bytes": self.comm.get("bytes", 0),
+                "t": time.perf_counter()}
+
+    def start(self) -> None:
+        self._a = self._snap()
+
+    def stop(self) -> dict:
+        b, a = self._snap(), self._a
+        dt = b["t"] - a["t"]
+        per = {k: (b["redraws"][k] - a["redraws"][k]) / dt for k in b["redraws"]}
+        active = [v for v in per.values() if v > 0]
+        th = self.dash._throttle
+        return {"redraws_per_s_by_view": per,
+                "redraws_per_s_per_active_view": sum(active) / max(1, len(active)),
+                "events_per_s": (b["events"] - a["events"]) / dt,
+                "ticks_per_s": (b["calls"] - a["calls"]) / dt,
+                "wakes_per_s": (b["wakes"] - a["wakes"]) / dt,
+                "redraw_cpu_frac": (b["cpu"] - a["cpu"]) / dt,
+                "redraw_busy_frac": (b["busy"] - a["busy"]) / dt,
+                "comm_kb_per_s": (b["bytes"] - a["bytes"]) / dt / 1e3,
+                "errors": len(th.errors)}
+
+    def close(self) -> None:
+        self.dash.close()
+
+
+# ---------------------------------------------------------------- in-process mode
+
+
+def _orders(contenders, r, pairs):
+    """The contenders' order for each block round of repeat ``r``: rotated per repeat and
+    reversed every other round (ABBA...), so neither one always runs first or right after a
+    build, and slow drifts in the box's load hit both alike."""
+    k = r % len(contenders)
+    base = tuple(contenders[k:] + contenders[:k])
+    return [base if j % 2 == 0 else base[::-1] for j in range(pairs)]
+
+
+def run_inproc(args, comm_stats) -> dict:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    contenders = ("attached", "detached")
+    res = {c: [] for c in contenders}
+    try:
+        for r in range(args.repeats):
+            step, cleanup, seq = _build(args.preset, args.device_memory_limit, args.chunk_mb,
+                                        args.batch, args.seq)
+            try:
+                i = 0
+                for _ in range(args.warmup):
+                    step(i)
+                    i += 1
+                for order in _orders(contenders, r, args.pairs):
+                    for c in order:
+                        probe = DashProbe(args.max_hz, comm_stats) if c == "attached" else None
+                        try:
+                            if probe:
+                                probe.start()
+                            c0, t0 = time.process_time(), time.perf_counter()
+                            for _ in range(args.steps):
+                                step(i)
+                                i += 1
+                            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+                            out = {"tok_s": args.steps * args.batch * seq / dt, "seconds": dt,
+                                   "tokens": args.steps * args.batch * seq, "cpu_s": cpu}
+                            if probe:
+                                out.update(probe.stop())
+                        finally:
+                            if probe:
+                                probe.close()
+                        res[c].append(out)
+            finally:
+                cleanup()
+            if args.verbose:
+                n = args.pairs
+                print(json.dumps({"repeat": r, **{c: [round(x["tok_s"]) for x in res[c][-n:]]
+                                                  for c in contenders}}), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return summarize("inproc", args, res, ranks=1)
+
+
+# ---------------------------------------------------------------- cluster mode (ranks elsewhere)
+
+
+def _rank_setup(bench_path, preset, device_memory_limit, chunk_mb, batch, seq, warmup):
+    """On each rank: build model + booster, run warm-up steps, keep them for ``_rank_block``.
+    (Shipped by code: this file is loaded on the rank by path for ``_build``.)"""
+    import importlib.util
+    import sys
+
+    st = sys.modules.get("_colossal_bench_widgets")
+    if st is None:
+        spec = importlib.util.spec_from_file_location("_colossal_bench_widgets", bench_path)
+        st = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(st)
+        sys.modules["_colossal_bench_widgets"] = st
+    old = getattr(st, "cleanup", None)
+    if old is not None:
+        old()
+    st.step, st.cleanup, st.seq = st._build(preset, device_memory_limit, chunk_mb, batch, seq)
+    st.batch, st.i = batch, 0
+    for _ in range(warmup):
+        st.step(st.i)
+        st.i += 1
+    return st.seq
+
+
+def _rank_block(steps):
+    """On each rank: ``steps`` timed steps; returns this rank's (tokens, seconds)."""
+    import sys
+    import time as _t
+
+    import torch.distributed as _dist
+
+    st = sys.modules["_colossal_bench_widgets"]
+    _dist.barrier()
+    t0 = _t.perf_counter()
+    for _ in range(steps):
+        st.step(st.i)
+        st.i += 1
+    dt = _t.perf_counter() - t0
+    return steps * st.batch * st.seq, dt
+
+
+def _rank_teardown():
+    import sys
+
+    st = sys.modules.get("_colossal_bench_widgets")
+    if st is not None and getattr(st, "cleanup", None) is not None:
+        st.cleanup()
+        st.cleanup = None
+
+
+def run_cluster(args, comm_stats) -> dict:
+    import colossal_lab as cl
+    from colossal_lab import relay as relay_mod
+
+    contenders = ("attached", "detached") + (("relay_only",) if args.relay_only else ())
+    res = {c: [] for c in contenders}
+    cluster = cl.launch(n=args.ranks, backend="gloo", threads=1)
+    try:
+        for r in range(args.repeats):
+            cluster.run(_rank_setup, os.path.abspath(__file__), args.preset, args.device_memory_limit, args.chunk_mb,
+                        args.batch, args.seq, args.warmup)
+            for order in _orders(contenders, r, args.pairs):
+                for c in order:
+                    relay = relay_mod.attach(cluster) if c != "detached" else None
+                    probe = DashProbe(args.max_hz, comm_stats) if c == "attached" else None
+                    try:
+                        if probe:
+                            probe.start()
+                        per_rank = cluster.run(_rank_block, args.steps)
+                        tokens, seconds = sum(t for t, _ in per_rank), max(s for _, s in per_rank)
+                        out = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+                        if probe:
+                            time.sleep(0.3)  # let the events in flight arrive before counting
+                            out.update(probe.stop())
+                        if relay is not None:
+                            st = relay.rank_stats()
+                            out["relay_dropped"] = sum(x["dropped"] for x in st if x)
+                    finally:
+                        if probe:
+                            probe.close()
+                        if relay is not None:
+                            relay.detach()
+                    res[c].append(out)
+            if args.verbose:
+                n = args.pairs
+                print(json.dumps({"repeat": r, **{c: [round(x["tok_s"]) for x in res[c][-n:]]
+                                                  for c in contenders}}), flush=True)
+        cluster.run(_rank_teardown)
+    finally:
+        cluster.stop()
+    return summarize("cluster", args, res, ranks=args.ranks)
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(mode, args, res, ranks) -> dict:
+    med = statistics.median
+    on = med(x["tok_s"] for x in res["attached"])
+    off = med(x["tok_s"] for x in res["detached"])
+    # blocks are paired in the order they ran (same repeat, same model, seconds apart)
+    paired = [a["tok_s"] / b["tok_s"] for a, b in zip(res["attached"], res["detached"])]
+
+    def pooled(c):  # all tokens over all seconds of a contender
+        return sum(x["tokens"] for x in res[c]) / sum(x["seconds"] for x in res[c])
+
+    att = res["attached"]
+    out = {
+        "bench": "widgets", "mode": mode, "ranks": ranks, "preset": args.preset,
+        "batch": args.batch, "seq": args.seq, "steps_per_block": args.steps,
+        "repeats": args.repeats, "blocks_per_contender": len(att), "max_hz": args.max_hz,
+        "serialize": not args.no_serialize,
+        "ratio": round(on / off, 4), "paired_ratio_median": round(med(paired), 4),
+        "pooled_ratio": round(pooled("attached") / pooled("detached"), 4),
+        "tok_s_attached_median": round(on, 1), "tok_s_detached_median": round(off, 1),
+    }
+    if all("cpu_s" in x for c in res for x in res[c]):
+        # this process's CPU seconds per token (all threads): the direct cost, which the
+        # other jobs on the box disturb far less than wall time
+        cpt = {c: sum(x["cpu_s"] for x in res[c]) / sum(x["tokens"] for x in res[c]) for c in res}
+        out["cpu_per_token_ratio"] = round(cpt["attached"] / cpt["detached"], 4)
+    if "relay_only" in res:
+        ro = med(x["tok_s"] for x in res["relay_only"])
+        out["tok_s_relay_only_median"] = round(ro, 1)
+        out["ratio_relay_only"] = round(ro / off, 4)
+        out["pooled_ratio_relay_only"] = round(pooled("relay_only") / pooled("detached"), 4)
+    if mode == "cluster":
+        out["relay_dropped"] = sum(x.get("relay_dropped", 0) for c in res for x in res[c])
+    out.update({
+        "events_per_s": round(med(x["events_per_s"] for x in att), 1),
+        "redraws_per_s_per_active_view": round(med(x["redraws_per_s_per_active_view"] for x in att), 2),
+        "redraws_per_s_by_view": {k: round(med(x["redraws_per_s_by_view"][k] for x in att), 2)
+                                  for k in att[0]["redraws_per_s_by_view"]},
+        "redraw_thread_ticks_per_s": round(med(x["ticks_per_s"] for x in att), 2),
+        "redraw_thread_wakes_per_s": round(med(x["wakes_per_s"] for x in att), 2),
+        "redraw_thread_cpu_frac": round(med(x["redraw_cpu_frac"] for x in att), 4),
+        "redraw_thread_busy_frac": round(med(x["redraw_busy_frac"] for x in att), 4),
+        "comm_kb_per_s": round(med(x["comm_kb_per_s"] for x in att), 1),
+        "redraw_errors": max(x["errors"] for x in att),
+        "target": 0.97,
+    })
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("inproc", "cluster", "both"), default="inproc")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    ap.add_argument("--pairs", type=int, default=6,
+                    help="blocks per contender per repeat (order alternating)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="fresh model + booster each")
     ap.add_argument("--max-hz", type=float, default=5.0)
+    ap.add_argument("--ranks", type=int, default=2, help="cluster mode: number of ranks")
+    ap.add_argument("--relay-only", action="store_true",
+                    help="cluster mode: also time the relay without a dashboard")
+    ap.add_argument("--no-serialize", action="store_true",
+                    help="leave out the kernel's JSON serialization of each comm message")
     ap.add_argument("--device-memory-limit", type=int, default=1 << 20, help="bytes")
     ap.add_argument("--chunk-mb", type=float, default=0.125)
+    ap.add_argument("--verbose", action="store_true", help="print each repeat's tokens/s")
     args = ap.parse_args()
-    if args.repeats < 1 or args.steps < 1:
-        ap.error("--repeats and --steps must be >= 1")
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    res = {True: [], False: []}
-    try:
-        for r in range(args.repeats):
-            for attached in ((True, False) if r % 2 == 0 else (False, True)):
-                res[attached].append(run(args, attached))
-    finally:
-        dist.destroy_process_group()
-    on = statistics.median(x["tok_s"] for x in res[True])
-    off = statistics.median(x["tok_s"] for x in res[False])
-    paired = [a["tok_s"] / b["tok_s"] for a, b in zip(res[True], res[False])]
-    print(json.dumps({
-        "bench": "widgets", "preset": args.preset, "batch": args.batch, "seq": args.seq,
-        "steps": args.steps, "repeats": args.repeats, "max_hz": args.max_hz,
-        "ratio": round(on / off, 4), "paired_ratio_median": round(statistics.median(paired), 4),
-        "tok_s_attached_median": round(on, 1), "tok_s_detached_median": round(off, 1),
-        "events_per_s": round(statistics.median(x["events"] / x["seconds"] for x in res[True]), 1),
-        "redraws_per_s_per_active_view": round(statistics.median(x["redraws_per_s_per_view"] for x in res[True]), 2),
-        "redraws_per_s_by_view": {k: round(statistics.median(x["redraws_per_s_by_view"][k] for x in res[True]), 2)
-                                  for k in res[True][0]["redraws_per_s_by_view"]},
-        "redraw_busy_frac_all_views": round(statistics.median(x["redraw_busy_frac"] for x in res[True]), 4),
-        "redraw_errors": sum(x["errors"] for x in res[True]),
-        "target": 0.97}))
+    if args.repeats < 1 or args.steps < 1 or args.pairs < 1 or args.warmup < 0:
+        ap.error("--repeats, --steps and --pairs must be >= 1 and --warmup >= 0")
+    if args.ranks < 1:
+        ap.error("--ranks must be >= 1")
+    if not args.max_hz > 0:
+        ap.error("--max-hz must be > 0")
+    comm_stats = {} if args.no_serialize else install_serializing_comm()
+    if args.mode in ("inproc", "both"):
+        print(json.dumps(run_inproc(args, comm_stats)), flush=True)
+    if args.mode in ("cluster", "both"):
+        print(json.dumps(run_cluster(args, comm_stats)), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 
 import plotly.graph_objects as go
 
-from colossal_lab.engine.telemetry import TIERS
+from colossal_lab.engine.telemetry import TIERS, ChunkEvent, MemorySample
 
 from ._live import LiveView, columns_layout, template_json
 from .state import TIER_COLORS, ChunkState, MemoryState, reduce_all
@@ -40,7 +40,7 @@ def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) 
                          key=lambda e: e.chunk_id) for r in ranks}
     ncols = max(1, min(max_cols, max((len(v) for v in by_rank.values()), default=1)))
     last = chunks.last_step()
-    moved = {(m.rank, m.chunk_id) for m in chunks.moves if m.step == last}
+    moved = chunks.moved_at(last) if last is not None else set()
 
     pts: Dict[str, Dict[str, List[Any]]] = {
         t: {"x": [], "y": [], "text": [], "sym": [], "lw": [], "cd": []} for t in TIERS}
@@ -104,6 +104,8 @@ class ChunkMap(LiveView):
     ``ChunkMap()`` listens to this process's telemetry bus (with the relay attached, that is
     every rank's events); ``ChunkMap.from_trace(path)`` replays a JSONL trace.
     """
+
+    accepts = (ChunkEvent, MemorySample)
 
     def _init_state(self) -> None:
         self.chunks = ChunkState()

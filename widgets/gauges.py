@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from colossal_lab.engine.telemetry import MemorySample
+
 from ._live import LiveView, template_json
 from .state import TIER_COLORS, MemoryState, reduce_all
 
@@ -51,6 +53,8 @@ def gauges_figure(memory: MemoryState) -> go.Figure:
 
 class MemoryGauges(LiveView):
     """Per rank x tier gauges of used vs capacity bytes."""
+
+    accepts = (MemorySample,)
 
     def _init_state(self) -> None:
         self.memory = MemoryState()

@@ -16,7 +16,7 @@ from typing import Optional
 
 import plotly.graph_objects as go
 
-from colossal_lab.engine.telemetry import SPAN_KINDS, to_chrome_trace
+from colossal_lab.engine.telemetry import SPAN_KINDS, StageSpan, to_chrome_trace
 
 from ._live import LiveView, template_json
 from .state import KIND_COLORS, TimelineState, reduce_all
@@ -74,6 +74,8 @@ def timeline_figure(state: TimelineState, step: Optional[int] = None) -> go.Figu
 
 class PipelineTimeline(LiveView):
     """Gantt rows per stage, bubbles per stage, a step selector, Chrome-trace export."""
+
+    accepts = (StageSpan,)
 
     def _init_state(self) -> None:
         self.timeline = TimelineState()
