@@ -284,3 +284,169 @@ def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
     cm.update([T.ChunkEvent(0, 2, 0, "nvme", "free", MIB, ("p0",))])
     assert cm.redraws == n + 1 and cm.widget().outputs is not out
     assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
+
+
+def _colossal_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("colossal-") and t.is_alive()}
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+def test_dashboard_one_thread_serves_all_four_views_and_coalesces():
+    before = _colossal_threads()
+    d = Dashboard(live=False, max_hz=5)
+    try:
+        mine = _colossal_threads() - before
+        assert len(mine) == 1  # one redraw thread for the four views, not one each
+        th = d._throttle
+        assert all(v._throttle is th for v in d.views.values())
+        # the bus calls the queue's own C append: nothing else runs on the emitting thread
+        from colossal_lab.engine.telemetry import bus
+        assert any(getattr(s, "__self__", None) is th.queue for s in bus._subscribers)
+        start = {k: v.redraws for k, v in d.views.items()}
+        calls0, t0 = th.calls, time.perf_counter()
+
+        def emit_all():
+            for step in range(1, 41):
+                T.emit(T.StepMetrics(0, step, 3.0 - step / 100, 512, 0.01))
+                for c in range(8):
+                    T.emit(T.ChunkEvent(0, step, c, ("cpu", "nvme")[(c + step) % 2], "hold", MIB, (f"p{c}",)))
+                for s in _pipeline_spans(step=step, t0=float(step)):
+                    T.emit(s)
+                T.emit(T.MemorySample(0, float(step), "cpu", step * MIB, 64 * MIB))
+                time.sleep(0.01)
+
+        emitter = threading.Thread(target=emit_all)
+        emitter.start()
+        emitter.join()
+        assert _wait_for(lambda: d.metrics.loss_curve()[0][-1:] == [40]
+                         and d.chunk_map.chunks.last_step() == 40
+                         and d.timeline.timeline.steps[-1:] == [40]
+                         and d.gauges.values().get((0, "cpu"), (0,))[0] == 40 * MIB)
+        elapsed = time.perf_counter() - t0
+        calls = th.calls - calls0
+        # ~1000 events of four types, a few ticks at <= 5 Hz, every view redrawn from them
+        assert 1 <= calls <= 2 + 5 * elapsed
+        for k, v in d.views.items():
+            assert 1 <= v.redraws - start[k] <= calls, k
+        assert th.events == 40 * (1 + 8 + len(_pipeline_spans()) + 1) and not th.errors
+        assert "step 40" in d.figure_dict()["layout"]["title"]["text"]
+        assert "step 40" in d.timeline.figure_dict()["layout"]["title"]["text"]
+        # idle: the thread keeps waking but folds and redraws nothing
+        redraws, calls = dict(d.redraw_counts), th.calls
+        wakes = th.wakes
+        assert _wait_for(lambda: th.wakes >= wakes + 2)
+        assert th.calls == calls and d.redraw_counts == redraws
+    finally:
+        d.close()
+    assert _wait_for(lambda: not (_colossal_threads() - before), timeout=3)
+
+
+def test_closing_one_view_of_a_dashboard_keeps_the_others_drawing():
+    d = Dashboard(live=False, max_hz=10)
+    try:
+        T.emit(T.ChunkEvent(0, 1, 0, "cpu", "hold", MIB, ()))
+        assert _wait_for(lambda: len(d.chunk_map.chunks.chunks) == 1)
+        d.chunk_map.close()
+        assert d.chunk_map not in d._throttle.views and d._throttle._thread.is_alive()
+        T.emit(T.ChunkEvent(0, 2, 1, "nvme", "hold", MIB, ()))
+        T.emit(T.StepMetrics(0, 2, 1.5, 10, 1.0))
+        assert _wait_for(lambda: d.metrics.loss_curve()[0] == [2])
+        d.flush()
+        assert len(d.chunk_map.chunks.chunks) == 1  # closed: no longer fed
+    finally:
+        d.close()
+    assert not d._throttle._thread.is_alive()
+
+
+def test_dashboard_feed_routes_each_event_to_the_view_that_draws_it():
+    d = Dashboard(live=False, subscribe=False)
+    d.feed(T.StepMetrics(0, 1, 2.0, 10, 1.0))
+    d.feed(T.ChunkEvent(0, 1, 0, "nvme", "hold", MIB, ()))
+    d.feed(T.MemorySample(0, 1.0, "cpu", MIB, 8 * MIB))
+    d.feed(_pipeline_spans(step=1)[0])
+    assert d._throttle is None and d.metrics.loss_curve()[0] == []  # queued, not folded
+    d.flush()
+    assert d.metrics.loss_curve() == ([1], [2.0])
+    assert len(d.chunk_map.chunks.chunks) == 1 and d.gauges.values()[(0, "cpu")] == (MIB, 8 * MIB)
+    assert d.chunk_map.memory.samples  # the chunk map's bars use MemorySamples too
+    assert d.timeline.timeline.steps == [1]
+
+
+def test_chunk_moves_index_matches_a_scan_of_the_moves_kept():
+    from colossal_lab.widgets.state import ChunkState
+
+    rng = random.Random(3)
+    st = ChunkState(max_moves=7)
+    for _ in range(400):
+        step = rng.randrange(0, 12)
+        st.apply(T.ChunkEvent(rng.randrange(2), step, rng.randrange(5), rng.choice(["cpu", "nvme", "cuda"]),
+                              "hold", 1, ()))
+        assert len(st.moves) <= 7
+        for s in range(12):
+            assert st.moved_at(s) == {(m.rank, m.chunk_id) for m in st.moves if m.step == s}
+    # a state built with moves given is indexed too
+    st2 = ChunkState(moves=list(st.moves), max_moves=7)
+    assert all(st2.moved_at(s) == st.moved_at(s) for s in range(12))
+    with pytest.raises(ValueError, match="max_moves"):
+        ChunkState(max_moves=0)
+
+
+def test_timeline_step_index_matches_the_spans_kept():
+    from colossal_lab.widgets.state import TimelineState
+
+    spans = [s for step in range(10) for s in _pipeline_spans(step=step, t0=10.0 * step)]
+    random.Random(5).shuffle(spans)
+    st = TimelineState(keep_steps=4)
+    ref: set = set()
+    for e in spans + spans[:20]:
+        st.apply(e)
+        # the reference: keep every span, then drop all but the newest ``keep_steps`` steps
+        ref.add(e)
+        steps = sorted({s.step for s in ref})
+        if len(steps) > 4:
+            ref = {s for s in ref if s.step >= steps[-4]}
+        assert st.spans == ref and st.steps == sorted({s.step for s in ref})
+    for step in st.steps:
+        got = st.spans_of(step)
+        assert set(got) == {s for s in ref if s.step == step} and len(got) == len(set(got))
+        assert [(s.stage, s.start) for s in got] == sorted((s.stage, s.start) for s in got)
+    assert TimelineState(spans=set(spans), keep_steps=4).steps == [6, 7, 8, 9]
+
+
+def test_live_update_message_is_what_ipywidgets_would_send():
+    """The Output's lean ``outputs`` update (no binary-buffer walk) sends exactly the message
+    ipywidgets' own ``send_state`` builds, through a real comm."""
+    import comm
+    from comm.base_comm import BaseComm
+    from ipywidgets.widgets.widget import _remove_buffers
+
+    sent = []
+
+    class CaptureComm(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys):
+            sent.append((msg_type, json.loads(json.dumps(data)), buffers))
+
+    old = comm.create_comm
+    comm.create_comm = CaptureComm
+    try:
+        cm = ChunkMap(live=True, subscribe=False)
+        cm.update([T.ChunkEvent(0, 1, c, "cpu", "hold", MIB, (f"p{c}",)) for c in range(3)])
+        out = cm.widget()
+        state, paths, bufs = _remove_buffers(out.get_state(key="outputs"))
+        expect = {"method": "update", "state": state, "buffer_paths": paths}
+        updates = [(d, b) for t, d, b in sent if t == "comm_msg" and d.get("method") == "update"]
+        assert updates and updates[-1][0] == json.loads(json.dumps(expect)) and not bufs
+        assert updates[-1][0]["state"]["outputs"][0]["data"]["application/vnd.plotly.v1+json"] == \
+            json.loads(json.dumps(cm.figure_dict()))
+        n = len(updates)
+        out.msg_id = "abc"  # any other key still goes through ipywidgets' own path
+        assert [d for t, d, b in sent if t == "comm_msg"][-1]["state"] == {"msg_id": "abc"}
+        assert len([1 for t, d, b in sent if t == "comm_msg" and "outputs" in d.get("state", {})]) == n
+    finally:
+        comm.create_comm = old
