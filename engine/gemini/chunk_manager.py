@@ -13,7 +13,11 @@ One algorithm for every stack (``cuda→cpu→nvme`` or ``cpu→nvme``):
   recently used. Parameters only change in the optimizer step, so dropping is free: the
   home copy is still valid;
 * after a chunk is used, the next ``max_prefetch`` chunks of the trace are loaded in the
-  background when they fit without evicting anything needed sooner;
+  background when they fit without evicting anything needed sooner. With several ranks the
+  prefetch issues the all-gather asynchronously (``async_op=True``); every prefetch decision
+  depends only on the warm-up trace and byte counts that are equal on every rank (the warm-up's
+  activation peak is all-reduced), so every rank issues the same collectives in the same order.
+  An NVMe-homed sharded chunk is read at one access and all-gathered at the next;
 * gradients are copied into a full fp32 chunk buffer as each parameter's gradient is
   accumulated, and when the chunk's last gradient arrives it is reduce-scattered (sharded
   chunk) or all-reduced (replicated chunk) and handed to the optimizer state's home.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from concurrent.futures import Future
 from typing import Deque, Dict, List, Optional, Tuple
 
@@ -41,9 +46,20 @@ from .placement import PlacementConfig, optim_block_bytes
 from .tiers import Tier, TierStack
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+@dataclass
+class _Load:
+    """A chunk on its way into the compute tier: an NVMe read and/or an all-gather in flight."""
+
+    fut: Optional[Future] = None          # NVMe read (into ``staging`` or straight into ``full``)
+    staging: Optional[torch.Tensor] = None
+    work: Optional[object] = None         # async all-gather (dist.Work)
+    src: Optional[torch.Tensor] = None    # the all-gather's input, kept alive until it lands
+    started: int = 0                      # access counter when the load began
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -69,7 +85,9 @@ class ChunkManager:
         self.step = 0
         self.moves = 0
         self._lru: "collections.OrderedDict[int, None]" = collections.OrderedDict()
-        self._loading: Dict[int, Tuple[Future, Optional[torch.Tensor]]] = {}
+        self._loading: Dict[int, _Load] = {}
+        self._accesses = 0
+        self.prefetch_hits = 0
         self._writes: Deque[Tuple[Future, Tier, int, object]] = collections.deque()
         self._grad_shard: Dict[int, torch.Tensor] = {}       # optim home in RAM
         self._grad_on_nvme: Dict[int, bool] = {}
@@ -89,10 +107,10 @@ class ChunkManager:
         """Where the chunk's payload is now: the compute tier while gathered, else its home."""
         return self.compute.name if c.gathered else c.param_home
 
-    def _alloc_ram(self, tier_name: str, numel: int, dtype) -> torch.Tensor:
+    def _alloc_ram(self, tier_name: str, numel: int, dtype, protect: Tuple[int, ...] = ()) -> torch.Tensor:
         tier = self.stack.get(tier_name)
         if tier is self.compute:
-            self._reserve(numel * torch.empty((), dtype=dtype).element_size())
+            self._reserve(numel * torch.empty((), dtype=dtype).element_size(), protect=protect)
         t = torch.empty(numel, dtype=dtype, device=tier.device,
                         pin_memory=self.pin and tier.device.type == "cpu")
         tier.alloc(t.numel() * t.element_size())
@@ -198,6 +216,7 @@ class ChunkManager:
     def access(self, c: Chunk, infos: List[TensorInfo], state: TensorState) -> None:
         """Make ``c`` computable now and mark ``infos`` with ``state``; then prefetch ahead."""
         self.trace.record(c.id)
+        self._accesses += 1
         self._ensure_gathered(c)
         c.set_state(state, infos)
         self._lru.pop(c.id, None)
@@ -226,13 +245,20 @@ class ChunkManager:
         c.set_state(TensorState.FREE)
         self._moved(c)
 
+    def _load_bytes(self, c: Chunk) -> int:
+        """Compute-tier bytes a load of ``c`` takes: the full buffer, plus a staging shard when
+        an NVMe read cannot land in ``full`` directly (sharded chunk, or a CUDA compute tier)."""
+        staged = c.param_home == "nvme" and ((self.world > 1 and c.sharded) or self.device.type != "cpu")
+        return c.full_bytes + (c.shard_bytes if staged and self.stack.host is self.compute else 0)
+
     def _ensure_gathered(self, c: Chunk) -> None:
         if c.id in self._loading:
+            self.prefetch_hits += 1  # started ahead of use by _prefetch
             self._wait_load(c)
             return
         if c.gathered:
             return
-        self._reserve(c.full_bytes, protect=(c.id,))
+        self._reserve(self._load_bytes(c), protect=(c.id,))
         self._start_load(c)
         self._wait_load(c)
 
@@ -243,18 +269,21 @@ class ChunkManager:
         c.gathered = True
         c.set_state(TensorState.HOLD)
         if self.world > 1 and c.sharded:
-            if c.param_home == "nvme":
-                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype)
-                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", staging), staging)
+            if c.param_home == "nvme":  # read now; all-gather at the next access or at use
+                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype, protect=(c.id,))
+                self._loading[c.id] = _Load(self.nvme.read(f"c{c.id}.param", staging), staging,
+                                            started=self._accesses)
             else:
-                self._loading[c.id] = (None, None)
+                load = _Load(started=self._accesses)
+                self._loading[c.id] = load
+                self._issue_gather(c, load)
             return
         if c.param_home == "nvme":
             if self.device.type == "cpu":
-                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", c.full), None)
+                self._loading[c.id] = _Load(self.nvme.read(f"c{c.id}.param", c.full))
             else:
-                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype)
-                self._loading[c.id] = (self.nvme.read(f"c{c.id}.param", staging), staging)
+                staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype, protect=(c.id,))
+                self._loading[c.id] = _Load(self.nvme.read(f"c{c.id}.param", staging), staging)
         else:  # host RAM -> device on the side stream
             if self._stream is not None:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -263,23 +292,34 @@ class ChunkManager:
                     ev = torch.cuda.Event()
                     ev.record(self._stream)
                 self._events[c.id] = ev
-                self._loading[c.id] = (None, None)
+                self._loading[c.id] = _Load()
             else:
                 c.full.copy_(c.shard)
+
+    def _issue_gather(self, c: Chunk, load: _Load) -> None:
+        """Start the all-gather of a sharded chunk (its shard is in RAM or already read)."""
+        if load.fut is not None:
+            load.fut.result()
+            load.fut = None
+        src = load.staging if load.staging is not None else c.shard
+        load.src = src.to(self.device)
+        load.work = _all_gather(c.full, load.src, self.group, async_op=True)
 
     def _wait_load(self, c: Chunk) -> None:
         entry = self._loading.pop(c.id, None)
         if entry is None:
             return
-        fut, staging = entry
-        if fut is not None:
-            fut.result()
+        staging = entry.staging
+        if entry.fut is not None and not (self.world > 1 and c.sharded):
+            entry.fut.result()
         ev = self._events.pop(c.id, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
         if self.world > 1 and c.sharded:
-            src = staging if staging is not None else c.shard
-            _all_gather(c.full, src.to(self.device), self.group)
+            if entry.work is None:
+                self._issue_gather(c, entry)
+            entry.work.wait()
+            entry.src = None
         elif staging is not None:
             c.full.copy_(staging)
         if staging is not None:
@@ -288,15 +328,21 @@ class ChunkManager:
 
     def _prefetch(self, protect: Tuple[int, ...]) -> None:
         """Start loading the next chunks of the trace if they fit without evicting sooner ones."""
-        if self.cfg.max_prefetch <= 0 or self.cfg.policy != "auto" or self.world > 1:
-            # With several ranks the all-gather runs at use time (collective order must match on
-            # every rank); the NVMe read is what we overlap, and only single-rank runs do that here.
+        if self.cfg.max_prefetch <= 0 or self.cfg.policy != "auto":
             return
         for cid in self.trace.upcoming(self.cfg.max_prefetch + 1):
             c = self.chunks[cid]
-            if c.gathered or cid in self._loading:
+            load = self._loading.get(cid)
+            if load is not None:
+                # an NVMe shard read at an earlier access: all-gather it now (a point in the
+                # access sequence that is the same on every rank, whether or not the read is done)
+                if load.work is None and load.fut is not None and self.world > 1 and c.sharded \
+                        and load.started < self._accesses:
+                    self._issue_gather(c, load)
                 continue
-            if not self._reserve(c.full_bytes, protect=protect + (cid,), before=self.trace.next_use(cid)):
+            if c.gathered:
+                continue
+            if not self._reserve(self._load_bytes(c), protect=protect + (cid,), before=self.trace.next_use(cid)):
                 return
             self._start_load(c)
 
@@ -469,6 +515,10 @@ class ChunkManager:
     def end_step(self) -> None:
         self.flush_writes()
         if not self.trace.ready:
+            if self.world > 1:  # decisions that drive collectives must agree on every rank
+                peak = torch.tensor([float(self.nonmodel.peak)], dtype=torch.float64, device=self.device)
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
+                self.nonmodel.peak = int(peak.item())
             self.trace.finish_warmup()
         self.step += 1
         self.snapshot()
