@@ -119,7 +119,9 @@ def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> N
                 placed = name
                 break
         if placed is None:
-            need = sum(b for *_, b in prefs)
+            # fp32 parameters homed with their optimizer state share the master (16 B/param, not 20)
+            need = sum(b - (c.shard_bytes if k == "optim" and c.dtype == torch.float32 else 0)
+                       for c, k, _, b in prefs)
             if not has_nvme:
                 raise ValueError(
                     f"GeminiPlugin: parameters and optimizer states need {need / 2**20:.1f} MiB per rank "
