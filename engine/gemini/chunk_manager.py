@@ -546,8 +546,17 @@ class ChunkManager:
                                                   capacity=min(t.capacity, 1 << 62)))
 
     def close(self) -> None:
+        """Wait for pending writes, then delete the NVMe files. Never raises for a write that
+        failed (a full disk was already reported by the step that hit it; the files it was
+        writing are being deleted), so cleanup always happens."""
         try:
-            self.flush_writes()
+            while self._writes:
+                fut, tier, nbytes, _keep = self._writes.popleft()
+                try:
+                    fut.result()
+                except OSError:
+                    pass
+                tier.free(nbytes)
         finally:
             if self.nvme is not None:
                 self.nvme.close()
