@@ -12,32 +12,42 @@ the backward (chunks with unused parameters) in the same order on every rank —
 Colossal-AI users hit as "synchronization of gradients doesn't exit properly".
 
 Hooks sit on modules that own parameters directly, so a chunk is gathered only for the
-modules that use it, whatever the model's structure.
+modules that use it, whatever the model's structure. At the first training forward (the
+warm-up) the chunks are re-packed in the order those hooks fire (``repack.py``) before the
+real forward runs; the hooks are then re-installed for the new chunks.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .chunk import Chunk, TensorInfo, TensorState
 from .chunk_manager import ChunkManager
+from .repack import PackSpec, learn_and_repack
 
 
 class GeminiModel(nn.Module):
     """Wraps ``module``; call it like the module. ``unwrap()`` returns the original module."""
 
-    def __init__(self, module: nn.Module, manager: ChunkManager):
+    def __init__(self, module: nn.Module, manager: ChunkManager, pack: Optional[PackSpec] = None):
         super().__init__()
         self.module = module
         self._mgr = manager
+        # chunks are re-packed in execution order at the first training forward (repack.py)
+        self.pack = pack if pack is not None else PackSpec(order="registration")
+        self._handles = []
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        """Hooks for the manager's current chunk list (again after a re-pack)."""
+        manager, module = self._mgr, self.module
         self._where: Dict[int, Tuple[Chunk, TensorInfo]] = {}
         for c in manager.chunks:
             for info in c.infos:
                 self._where[id(info.param)] = (c, info)
-        self._handles = []
         for m in module.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in self._where]
             if own:
@@ -106,6 +116,8 @@ class GeminiModel(nn.Module):
     # ---- module API --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.module.training and not self._mgr._in_backward:
+            if not self.pack.done:  # the warm-up: learn the execution order, re-pack before running
+                learn_and_repack(self, args, kwargs)
             self._mgr.begin_step()
             if not self._mgr.trace.ready:
                 with self._mgr.nonmodel.hooks():

@@ -64,6 +64,14 @@ class GeminiOptimizer:
         self.skipped = 0
         self.optim.state.clear()  # the user's optimizer never steps; its state would be stale
         manager.check_finite = precision == "fp16"
+        manager.gemini_optimizer = self  # repack.py moves the per-chunk step counts with the chunks
+
+    def relink(self, steps: Dict[int, int]) -> None:
+        """After a re-pack (``repack.py``): per-chunk step counts and param groups of the new chunks."""
+        for c in self.mgr.chunks:
+            for info in c.infos:
+                info.group = self._group_of.get(id(info.param), -1)
+        self.steps = {c.id: steps.get(c.id, 0) for c in self.mgr.chunks}
 
     # ---- torch.optim.Optimizer-like surface ------------------------------------------------------
     @property

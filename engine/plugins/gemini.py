@@ -27,6 +27,13 @@ Colossal-AI's argument names and order. Arguments and the trade-off each makes:
   scale) or ``fp32``; master weights and Adam states are always fp32. A ``Booster``
   ``mixed_precision`` other than the default ``"fp32"`` takes precedence.
 * ``pin_memory`` — page-locked host buffers for faster host↔device copies (CUDA only).
+* ``pack_order`` — ``"execution"`` (default): at the first training forward the model is run once
+  on the meta device to learn the order parameters are first used, and the chunks are re-packed
+  in that order before the real forward (a forward then walks chunks front to back, which is
+  what eviction and prefetch are best at); costs one read and one write of every chunk's
+  optimizer state, once, and falls back to registration order (with a warning) when the forward
+  cannot run on meta (``.item()``, data-dependent control flow). ``"registration"``: keep
+  ``named_parameters()`` order (no trace, no move).
 
 Models built under ``engine.lazy.lazy_init()`` (meta parameters) are accepted: each parameter is
 materialised straight into its chunk as the chunk is packed and the chunk goes to its home tier
@@ -66,6 +73,7 @@ class GeminiPlugin(Plugin):
     precision: str = "bf16"
     pin_memory: bool = True
     nvme_direct_io: bool = False
+    pack_order: str = "execution"
     _managers: List = field(default_factory=list, init=False, repr=False)
 
     supported_precisions = ("fp32", "fp16", "bf16")
@@ -100,6 +108,10 @@ class GeminiPlugin(Plugin):
             raise ValueError(f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb!r}): must be > 0 or None (search)")
         if not isinstance(self.max_prefetch, int) or self.max_prefetch < 0:
             raise ValueError(f"GeminiPlugin(max_prefetch={self.max_prefetch!r}): must be an int >= 0")
+        from ..gemini.repack import ORDERS
+
+        if self.pack_order not in ORDERS:
+            raise ValueError(f"GeminiPlugin(pack_order={self.pack_order!r}): choose one of {list(ORDERS)}")
         if self.nvme_direct_io and not self.nvme_offload_dir:
             raise ValueError("GeminiPlugin(nvme_direct_io=True): needs nvme_offload_dir=... (a directory on a "
                              "local disk), or set nvme_direct_io=False")
@@ -138,6 +150,7 @@ class GeminiPlugin(Plugin):
         from ..gemini.materialize import ParamSource
         from ..gemini.nvme import NVMeStore
         from ..gemini.placement import PlacementConfig, min_working_set_bytes, plan_homes
+        from ..gemini.repack import PackSpec
         from ..gemini.tiers import TierStack
         from ..gemini.zero_model import GeminiModel
         from ..gemini.zero_optim import SUPPORTED, GeminiOptimizer
@@ -205,7 +218,9 @@ class GeminiPlugin(Plugin):
                 if b is not None:
                     m._buffers[bname] = b.to(device)
         self._managers.append(mgr)
-        gmodel = GeminiModel(model, mgr)
+        spec = PackSpec(order=self.pack_order, shard_param_frac=self.shard_param_frac,
+                        search_max=None if self.chunk_size_mb is not None else self._max_chunk_elems(elem))
+        gmodel = GeminiModel(model, mgr, pack=spec)  # re-packs in execution order at the first training forward
         goptim = GeminiOptimizer(optimizer, mgr, precision, group=self.dp_group) if optimizer is not None else None
         mgr.snapshot()
         return gmodel, goptim, criterion, dataloader, lr_scheduler

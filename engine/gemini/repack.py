@@ -1,0 +1,610 @@
+"""Chunks in execution order: learn the order at the first training forward, then re-pack.
+
+Why: a chunk is the unit Gemini gathers, moves and prefetches. ``boost`` has to pack before any
+forward has run, so it packs in registration order (``named_parameters()``); when modules are
+registered in another order than they run (a head tied to the embedding, modules registered
+in reverse, a parent that owns a parameter used last...), one forward then touches chunks out
+of order and a chunk can be gathered for one tensor, evicted, and gathered again. Packing in
+first-use order makes a forward walk the chunks front to back, which is what eviction
+(furthest next use) and prefetch (the next chunks) are best at.
+
+How, and what it builds on:
+
+* **Order** (``trace_order``): at the first training forward ``GeminiModel`` runs the wrapped
+  module once more on the meta device — ``torch.func.functional_call`` with meta stand-ins for
+  every parameter, buffer and tensor argument, so it costs no memory and no data — with
+  temporary forward pre-hooks on the modules that own parameters (the very points where
+  ``zero_model.py`` gathers chunks), recording each parameter's first use (a tied parameter
+  counts at its first use). The RNG state is forked around it, so dropout masks of the real
+  step do not change. A forward that needs data (``.item()``, data-dependent control flow)
+  cannot run on meta: the order then stays as it is, with one warning per process.
+* **Agreement**: with several ranks every rank traces; a vote (``all_reduce`` MIN/MAX of
+  ``[ok, order...]``) keeps the current packing unless all ranks traced the same order, and the
+  same vote is taken on the move schedule below, so every rank issues the same collectives.
+* **New layout**: ``chunk.pack`` over the new order (the chunk-size search redone when the size
+  was searched, with the plugin's cap), ``placement.plan_homes`` for the new chunks. If the new
+  plan does not fit, the old packing is kept.
+* **Moving, one chunk at a time** (``_Mover``): a chunk's parameter shard is by construction its
+  fp32 master cast to the compute dtype (``ChunkManager.materialize``, ``write_params`` and the
+  model load all keep it so), so what moves is each chunk's ``master|exp_avg|exp_avg_sq`` block
+  plus its per-chunk step count; the new parameter shard is cast from the moved master. New
+  chunks are built one at a time into a block that is already their home (RAM) or a staging
+  buffer written to NVMe; from each old chunk only the ranges the new chunk takes are copied
+  (RAM) or read at their offsets (NVMe ``.state`` files: no whole-file staging). A sharded old
+  chunk is all-gathered row by row in ``world`` pieces of a row, only the pieces that hold
+  something the new chunk takes — ``checkpoint.py``'s ``_read_state_shard``/``_gather_full``
+  idea at a fraction of its memory: the transient is a new block plus ``~1/world`` of an old row.
+  An old chunk's homes (RAM, NVMe files) are freed as soon as every parameter in it has moved.
+* **Budgets**: old and new homes coexist for a while, so the schedule is first played *dry*
+  against copies of the tier counters (homes, the new block, the gather pieces, staging for
+  NVMe IO, the NVMe disk's free bytes at boost): new chunks are taken in order, skipping
+  ones that do not fit yet (they fit once the old chunks they wait for are freed); when none
+  fits, the first is *spilled* to a temporary NVMe file and installed at the end. If no
+  schedule fits (no NVMe tier to spill to), the old packing is kept. The real run replays the
+  schedule, so no tier is ever over its capacity during the move.
+* **Same objects**: parameters stay the same ``nn.Parameter`` objects (``materialize.bind`` makes
+  them views of the new chunks), so the user's optimizer ``param_groups`` stay valid; the
+  manager's chunk list, state blocks, NVMe files (written under temporary names, renamed to
+  ``c<id>.*`` once the old files are gone), access trace, ``GeminiModel``'s hooks and the
+  optimizer's per-chunk step counts are rebuilt, and a telemetry snapshot is emitted.
+
+The whole thing runs before the first real forward (and so also after a ``load_model`` /
+``load_optimizer`` resume), when no gradient is pending; it costs one read and one write of
+every chunk's optimizer state, once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .chunk import Chunk, TensorInfo, TensorState, pack, search_chunk_size
+from .chunk_manager import ChunkManager, _all_gather
+from .materialize import bind
+from .memstats import AccessTrace, NonModelMemory
+from .nvme import _as_bytes
+from .placement import min_working_set_bytes, plan_homes
+
+ORDERS = ("execution", "registration")
+_WARNED: Set[str] = set()
+
+
+@dataclass
+class PackSpec:
+    """How ``GeminiModel`` re-packs at its first training forward (built by ``GeminiPlugin``)."""
+
+    order: str = "execution"                 # "execution": learn and re-pack; "registration": keep
+    shard_param_frac: float = 1.0            # the plugin's, for the new chunk list
+    search_max: Optional[int] = None         # chunk-size search cap (elements); None: keep the size
+    done: bool = False
+    status: str = "pending"                  # repacked | in order | kept: <why> | untraced: <why> | registration
+    seconds: float = 0.0                     # wall time of the trace + move
+    spilled: int = 0                         # new chunks that went through a temporary NVMe file
+    gathers: int = 0                         # all-gathers issued (sharded old chunks, piece by piece)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+# ---- the order ----------------------------------------------------------------------------------
+def trace_order(module: nn.Module, params: List[nn.Parameter], args, kwargs) -> Tuple[Optional[List[int]], str]:
+    """Indices of ``params`` in first-use order (unused ones last, in their given order).
+
+    Runs ``module`` on the meta device; returns ``(None, reason)`` when it cannot.
+    """
+    from torch.func import functional_call
+    from torch.utils._pytree import tree_map
+
+    index = {id(p): i for i, p in enumerate(params)}
+    first: List[int] = []
+    seen: Set[int] = set()
+    handles = []
+
+    def make(own):
+        def hook(mod, a):
+            for i in own:
+                if i not in seen:
+                    seen.add(i)
+                    first.append(i)
+        return hook
+
+    for m in module.modules():
+        own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+        if own:
+            handles.append(m.register_forward_pre_hook(make(own)))
+
+    def meta(x):
+        return torch.empty_like(x, device="meta") if isinstance(x, torch.Tensor) else x
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        stand_ins = {n: meta(t) for n, t in module.named_parameters()}
+        stand_ins.update({n: meta(b) for n, b in module.named_buffers()})
+        margs, mkwargs = tree_map(meta, (tuple(args), dict(kwargs)))
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            functional_call(module, stand_ins, margs, mkwargs, strict=False)
+    except Exception as exc:  # data-dependent forward: keep the order we have
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    finally:
+        for h in handles:
+            h.remove()
+    return first + [i for i in range(len(params)) if i not in seen], ""
+
+
+def _vote(mgr: ChunkManager, values: List[int]) -> bool:
+    """True when every rank holds the same ``values`` (a MIN and a MAX all-reduce)."""
+    if mgr.world <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return True
+    t = torch.tensor(values, dtype=torch.int64, device=mgr.device)
+    lo, hi = t.clone(), t.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=mgr.group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=mgr.group)
+    return bool(torch.equal(lo, hi))
+
+
+# ---- the entry point (called by GeminiModel.forward) ---------------------------------------------
+def learn_and_repack(model, args, kwargs) -> None:
+    """At a training forward: trace the order, re-pack if it differs. Never fails the user's step
+    for a model it cannot trace; every rank must call it at the same forward (they do: the first
+    training forward)."""
+    spec: PackSpec = model.pack
+    mgr: ChunkManager = model.manager
+    if spec.done:
+        return
+    if spec.order == "registration":
+        spec.done, spec.status = True, "registration"
+        return
+    if any(mgr.has_grad(c) for c in mgr.chunks):
+        return  # a backward ran without its step (eval-mode forward?): try at the next training forward
+    t0 = time.perf_counter()
+    old = list(mgr.chunks)
+    infos = [i for c in old for i in c.infos]
+    params = [i.param for i in infos]
+    model.remove_hooks()  # the meta forward must not gather real chunks
+    try:
+        perm, why = trace_order(model.module, params, args, kwargs)
+        ok = perm is not None
+        agreed = _vote(mgr, [int(ok)] + (perm if ok else [0] * len(params)))
+        if not ok or not agreed:
+            spec.status = "untraced: " + (why or "the ranks traced different orders")
+            _warn_once("untraced", f"Gemini: could not learn the execution order of the model's parameters "
+                       f"({why or 'the ranks traced different orders'}); chunks stay in registration order. "
+                       "The forward has to run on the meta device for that (no .item() or data-dependent "
+                       "control flow); pass GeminiPlugin(pack_order='registration') to skip the attempt.")
+            return
+        new = _new_layout(mgr, spec, [infos[i] for i in perm])
+        if new is None:
+            spec.status = "in order"
+            return
+        mgr.flush_writes()
+        mgr.drop_cache()  # only homes stay; the schedule below starts from them (same call on every rank)
+        plan, why = _plan(mgr, old, new)
+        agreed = _vote(mgr, [int(plan is not None)] + (plan or [0] * len(new)))
+        if plan is None or not agreed:
+            spec.status = "kept: " + (why or "the ranks planned different moves")
+            _warn_once("kept", f"Gemini: chunks stay in registration order: re-packing them in execution order "
+                       f"does not fit ({why or 'the ranks planned different moves'}).")
+            return
+        mover = _Mover(mgr, old, new, dry=False)
+        mover.run(plan)
+        spec.status, spec.spilled, spec.gathers = "repacked", len(mover.spilled), mover.gathers
+        _adopt(mgr, new, mover)
+    finally:
+        model._install_hooks()
+        spec.done = True
+        spec.seconds += time.perf_counter() - t0
+    if spec.status == "repacked":
+        mgr.snapshot()
+
+
+def _new_layout(mgr: ChunkManager, spec: PackSpec, ordered: List[TensorInfo]) -> Optional[List[Chunk]]:
+    """Chunks packing ``ordered`` (homes not planned yet), or None when that is the current packing."""
+    old = mgr.chunks
+    c0 = old[0]
+    numels = [i.numel for i in ordered]
+
+    def chunks_of(size: int) -> List[Chunk]:
+        groups = pack(numels, size)
+        n_shard = int(round(spec.shard_param_frac * len(groups)))
+        out = []
+        for cid, idxs in enumerate(groups):
+            c = Chunk(id=cid, size=size, dtype=c0.dtype, world=c0.world, rank=c0.rank,
+                      sharded=c0.world > 1 and cid < n_shard)
+            off = 0
+            for i in idxs:
+                src = ordered[i]
+                c.infos.append(TensorInfo(name=src.name, param=src.param, offset=off, numel=src.numel,
+                                          shape=src.shape, group=src.group))
+                off += src.numel
+            out.append(c)
+        return out
+
+    new = None
+    if spec.search_max is not None:  # the size was searched at boost: search again for this order
+        new = chunks_of(search_chunk_size(numels, c0.world, max_size=spec.search_max))
+        if min_working_set_bytes(new) > mgr.compute.capacity:
+            new = None
+    if new is None:
+        new = chunks_of(c0.size)
+    same = len(new) == len(old) and all(
+        a.size == b.size and a.sharded == b.sharded and [id(i.param) for i in a.infos] == [id(i.param) for i in b.infos]
+        for a, b in zip(new, old))
+    return None if same else new
+
+
+def _plan(mgr: ChunkManager, old: List[Chunk], new: List[Chunk]) -> Tuple[Optional[List[int]], str]:
+    """Homes for ``new`` and a move schedule that never overfills a tier: ``[2*chunk + spilled]``."""
+    try:
+        plan_homes(new, mgr.stack, mgr.cfg)
+    except ValueError as exc:
+        return None, str(exc)
+    mv = _Mover(mgr, old, new, dry=True)
+    pending = list(range(len(new)))
+    plan: List[int] = []
+    while pending:
+        for k in pending:
+            snap = mv.save()
+            try:
+                mv.process(k, spill=False)
+            except _NoRoom:
+                mv.restore(snap)
+                continue
+            plan.append(2 * k)
+            pending.remove(k)
+            break
+        else:
+            k = pending[0]
+            if mgr.nvme is None:
+                return None, (f"the {mv.last_full} tier has no room for a new chunk while the old chunks it "
+                              "waits for are still there, and there is no NVMe tier to stage it")
+            try:
+                mv.process(k, spill=True)
+            except _NoRoom:
+                return None, f"the {mv.last_full} tier has no room even to stage a chunk"
+            plan.append(2 * k + 1)
+            pending.remove(k)
+    try:
+        mv.finish()
+    except _NoRoom:
+        return None, f"the {mv.last_full} tier has no room for the staged chunks"
+    return plan, ""
+
+
+# ---- moving state -------------------------------------------------------------------------------
+class _NoRoom(Exception):
+    pass
+
+
+class _Mover:
+    """Builds the new chunks one at a time from the old ones; ``dry`` only counts bytes.
+
+    Every allocation goes through ``take``/``give`` against per-tier counters that start from the
+    real ones (NVMe: the bytes of this run's files against the free disk at boost), so the dry
+    run sees exactly the peaks the real run will have.
+    """
+
+    def __init__(self, mgr: ChunkManager, old: List[Chunk], new: List[Chunk], dry: bool):
+        self.mgr, self.old, self.new, self.dry = mgr, old, new, dry
+        st = mgr.stack
+        self.host = st.host.name
+        self.used = {t.name: t.used for t in st.tiers}
+        if st.nvme is not None:
+            self.used["nvme"] = mgr.nvme.used if mgr.nvme is not None else 0
+        self.cap = {t.name: t.capacity for t in st.tiers}
+        self.last_full = ""
+        where = {id(i.param): (c, i) for c in old for i in c.infos}
+        self.src: Dict[int, List[Tuple[TensorInfo, Chunk, TensorInfo]]] = {}
+        self.contrib: Dict[int, List[Chunk]] = {}
+        self.left: Dict[int, Set[int]] = {c.id: set() for c in old}
+        for c in new:
+            rows, seen = [], []
+            for info in c.infos:
+                oc, oi = where[id(info.param)]
+                rows.append((info, oc, oi))
+                if oc not in seen:
+                    seen.append(oc)
+                self.left[oc.id].add(c.id)
+            self.src[c.id], self.contrib[c.id] = rows, seen
+        self.state: Dict[int, torch.Tensor] = {}
+        self.spilled: List[int] = []
+        self.steps: Dict[int, int] = {}
+        self.gathers = 0
+
+    # ---- the ledger ----------------------------------------------------------------------------
+    def take(self, tier: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        if self.used[tier] + nbytes > self.cap[tier]:
+            self.last_full = tier
+            if not self.dry:
+                raise RuntimeError(f"Gemini re-pack: the {tier} tier ran out of room in a move its dry run "
+                                   "planned to fit (a bug; please report it)")
+            raise _NoRoom(tier)
+        self.used[tier] += nbytes
+        if not self.dry and tier != "nvme":
+            self.mgr.stack.get(tier).alloc(nbytes)
+
+    def give(self, tier: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        self.used[tier] -= nbytes
+        if not self.dry and tier != "nvme":
+            self.mgr.stack.get(tier).free(nbytes)
+
+    def save(self):
+        return dict(self.used), self.gathers
+
+    def restore(self, snap) -> None:
+        self.used, self.gathers = dict(snap[0]), snap[1]
+
+    def _empty(self, tier: str, numel: int, dtype=torch.float32, zero: bool = False) -> Optional[torch.Tensor]:
+        """A buffer in ``tier`` (RAM/device), counted against it; None in a dry run."""
+        self.take(tier, numel * torch.empty((), dtype=dtype).element_size())
+        if self.dry:
+            return None
+        dev = self.mgr.stack.get(tier).device
+        t = torch.empty(numel, dtype=dtype, device=dev, pin_memory=self.mgr.pin and dev.type == "cpu")
+        return t.zero_() if zero else t
+
+    # ---- one new chunk ---------------------------------------------------------------------------
+    def process(self, k: int, spill: bool) -> None:
+        c = self.new[k]
+        n = c.shard_size
+        home_state = c.optim_home != "nvme" and not spill
+        block = self._empty(c.optim_home if home_state else self.host, 3 * n, zero=True)
+        for oc in self.contrib[k]:
+            self._move(k, c, oc, block)
+        self.steps[k] = max([self._steps_of(oc) for oc in self.contrib[k] if oc.trainable] or [0])
+        if spill:
+            self.take("nvme", 12 * n)
+            if not self.dry:
+                self.mgr.nvme.write(f"s{c.id}.state", block).result()
+            self.give(self.host, 12 * n)
+            self.spilled.append(k)
+        else:
+            self._install(c, block, home_state)
+        for oc in self.contrib[k]:
+            self.left[oc.id].discard(c.id)
+            if not self.left[oc.id]:
+                self._release(oc)
+
+    def _steps_of(self, oc: Chunk) -> int:
+        opt = getattr(self.mgr, "gemini_optimizer", None)
+        return opt.steps.get(oc.id, 0) if opt is not None else 0
+
+    def _move(self, k: int, c: Chunk, oc: Chunk, block: Optional[torch.Tensor]) -> None:
+        """Copy into ``block`` (new chunk ``c``'s shard, rows master|exp_avg|exp_avg_sq) what old
+        chunk ``oc`` holds of it."""
+        s0, s1 = c.shard_range
+        need: List[Tuple[int, int]] = []             # old-chunk ranges new chunk k takes (all ranks)
+        mine: List[List[int]] = []                   # [old lo, old hi, offset in this rank's new shard]
+        for info, occ, oi in self.src[k]:
+            if occ is not oc:
+                continue
+            need.append((oi.offset, oi.end))
+            lo, hi = max(info.offset, s0), min(info.end, s1)
+            if lo < hi:
+                a, b, d = oi.offset + lo - info.offset, oi.offset + hi - info.offset, lo - s0
+                if mine and mine[-1][1] == a and mine[-1][2] + (mine[-1][1] - mine[-1][0]) == d:
+                    mine[-1][1] = b  # contiguous in both layouts: one copy / one read
+                else:
+                    mine.append([a, b, d])
+        if oc.sharded and self.mgr.world > 1:
+            self._move_sharded(c, oc, need, mine, block)
+        else:
+            self._move_local(c, oc, mine, block)
+
+    def _move_local(self, c: Chunk, oc: Chunk, mine, block) -> None:
+        """Old chunk whole on this rank: copy from its RAM block, or read the ranges from its file."""
+        if self.dry or not mine:
+            return
+        n_new, n_old = c.shard_size, oc.shard_size
+        st = self.mgr._optim_state.get(oc.id) if oc.optim_home != "nvme" else None
+        for r in range(3):
+            for a, b, d in mine:
+                dst = block[r * n_new + d:r * n_new + d + b - a]
+                if st is not None:
+                    dst.copy_(st[r * n_old + a:r * n_old + b])
+                else:
+                    self._pread(oc, 4 * (r * n_old + a), dst)
+
+    def _move_sharded(self, c: Chunk, oc: Chunk, need, mine, block) -> None:
+        """Old chunk sharded over the ranks: all-gather, row by row and in ``world`` pieces of a
+        row, the pieces that hold anything new chunk ``c`` takes (decided from ``need``, the
+        same on every rank, so every rank issues the same collectives)."""
+        mgr, world = self.mgr, self.mgr.world
+        n, n_new = oc.shard_size, c.shard_size
+        q = -(-n // world)
+        pieces = set()
+        for a, b in need:
+            for s in range(a // n, (b - 1) // n + 1):
+                lo, hi = max(a, s * n) - s * n, min(b, (s + 1) * n) - s * n
+                pieces.update(range(lo // q, (hi - 1) // q + 1))
+        on_nvme, dev = oc.optim_home == "nvme", mgr.device.type != "cpu"
+        gtier = mgr.compute.name if dev else self.host          # where the collective's buffers live
+        st = None if (self.dry or on_nvme) else mgr._optim_state[oc.id]
+        staged = self._empty(self.host, q) if on_nvme else None  # this rank's piece, read from its file
+        din = self._empty(gtier, q) if dev else None
+        dout = self._empty(gtier, world * q)
+        for r in range(3):
+            for j in sorted(pieces):
+                L = min(q, n - j * q)
+                self.gathers += 1
+                if self.dry:
+                    continue
+                if on_nvme:
+                    src = staged[:L]
+                    self._pread(oc, 4 * (r * n + j * q), src)
+                else:
+                    src = st[r * n + j * q:r * n + j * q + L]
+                if din is not None:
+                    din[:L].copy_(src)
+                    src = din[:L]
+                out = dout[:world * L]
+                _all_gather(out, src, mgr.group)      # out[s*L + t] = rank s's local[r*n + j*q + t]
+                for a, b, d in mine:
+                    for s in range(a // n, (b - 1) // n + 1):
+                        x0, x1 = max(a, s * n + j * q), min(b, s * n + j * q + L)
+                        if x0 < x1:
+                            o = s * L + x0 - s * n - j * q
+                            block[r * n_new + d + x0 - a:r * n_new + d + x1 - a].copy_(out[o:o + x1 - x0])
+        self.give(gtier, 4 * world * q)
+        if dev:
+            self.give(gtier, 4 * q)
+        if on_nvme:
+            self.give(self.host, 4 * q)
+
+    def _pread(self, oc: Chunk, offset: int, dst: torch.Tensor) -> None:
+        """Read ``dst.numel()`` floats at byte ``offset`` of old chunk ``oc``'s ``.state`` file.
+
+        Only the ranges a new chunk takes are read (no whole-file staging buffer); a plain
+        buffered read, which is coherent with files the store wrote with ``O_DIRECT``.
+        """
+        out = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.numel())
+        buf = _as_bytes(out)
+        path = self.mgr.nvme.path(f"c{oc.id}.state")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(buf):
+                got = os.preadv(fd, [buf[done:]], offset + done)
+                if got == 0:
+                    raise IOError(f"Gemini re-pack: {path} is shorter than expected; was the offload directory "
+                                  "modified?")
+                done += got
+        finally:
+            os.close(fd)
+        if out is not dst:
+            dst.copy_(out)
+
+    # ---- homes -------------------------------------------------------------------------------
+    def _alias(self, c: Chunk) -> bool:
+        return c.param_home == self.mgr.compute.name and (not c.sharded or self.mgr.world == 1)
+
+    def _install(self, c: Chunk, block: Optional[torch.Tensor], home_state: bool) -> None:
+        """Give new chunk ``c`` its homes from its ``master|exp_avg|exp_avg_sq`` block (mirrors
+        ``ChunkManager.materialize``: the same aliasing/sharing rules and byte accounting)."""
+        mgr, n = self.mgr, c.shard_size
+        alias, share = self._alias(c), mgr.shares_master(c)
+        if home_state:
+            if not self.dry:
+                self.state[c.id] = block
+        if not self.dry:
+            master = block[:n]
+            c.full = master if alias and share else torch.empty(c.size, dtype=c.dtype, device=mgr.device)
+            for info in c.infos:  # views first: a view needs the storage's full size to exist
+                bind(info, c.full[info.offset:info.end].view(info.shape))
+        if alias:
+            if not share:
+                self.take(mgr.compute.name, c.full_bytes)
+                if not self.dry:
+                    c.full.copy_(master)
+            if not self.dry:
+                c.shard = c.full
+                c.gathered = True
+                c.set_state(TensorState.HOLD)
+        else:
+            if not self.dry:
+                c.full.untyped_storage().resize_(0)
+                c.gathered = False
+            if c.param_home == "nvme":
+                cast = 0 if c.dtype == torch.float32 else c.shard_bytes
+                self.take(self.host, cast)
+                self.take("nvme", c.shard_bytes)
+                if not self.dry:
+                    mgr.nvme.write(f"r{c.id}.param", master.to(c.dtype).contiguous()).result()
+                    c.shard = None
+                self.give(self.host, cast)
+            elif share:
+                if not self.dry:
+                    c.shard = block[:n]
+            else:
+                shard = self._empty(c.param_home, n, c.dtype)
+                if not self.dry:
+                    shard.copy_(master)
+                    c.shard = shard
+        if c.optim_home == "nvme" or not home_state:
+            if c.optim_home == "nvme":
+                self.take("nvme", 12 * n)
+                if not self.dry:
+                    mgr.nvme.write(f"r{c.id}.state", block).result()
+            self.give(self.host, 12 * n)  # the staging block (a home block stays)
+
+    def _release(self, oc: Chunk) -> None:
+        """Free old chunk ``oc``'s homes (RAM accounting, NVMe files): all its parameters moved."""
+        mgr, n = self.mgr, oc.shard_size
+        alias, share = self._alias(oc), mgr.shares_master(oc)
+        if alias:
+            if not share:
+                self.give(mgr.compute.name, oc.full_bytes)
+        elif oc.param_home == "nvme":
+            self.give("nvme", oc.shard_bytes)
+            if not self.dry:
+                mgr.nvme.remove(f"c{oc.id}.param")
+        elif not share:
+            self.give(oc.param_home, oc.shard_bytes)
+        if oc.optim_home == "nvme":
+            self.give("nvme", 12 * n)
+            if not self.dry:
+                mgr.nvme.remove(f"c{oc.id}.state")
+                mgr.nvme.remove(f"c{oc.id}.grad")
+        else:
+            self.give(oc.optim_home, 12 * n)
+            if not self.dry:
+                mgr._optim_state.pop(oc.id, None)
+        if not self.dry:
+            oc.full = oc.shard = None
+            oc.gathered = False
+
+    def finish(self) -> None:
+        """Install the spilled chunks (every old chunk is gone by now)."""
+        for k in self.spilled:
+            c = self.new[k]
+            n = c.shard_size
+            home_state = c.optim_home != "nvme"
+            tier = c.optim_home if home_state else self.host
+            block = self._empty(tier, 3 * n)
+            if not self.dry:
+                if block.device.type == "cpu":
+                    self.mgr.nvme.read(f"s{c.id}.state", block).result()
+                else:
+                    block.copy_(self.mgr.nvme.read(f"s{c.id}.state", torch.empty(3 * n)).result())
+                self.mgr.nvme.remove(f"s{c.id}.state")
+            self.give("nvme", 12 * n)
+            self._install(c, block, home_state)
+
+    def run(self, plan: List[int]) -> None:
+        for code in plan:
+            self.process(code // 2, spill=bool(code % 2))
+        self.finish()
+        assert all(not v for v in self.left.values())
+        nv = self.mgr.nvme
+        if nv is not None:  # new files were written under temporary names; the old ones are gone
+            for c in self.new:
+                for kind in ("param", "state"):
+                    a, b = f"r{c.id}.{kind}", f"c{c.id}.{kind}"
+                    if os.path.exists(nv.path(a)):
+                        os.replace(nv.path(a), nv.path(b))
+                        nv._sizes[b] = nv._sizes.pop(a, 0)
+
+
+def _adopt(mgr: ChunkManager, new: List[Chunk], mover: _Mover) -> None:
+    """The manager, the optimizer and the trace follow the new chunk list."""
+    mgr.chunks = new
+    mgr._optim_state = mover.state
+    mgr._lru.clear()
+    mgr.trace = AccessTrace()          # learned again in this (warm-up) step, with the new ids
+    mgr.nonmodel = NonModelMemory({c.full.untyped_storage().data_ptr() for c in new})
+    opt = getattr(mgr, "gemini_optimizer", None)
+    if opt is not None:
+        opt.relink(dict(mover.steps))
