@@ -215,7 +215,7 @@ class ChunkManager:
     # ---- gather / release ------------------------------------------------------------------------
     def access(self, c: Chunk, infos: List[TensorInfo], state: TensorState) -> None:
         """Make ``c`` computable now and mark ``infos`` with ``state``; then prefetch ahead."""
-        self.trace.record(c.id)
+        self.trace.record(c.id, self.nonmodel.current)
         self._accesses += 1
         self._ensure_gathered(c)
         c.set_state(state, infos)
@@ -231,7 +231,7 @@ class ChunkManager:
         if c.aliased or c.in_use or not c.gathered:
             return
         if self.cfg.policy == "auto" and self.trace.ready and \
-                self.compute.used + self.nonmodel.peak <= self.compute.capacity:
+                self.compute.used + self.trace.nonmodel_ahead(self.nonmodel.peak) <= self.compute.capacity:
             return  # keep it cached; it is evicted by furthest next use when room is needed
         self._drop(c)
 
@@ -516,9 +516,15 @@ class ChunkManager:
         self.flush_writes()
         if not self.trace.ready:
             if self.world > 1:  # decisions that drive collectives must agree on every rank
-                peak = torch.tensor([float(self.nonmodel.peak)], dtype=torch.float64, device=self.device)
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.group)
-                self.nonmodel.peak = int(peak.item())
+                at = self.trace.nonmodel_at
+                n = torch.tensor([float(len(at)), -float(len(at))], dtype=torch.float64, device=self.device)
+                dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+                same = int(n[0].item()) == -int(n[1].item())
+                vals = torch.tensor([float(self.nonmodel.peak)] + ([float(v) for v in at] if same else []),
+                                    dtype=torch.float64, device=self.device)
+                dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
+                self.nonmodel.peak = int(vals[0].item())
+                self.trace.nonmodel_at = [int(v) for v in vals[1:].tolist()] if same else []
             self.trace.finish_warmup()
         self.step += 1
         self.snapshot()

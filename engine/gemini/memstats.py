@@ -1,10 +1,15 @@
 """Warm-up statistics for the ``auto`` policy: chunk access order and non-model memory.
 
 During the first training step we record the order in which chunks are touched (forward
-pre-hooks, then backward pre-hooks) and the bytes autograd saves for backward that are not
-chunk memory (activations: the "non-model memory" Colossal-AI's memstats collector measures
-per operator). Later steps replay the access order to find, for any chunk, how far away its
-next use is — the key for furthest-next-use (Belady) eviction and for prefetching.
+pre-hooks, then backward pre-hooks) and, at every touch (every operator that owns parameters),
+the bytes autograd holds for backward that are not chunk memory (activations: the "non-model
+memory" Colossal-AI's memstats collector measures per operator). Saved tensors are counted when
+autograd packs them and uncounted when backward unpacks them (autograd frees a saved tensor
+once its node has run), so the curve rises through forward and falls through backward.
+Later steps replay the access order to find, for any chunk, how far away its next use is — the
+key for furthest-next-use (Belady) eviction and for prefetching — and how much non-model memory
+the rest of the step will still need (``nonmodel_ahead``), which bounds how many gathered chunks
+``auto`` may keep cached at that point.
 
 Built on ``torch.autograd.graph.saved_tensors_hooks`` (counts what backward keeps alive on
 any device) rather than allocator statistics, so the same code measures CPU and CUDA runs.
@@ -23,16 +28,21 @@ class AccessTrace:
 
     def __init__(self) -> None:
         self.order: List[int] = []
+        self.nonmodel_at: List[int] = []     # non-model bytes live at each access (warm-up)
+        self._ahead: List[int] = []          # max of nonmodel_at from each position to the end
         self.ready = False
         self.cursor = 0
         self.lost = False
         self._pos: Dict[int, List[int]] = {}
 
-    def record(self, cid: int) -> None:
+    def record(self, cid: int, nonmodel_bytes: int = 0) -> None:
         if self.ready:
             self._advance(cid)
         elif not self.order or self.order[-1] != cid:
             self.order.append(cid)
+            self.nonmodel_at.append(nonmodel_bytes)
+        else:
+            self.nonmodel_at[-1] = max(self.nonmodel_at[-1], nonmodel_bytes)
 
     def finish_warmup(self) -> None:
         if self.ready or not self.order:
@@ -40,6 +50,17 @@ class AccessTrace:
         self.ready = True
         for i, c in enumerate(self.order):
             self._pos.setdefault(c, []).append(i)
+        self._ahead = list(self.nonmodel_at)
+        for i in range(len(self._ahead) - 2, -1, -1):
+            self._ahead[i] = max(self._ahead[i], self._ahead[i + 1])
+
+    def nonmodel_ahead(self, default: int) -> int:
+        """Most non-model bytes live from the current access to the end of the step (``default``
+        when the step left the warm-up's graph or no per-access figures were recorded)."""
+        if not self.ready or self.lost or len(self._ahead) != len(self.order):
+            return default
+        i = max(0, self.cursor - 1)  # the access in progress still needs its activations
+        return self._ahead[i] if i < len(self._ahead) else 0
 
     def begin_step(self) -> None:
         self.cursor = 0
@@ -89,16 +110,34 @@ class NonModelMemory:
         self.chunk_storages = chunk_storages or set()
         self.current = 0
         self.peak = 0
+        self._live: Dict[int, List[int]] = {}  # storage ptr -> [bytes, saved references not yet unpacked]
 
     def hooks(self):
         def pack(t: torch.Tensor):
             try:
-                ptr = t.untyped_storage().data_ptr()
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
                 if ptr not in self.chunk_storages:
-                    self.current += t.untyped_storage().nbytes()
-                    self.peak = max(self.peak, self.current)
+                    ent = self._live.get(ptr)
+                    if ent is None:  # a storage saved by several nodes is counted once
+                        self._live[ptr] = [st.nbytes(), 1]
+                        self.current += st.nbytes()
+                        self.peak = max(self.peak, self.current)
+                    else:
+                        ent[1] += 1
+                    return (t, ptr)
             except Exception:
                 pass
+            return (t, None)
+
+        def unpack(packed):
+            t, ptr = packed
+            ent = self._live.get(ptr) if ptr is not None else None
+            if ent is not None:
+                ent[1] -= 1
+                if ent[1] == 0:  # its last saving node is running backward: freed right after
+                    del self._live[ptr]
+                    self.current -= ent[0]
             return t
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
