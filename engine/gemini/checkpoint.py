@@ -49,8 +49,10 @@ def _gather_full(mgr: ChunkManager, c: Chunk, shard: torch.Tensor) -> torch.Tens
     if not (c.sharded and mgr.world > 1):
         return shard
     k = shard.numel() // c.shard_size
-    parts = [torch.empty_like(shard) for _ in range(mgr.world)]
-    dist.all_gather(parts, shard, group=mgr.group)
+    dev = shard.to(mgr.device)  # nccl gathers device tensors only (a no-op on CPU)
+    parts = [torch.empty_like(dev) for _ in range(mgr.world)]
+    dist.all_gather(parts, dev, group=mgr.group)
+    parts = [p.cpu() for p in parts]
     # each part is [block0 | block1 | ...]; regroup into k full-size blocks
     blocks = [torch.cat([p[j * c.shard_size:(j + 1) * c.shard_size] for p in parts]) for j in range(k)]
     return torch.cat(blocks)

@@ -90,7 +90,7 @@ class GeminiOptimizer:
         self.mgr.finish_backward()
 
     def _found_inf(self) -> bool:
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=self.mgr.device)  # nccl reduces device tensors only
         if self.mgr.found_inf:  # an NVMe-resident gradient was non-finite when it was stored
             bad.fill_(1)
         for c in self.mgr.chunks:
