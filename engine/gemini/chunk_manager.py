@@ -91,6 +91,7 @@ class ChunkManager:
         self._writes: Deque[Tuple[Future, Tier, int, object]] = collections.deque()
         self._grad_shard: Dict[int, torch.Tensor] = {}       # optim home in RAM
         self._grad_on_nvme: Dict[int, bool] = {}
+        self._grad_norms: Dict[int, Tuple[float, float]] = {}  # NVMe-bound grads: (sum of squares, max |g|)
         self._optim_state: Dict[int, torch.Tensor] = {}      # master|exp_avg|exp_avg_sq, optim home in RAM
         self._in_backward = False
         self.check_finite = False   # set by the fp16 optimizer: inf/nan check of NVMe-bound grads
@@ -424,6 +425,8 @@ class ChunkManager:
                 host.add_(prev)
             if self.check_finite and not self.found_inf and not bool(torch.isfinite(host).all()):
                 self.found_inf = True  # fp16: seen here, before the gradient goes to disk
+            # for gradient clipping: norms of what goes to disk, so clipping never reads it back
+            self._grad_norms[c.id] = (float(host.double().pow(2).sum()), float(host.abs().max()) if host.numel() else 0.0)
             self.stack.host.alloc(host.numel() * 4)
             self._writes.append((self.nvme.write(f"c{c.id}.grad", host), self.stack.host, host.numel() * 4, host))
             self._grad_on_nvme[c.id] = True
@@ -457,6 +460,22 @@ class ChunkManager:
     def has_grad(self, c: Chunk) -> bool:
         return c.id in self._grad_shard or bool(self._grad_on_nvme.get(c.id))
 
+    def grad_norm_part(self, c: Chunk, p: float) -> float:
+        """This rank's ``sum |g|^p`` (``max |g|`` for p = inf) over ``c``'s gradient shard."""
+        inf = p == float("inf")
+        if c.id in self._grad_shard:
+            g = self._grad_shard[c.id]
+        else:
+            cached = self._grad_norms.get(c.id)
+            if cached is not None and (inf or p == 2.0):
+                return cached[1] if inf else cached[0]
+            g = torch.empty(c.shard_size, dtype=torch.float32)
+            self.flush_writes()
+            self.nvme.read(f"c{c.id}.grad", g).result()
+        if not g.numel():
+            return 0.0
+        return float(g.abs().max()) if inf else float(g.double().abs().pow(p).sum())
+
     def drop_cache(self) -> None:
         """Before the optimizer step: cached gathered copies become stale, so drop them."""
         for c in self.chunks:
@@ -489,6 +508,7 @@ class ChunkManager:
             self.stack.host.free(optim_block_bytes(c) - w.state.numel() * 4)
             self._writes.append((self.nvme.write(f"c{c.id}.state", w.state), self.stack.host, w.state.numel() * 4, w.state))
             self._grad_on_nvme.pop(c.id, None)
+            self._grad_norms.pop(c.id, None)
             self.nvme.remove(f"c{c.id}.grad")
         else:
             g = self._grad_shard.pop(c.id, None)

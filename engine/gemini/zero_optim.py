@@ -11,6 +11,12 @@ optimizer's ``param_groups`` every step, so LR schedulers keep working unchanged
 
 fp16 uses a dynamic loss scale (skip the step and halve on inf/nan, double after
 ``growth_interval`` clean steps); bf16 and fp32 need none.
+
+``clip_grad_by_norm`` (what ``Booster.clip_grad_by_norm`` calls) computes the global norm from
+the gradient shards where they are (RAM, or the norms taken as NVMe-bound gradients were
+written, so clipping adds no disk reads for p = 2 or inf), all-reduced over ranks (replicated
+chunks counted once), and folds the clip coefficient into the update's gradient scale instead
+of rewriting the gradients.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class GeminiOptimizer:
         self.growth_interval = growth_interval
         self._clean = 0
         self.skipped = 0
+        self._clip_coef = 1.0
         self.optim.state.clear()  # the user's optimizer never steps; its state would be stale
         manager.check_finite = precision == "fp16"
         manager.gemini_optimizer = self  # repack.py moves the per-chunk step counts with the chunks
@@ -102,6 +109,29 @@ class GeminiOptimizer:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         return bool(bad.item())
 
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm`` for this step; returns the norm before
+        clipping (of the unscaled gradients under fp16), like ``torch.nn.utils.clip_grad_norm_``."""
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"clip_grad_by_norm(norm_type={norm_type!r}): must be > 0 or inf")
+        mgr = self.mgr
+        mgr.finish_backward()
+        inf = p == math.inf
+        acc = 0.0
+        for c in mgr.chunks:
+            if not mgr.has_grad(c) or (mgr.world > 1 and not c.sharded and c.rank != 0 and not inf):
+                continue  # a replicated chunk's gradient is the same on every rank: count it once
+            part = mgr.grad_norm_part(c, p)
+            acc = max(acc, part) if inf else acc + part
+        t = torch.tensor([acc], dtype=torch.float64, device=mgr.device)
+        if mgr.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+        total = float(t.item()) if inf else float(t.item()) ** (1.0 / p)
+        total /= self.scale
+        self._clip_coef = min(1.0, max_norm / (total + 1e-6))
+        return torch.tensor(total, dtype=torch.float32)
+
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("GeminiOptimizer.step(closure): closures are not supported")
@@ -111,6 +141,7 @@ class GeminiOptimizer:
         found_inf = self.precision == "fp16" and self._found_inf()
         mgr.found_inf = False
         if found_inf:
+            self._clip_coef = 1.0
             self.skipped += 1
             self.scale /= 2
             self._clean = 0
@@ -129,6 +160,7 @@ class GeminiOptimizer:
             mgr.write_params(c, cur.master)
             mgr.release_optim(cur)  # write-behind for NVMe homes
         mgr.end_step()
+        self._clip_coef = 1.0
         if self.precision == "fp16":
             self._clean += 1
             if self._clean % self.growth_interval == 0:
@@ -144,7 +176,7 @@ class GeminiOptimizer:
             if info.group < 0 or not info.param.requires_grad:
                 continue
             by_group.setdefault(info.group, []).append((lo, hi))
-        inv = 1.0 / self.scale
+        inv = self._clip_coef / self.scale
         for gi, segs in by_group.items():
             g = self.optim.param_groups[gi]
             beta1, beta2 = g["betas"]
