@@ -131,6 +131,9 @@ PLACEMENTS = {
     "auto_nvme": lambda tmp, rank: dict(placement_policy="auto", device_memory_limit=400_000, max_prefetch=1,
                                         nvme_offload_dir=os.path.join(tmp, f"nv{rank}"), chunk_size_mb=0.07),
 }
+# one process also: the chunk size searched again for the new order (under the limit's cap)
+SEARCHED = lambda tmp, rank: dict(placement_policy="auto", device_memory_limit=400_000, max_prefetch=1,  # noqa: E731
+                                  nvme_offload_dir=os.path.join(tmp, f"ns{rank}"))
 # on 2 ranks also: half the chunks sharded, half replicated, half the optimizer states on NVMe
 HALF = lambda tmp, rank: dict(placement_policy="static", shard_param_frac=0.5, offload_param_frac=0.5,  # noqa: E731
                               offload_optim_frac=0.5, nvme_offload_dir=os.path.join(tmp, f"nh{rank}"),
@@ -143,7 +146,7 @@ def _train(name, tmp, rank=0, world=1):
     ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
     model = _reordered(copy.deepcopy(base))
     registered = [n for n, _ in model.named_parameters()]
-    plugin = GeminiPlugin(precision="fp32", **{**PLACEMENTS, "static_half": HALF}[name](tmp, rank))
+    plugin = GeminiPlugin(precision="fp32", **{**PLACEMENTS, "static_half": HALF, "auto_searched": SEARCHED}[name](tmp, rank))
     booster, gm, gopt, opt = _boost(model, plugin)
     held = list(opt.param_groups[0]["params"])
     out = {"registered": registered, "at_boost": _layout(gm), "n_at_boost": len(gm.manager.chunks)}
@@ -185,7 +188,7 @@ def _check_order(r):
     assert r["dir_gone"]
 
 
-@pytest.mark.parametrize("name", list(PLACEMENTS))
+@pytest.mark.parametrize("name", [*PLACEMENTS, "auto_searched"])
 def test_repacked_in_execution_order_and_matches_pytorch(name, tmp_path):
     events = []
     unsub = telemetry.subscribe(events.append)
@@ -205,6 +208,8 @@ def test_repacked_in_execution_order_and_matches_pytorch(name, tmp_path):
     runs = [ev[i:i + n] for i in range(len(ev) - n + 1)
             if [e.chunk_id for e in ev[i:i + n]] == list(range(n))]
     assert any([p for e in run for p in e.params] == want for run in runs)
+    last = {e.chunk_id: e for e in ev}
+    assert all(last[cid].nbytes == 0 and last[cid].params == () for cid in range(n, r["n_at_boost"]))
 
 
 def test_any_precision_repack_is_exact(tmp_path):
@@ -294,6 +299,45 @@ def test_tight_budget_stages_through_nvme_or_keeps_the_packing(room_chunks, spil
     losses = [_step(booster, gm, gopt, x, y) for x, y in batches]
     _check_homes(gm, {k: v for k, v in ref_params.items()})
     assert losses == pytest.approx(ref_losses, abs=1e-5)
+    plugin.close()
+
+
+class _Towers(nn.Module):
+    """Two towers registered one after the other but run interleaved (a1, b1, a2, b2, ...)."""
+
+    def __init__(self, depth=4, width=32):
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+        self.b = nn.ModuleList(nn.LayerNorm(width, elementwise_affine=True, bias=False) for _ in range(depth))
+
+    def forward(self, x, y):
+        for a, b in zip(self.a, self.b):
+            x = torch.tanh(b(a(x)))
+        return x, torch.nn.functional.mse_loss(x, y)
+
+
+def test_interleaved_order_fewer_chunks_and_retired_ids_emptied():
+    """Registration a1..a4 b1..b4 packs into 5 chunks of 1056 elements; the interleaved execution
+    order packs into 4 (each a with its b). The chunk map gets the ids no longer used as empty."""
+    torch.manual_seed(0)
+    base = _Towers()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)) for _ in range(STEPS)]
+    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    events = []
+    unsub = telemetry.subscribe(events.append)
+    plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=1056 * 4 / 2 ** 20)
+    try:
+        booster, gm, gopt, _ = _boost(copy.deepcopy(base), plugin)
+        assert len(gm.manager.chunks) == 5
+        losses = [_step(booster, gm, gopt, x, y) for x, y in batches]
+    finally:
+        unsub()
+    assert [c.names() for c in gm.manager.chunks] == [(f"a.{i}.weight", f"b.{i}.weight") for i in range(4)]
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    _check_homes(gm, ref_params)
+    last = {e.chunk_id: e for e in events if isinstance(e, telemetry.ChunkEvent) and e.step == 0}
+    assert last[4].nbytes == 0 and last[4].params == () and all(last[i].nbytes > 0 for i in range(4))
     plugin.close()
 
 

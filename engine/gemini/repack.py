@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import telemetry
 from .chunk import Chunk, TensorInfo, TensorState, pack, search_chunk_size
 from .chunk_manager import ChunkManager, _all_gather
 from .materialize import bind
@@ -205,6 +206,10 @@ def learn_and_repack(model, args, kwargs) -> None:
         spec.seconds += time.perf_counter() - t0
     if spec.status == "repacked":
         mgr.snapshot()
+        if telemetry.has_subscribers():  # ids the new layout no longer uses: empty, so views stop counting them
+            for oc in old[len(mgr.chunks):]:
+                telemetry.emit(telemetry.ChunkEvent(rank=mgr.rank, step=mgr.step, chunk_id=oc.id, tier=oc.param_home,
+                                                    state=TensorState.FREE.value, nbytes=0, params=()))
 
 
 def _new_layout(mgr: ChunkManager, spec: PackSpec, ordered: List[TensorInfo]) -> Optional[List[Chunk]]:
