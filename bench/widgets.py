@@ -12,6 +12,9 @@ Two run shapes, each comparing the same training with and without a live ``Dashb
   "attached" = ``relay.attach(cluster)`` + ``Dashboard(live=True)`` here (ranks JSON-encode
   and PUSH every event, this process decodes, re-emits and draws); "relay_only" = the relay
   without a dashboard; "detached" = neither (ranks emit nothing).
+* ``--emit-only`` (inproc) / ``--relay-only`` (cluster) add a third contender that splits the
+  cost: the engine building and emitting its events (resp. the relay carrying them) with
+  nobody drawing.
 
 Each redraw pays what it pays in a kernel: the views build their figure dicts, ipywidgets
 builds the ``Output`` update, and the comm message is serialized and HMAC-signed by
@@ -169,11 +172,15 @@ def _orders(contenders, r, pairs):
 
 
 def run_inproc(args, comm_stats) -> dict:
+    import collections
+
     import torch.distributed as dist
+
+    from colossal_lab.engine import telemetry
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    contenders = ("attached", "detached")
+    contenders = ("attached", "detached") + (("emit_only",) if args.emit_only else ())
     res = {c: [] for c in contenders}
     try:
         for r in range(args.repeats):
@@ -187,6 +194,10 @@ def run_inproc(args, comm_stats) -> dict:
                 for order in _orders(contenders, r, args.pairs):
                     for c in order:
                         probe = DashProbe(args.max_hz, comm_stats) if c == "attached" else None
+                        # emit_only: a subscriber that keeps nothing, so the engine builds and
+                        # emits its events and nobody draws (the engine's share of the cost)
+                        unsub = (telemetry.subscribe(collections.deque(maxlen=1).append)
+                                 if c == "emit_only" else None)
                         try:
                             if probe:
                                 probe.start()
@@ -202,6 +213,8 @@ def run_inproc(args, comm_stats) -> dict:
                         finally:
                             if probe:
                                 probe.close()
+                            if unsub:
+                                unsub()
                         res[c].append(out)
             finally:
                 cleanup()
@@ -337,6 +350,14 @@ def summarize(mode, args, res, ranks) -> dict:
         # other jobs on the box disturb far less than wall time
         cpt = {c: sum(x["cpu_s"] for x in res[c]) / sum(x["tokens"] for x in res[c]) for c in res}
         out["cpu_per_token_ratio"] = round(cpt["attached"] / cpt["detached"], 4)
+        if "emit_only" in cpt:
+            out["cpu_per_token_ratio_emit_only"] = round(cpt["emit_only"] / cpt["detached"], 4)
+    if "emit_only" in res:
+        eo = med(x["tok_s"] for x in res["emit_only"])
+        out["tok_s_emit_only_median"] = round(eo, 1)
+        out["ratio_emit_only"] = round(eo / off, 4)
+        out["pooled_ratio_emit_only"] = round(pooled("emit_only") / pooled("detached"), 4)
+        out["pooled_ratio_attached_vs_emit_only"] = round(pooled("attached") / pooled("emit_only"), 4)
     if "relay_only" in res:
         ro = med(x["tok_s"] for x in res["relay_only"])
         out["tok_s_relay_only_median"] = round(ro, 1)
@@ -373,6 +394,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="fresh model + booster each")
     ap.add_argument("--max-hz", type=float, default=5.0)
     ap.add_argument("--ranks", type=int, default=2, help="cluster mode: number of ranks")
+    ap.add_argument("--emit-only", action="store_true",
+                    help="inproc mode: also time the engine emitting to a subscriber that draws nothing")
     ap.add_argument("--relay-only", action="store_true",
                     help="cluster mode: also time the relay without a dashboard")
     ap.add_argument("--no-serialize", action="store_true",
