@@ -20,7 +20,7 @@ def _worker(rank, world, tmp):
     out = {}
     for name, kw in {
         # homes in RAM, the compute tier a cache: shards all-gathered ahead of use
-        "auto_ram": dict(device_memory_limit=2_000_000),
+        "auto_ram": dict(device_memory_limit=3_000_000),
         # parameters on NVMe: read at one access, all-gathered at the next, used after that
         "auto_nvme": dict(device_memory_limit=300_000, nvme_offload_dir=os.path.join(tmp, f"nv{rank}")),
     }.items():

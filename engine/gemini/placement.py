@@ -61,12 +61,14 @@ def working_set_bytes(chunks: List[Chunk], max_prefetch: int) -> int:
     """Compute-tier bytes Gemini needs free at run time besides homes.
 
     Two chunks being computed plus ``max_prefetch`` in flight, two fp32 full-chunk gradients
-    awaiting reduction, and an optimizer window of two chunks' states during the step.
+    awaiting reduction; during the step three chunks' optimizer windows: the one being updated,
+    the next one being read ahead and the last one being written behind (with two, the read-ahead
+    waits for the write-behind to land and NVMe reads and writes stop overlapping).
     """
     full = max(c.full_bytes for c in chunks)
     grad = max(c.size * 4 for c in chunks)
     opt = max(optim_block_bytes(c) + c.shard_bytes for c in chunks)
-    return max((2 + max_prefetch) * full + 2 * grad, 2 * opt + 2 * full)
+    return max((2 + max_prefetch) * full + 2 * grad, 3 * opt + 2 * full)
 
 
 def min_working_set_bytes(chunks: List[Chunk]) -> int:

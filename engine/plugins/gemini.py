@@ -232,7 +232,7 @@ class GeminiPlugin(Plugin):
         default = 32 << 20
         if self.device_memory_limit is None:
             return default
-        per_elem = max((2 + self.max_prefetch) * elem + 8, 2 * (16 + elem) + 2 * elem)
+        per_elem = max((2 + self.max_prefetch) * elem + 8, 3 * (16 + elem) + 2 * elem)  # see working_set_bytes
         return max(1, min(default, self.device_memory_limit // (8 * per_elem)))
 
     def get_checkpoint_io(self):
