@@ -5,12 +5,16 @@ Trains the ``small`` preset for ``--steps`` on bytes of Python's stdlib sources 
 model bytes, held-out perplexity (teacher-forced windows of the tail 10% of the corpus), and
 KV-cache greedy decode tokens/s (batch 1; contenders alternate repeat by repeat).
 Contenders: fp32, bf16, int8 (fp32 activations) and int8 with bf16 activations
-(``quantize(..., dtype=torch.bfloat16)``). Decode speed is also timed on a wider untrained
-model (``--wide-embd``), since the small preset's matrices fit in CPU caches.
+(``quantize(..., dtype=torch.bfloat16)``). On CPU, int8 decode runs our C kernel
+(``colossal_lab.kernels.int8_linear_cpu``); the contender ``int8_aten`` is the same int8 model
+with that kernel switched off (torch's ``aten._weight_int8pack_mm`` with bf16 casts around it),
+so one run shows what the kernel buys. Decode speed is also timed on a wider untrained model
+(``--wide-embd``), since the small preset's matrices fit in CPU caches.
 Prints one JSON line: ratios are fp32/int8 and bf16/int8 bytes, int8/fp32 perplexity - 1,
-and int8/fp32 and int8/bf16 tokens/s, plus the raw medians.
+and int8/fp32 and int8/bf16 tokens/s (from wall-clock medians; ``*_cpu`` ratios use the
+process CPU time of the same runs, which a busy shared machine disturbs less), plus the raw medians.
 
-    OMP_NUM_THREADS=1 python bench/quant.py [--steps 300]
+    OMP_NUM_THREADS=1 python bench/quant.py [--steps 300] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from colossal_lab.engine.data import ByteDataset, encode, split, stdlib_corpus
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.quant import model_bytes, quantize
+from colossal_lab.kernels import int8_linear_cpu
 
 
 def train(cfg, tokens, steps, batch, seq, device, lr):
@@ -64,20 +69,32 @@ def perplexity(m, data, device, batch=8):
 
 
 def decode_tps(models, prompt, new_tokens, repeats, device):
-    for m in models.values():
-        m.generate(prompt, 4, temperature=0)  # warm-up
-    times = {k: [] for k in models}
+    """Tokens/s from the median wall-clock and the median process CPU time per contender.
+
+    A contender named ``int8_aten`` runs with the C int8 kernel switched off."""
+    def run(k, m, n):
+        prev = int8_linear_cpu.set_enabled(k != "int8_aten")
+        try:
+            return m.generate(prompt, n, temperature=0)
+        finally:
+            int8_linear_cpu.set_enabled(prev)
+
+    for k, m in models.items():
+        run(k, m, 4)  # warm-up
+    wall, cpu = {k: [] for k in models}, {k: [] for k in models}
     outs = {}
     for _ in range(repeats):  # contenders alternate, so machine-load drift hits all of them
         for k, m in models.items():
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t = time.perf_counter()
-            outs[k] = m.generate(prompt, new_tokens, temperature=0)
+            t, c = time.perf_counter(), time.process_time()
+            outs[k] = run(k, m, new_tokens)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times[k].append(time.perf_counter() - t)
-    return {k: new_tokens / statistics.median(v) for k, v in times.items()}, outs
+            wall[k].append(time.perf_counter() - t)
+            cpu[k].append(time.process_time() - c)
+    return ({k: new_tokens / statistics.median(v) for k, v in wall.items()},
+            {k: new_tokens / statistics.median(v) for k, v in cpu.items()}, outs)
 
 
 def main() -> None:
@@ -89,7 +106,7 @@ def main() -> None:
     ap.add_argument("--corpus-bytes", type=int, default=1_500_000)
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved decode repeats per contender (medians)")
     ap.add_argument("--wide-embd", type=int, default=1024, help="width of the untrained decode-speed model")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -102,14 +119,16 @@ def main() -> None:
     int8 = quantize(copy.deepcopy(fp32), "int8")
     int8_bf16 = quantize(copy.deepcopy(fp32), "int8", dtype=torch.bfloat16)  # bf16 activations
     models = {"fp32": fp32, "bf16": bf16, "int8": int8, "int8_bf16act": int8_bf16}
+    if device.type == "cpu":
+        models["int8_aten"] = int8  # same weights, torch's aten int8 route instead of our C kernel
 
     data = ByteDataset(held, cfg.block_size)
     data = [data[i] for i in range(0, len(data), max(1, len(data) // args.eval_windows))][:args.eval_windows]
-    ppl = {k: perplexity(m, data, device) for k, m in models.items()}
-    size = {k: model_bytes(m) for k, m in models.items()}
+    ppl = {k: perplexity(m, data, device) for k, m in models.items() if k != "int8_aten"}
+    size = {k: model_bytes(m) for k, m in models.items() if k != "int8_aten"}
 
     prompt = held[:32].unsqueeze(0).to(device)
-    tps, outs = decode_tps(models, prompt, args.new_tokens, args.repeats, device)
+    tps, tps_cpu, outs = decode_tps(models, prompt, args.new_tokens, args.repeats, device)
     agree = (outs["int8"][0, 32:] == outs["fp32"][0, 32:]).float().mean().item()
     # Decode speed does not depend on the weights' values: also time a wider, untrained model
     # whose matrices no longer sit in the CPU caches (where weight bytes decide the speed).
@@ -119,9 +138,25 @@ def main() -> None:
     wide_models = {"fp32": wide, "bf16": copy.deepcopy(wide).to(torch.bfloat16),
                    "int8": quantize(copy.deepcopy(wide), "int8"),
                    "int8_bf16act": quantize(copy.deepcopy(wide), "int8", dtype=torch.bfloat16)}
-    wide_tps, _ = decode_tps(wide_models, prompt, args.new_tokens, args.repeats, device)
+    if device.type == "cpu":
+        wide_models["int8_aten"] = wide_models["int8"]
+    wide_tps, wide_tps_cpu, _ = decode_tps(wide_models, prompt, args.new_tokens, args.repeats, device)
+
+    def ratios(t, tc):
+        r = {"tps_ratio_int8_over_fp32": round(t["int8"] / t["fp32"], 3),
+             "tps_ratio_int8_over_fp32_cpu": round(tc["int8"] / tc["fp32"], 3),
+             "tps_ratio_int8_over_bf16": round(t["int8"] / t["bf16"], 3),
+             "tps_ratio_int8_bf16act_over_fp32": round(t["int8_bf16act"] / t["fp32"], 3)}
+        if "int8_aten" in t:
+            r["tps_ratio_int8_aten_over_fp32"] = round(t["int8_aten"] / t["fp32"], 3)
+            r["tps_ratio_int8_aten_over_fp32_cpu"] = round(tc["int8_aten"] / tc["fp32"], 3)
+        return r
+
     print(json.dumps({
         "device": str(device), "threads": torch.get_num_threads(), "preset": "small",
+        "int8_cpu_kernel": (int8_linear_cpu.isa() if int8_linear_cpu.available()
+                            else f"unavailable: {int8_linear_cpu.unavailable_reason()}"),
+        "decode_repeats": args.repeats, "new_tokens": args.new_tokens,
         "train_steps": args.steps, "train_seconds": round(train_s, 1),
         "train_loss_first_last": [round(losses[0], 3), round(statistics.mean(losses[-20:]), 3)],
         "bytes": size,
@@ -131,15 +166,13 @@ def main() -> None:
         "ppl_rel_increase_int8_vs_fp32": round(ppl["int8"] / ppl["fp32"] - 1, 5),
         "ppl_rel_increase_bf16_vs_fp32": round(ppl["bf16"] / ppl["fp32"] - 1, 5),
         "decode_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-        "tps_ratio_int8_over_fp32": round(tps["int8"] / tps["fp32"], 3),
-        "tps_ratio_int8_over_bf16": round(tps["int8"] / tps["bf16"], 3),
-        "tps_ratio_int8_bf16act_over_fp32": round(tps["int8_bf16act"] / tps["fp32"], 3),
+        "decode_tokens_per_cpu_s": {k: round(v, 1) for k, v in tps_cpu.items()},
+        **ratios(tps, tps_cpu),
         "greedy_token_agreement_int8_vs_fp32": round(agree, 3),
         "wide_untrained": {"n_embd": args.wide_embd, "n_layer": wide_cfg.n_layer,
                            "decode_tokens_per_s": {k: round(v, 1) for k, v in wide_tps.items()},
-                           "tps_ratio_int8_over_fp32": round(wide_tps["int8"] / wide_tps["fp32"], 3),
-                           "tps_ratio_int8_bf16act_over_fp32": round(wide_tps["int8_bf16act"] / wide_tps["fp32"], 3),
-                           "tps_ratio_int8_over_bf16": round(wide_tps["int8"] / wide_tps["bf16"], 3)},
+                           "decode_tokens_per_cpu_s": {k: round(v, 1) for k, v in wide_tps_cpu.items()},
+                           **ratios(wide_tps, wide_tps_cpu)},
     }))
 
 

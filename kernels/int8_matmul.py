@@ -6,11 +6,14 @@ Weights are int8 ``(N, K)`` with one fp scale per output channel (symmetric, see
 * Triton (CUDA): each tile of ``W`` is loaded as int8 (¼ of fp32's bytes — decode is
   memory-bound, so that is the win), converted to the activation dtype in registers, fed to
   ``tl.dot`` with an fp32 accumulator, and scaled per column once at the end.
-* torch, CPU: ``torch.ops.aten._weight_int8pack_mm`` — PyTorch's own fused int8 weight-only
-  GEMM. Its fast CPU kernel takes bf16/fp16 activations (the fp32 variant is several times
-  slower than an fp32 GEMM here), so for fp32 inputs with at most ``DECODE_ROWS`` rows (decode
-  steps, the memory-bound case) we run it in bf16 and cast back; larger fp32 inputs
-  (prefill, perplexity) dequantise into an fp32 GEMM, which keeps full fp32 activations.
+* CPU, fp32 inputs with at most ``DECODE_ROWS`` rows (decode steps, the memory-bound case):
+  our C kernel (``int8_linear_cpu.py``: fp32 activations × int8 weights widened in registers,
+  scale and bias fused, one call, no bf16 rounding). Without a C compiler: torch's
+  ``aten._weight_int8pack_mm``, whose fast CPU kernel takes bf16/fp16 activations only (the
+  fp32 variant runs a scalar loop), so fp32 inputs are cast to bf16 and back around it.
+* CPU, bf16/fp16 inputs: ``aten._weight_int8pack_mm`` directly (in-features a multiple of
+  ``PACK_K``; others dequantise). Larger fp32 inputs (prefill, perplexity) dequantise into an
+  fp32 GEMM, which is compute-bound there anyway.
 * ``backend="torch"``: the reference, dequantise then ``F.linear`` in ``x``'s dtype.
 """
 
@@ -23,10 +26,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import int8_linear_cpu as _cpu
 from .dispatch import check_backend, choose, lazy_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DECODE_ROWS = 16
+DECODE_ROWS = _cpu.MAX_ROWS
 PACK_K = 32  # in-features the aten int8 kernel handles safely here
 
 
@@ -56,11 +60,15 @@ def _scale_as(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _cpu_fast(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
               bias: Optional[torch.Tensor]) -> torch.Tensor:
     """Best plain-torch path off CUDA (see module docstring)."""
+    if _cpu.supports(x, weight_int8, scale, bias):
+        return _cpu.int8_linear_cpu(x, weight_int8, scale, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x.dtype == torch.float32 and x2.shape[0] > DECODE_ROWS:
         return int8_linear_reference(x, weight_int8, scale, bias)
     if x.device.type != "cpu" or x.dtype == torch.float64 or x.shape[-1] % PACK_K:
         # the aten kernel reads K in blocks and can fault on other in-features; dequantise instead
+        return int8_linear_reference(x, weight_int8, scale, bias)
+    if x.requires_grad and torch.is_grad_enabled():  # aten's int8 op has no derivative
         return int8_linear_reference(x, weight_int8, scale, bias)
     cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     y = torch.ops.aten._weight_int8pack_mm(x2.to(cdt).contiguous(), weight_int8, _scale_as(scale, cdt))

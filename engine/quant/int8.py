@@ -21,7 +21,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from colossal_lab.kernels import int8_linear
+from colossal_lab.kernels import int8_linear_cpu as _cpu
+
 MODES = ("int8",)
+_F32 = torch.float32
 
 
 @torch.no_grad()
@@ -64,10 +68,28 @@ class Int8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_int8.float() * self.scale[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from colossal_lab.kernels import int8_linear
+    _plan = None  # colossal_lab.kernels.int8_linear_cpu.Plan for the current buffers, once built
 
-        return int8_linear(x, self.weight_int8, self.scale, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Decode on CPU (fp32, a few rows, no autograd): one call into the C kernel with the
+        # weights checked once (the plan); a decode step is too short for more Python per layer.
+        p, b = self._plan, self._buffers
+        if (p is not None and _cpu.ENABLED and x.dtype is _F32 and x.is_cpu and x.shape[-1] == p.K
+                and x.numel() <= p.max_numel and x.is_contiguous() and p.q is b["weight_int8"]
+                and p.scale is b["scale"] and p.bias is b["bias"] and not (x.requires_grad and torch.is_grad_enabled())):
+            return p.run(x)
+        return self._forward_slow(x)
+
+    def _forward_slow(self, x: torch.Tensor) -> torch.Tensor:
+        q, s, bias = self.weight_int8, self.scale, self.bias
+        y = int8_linear(x, q, s, bias)  # validates the shapes
+        p = self._plan
+        if p is not None and not (p.q is q and p.scale is s and p.bias is bias):
+            self._plan = p = None  # buffers replaced (.to(), assignment, load with assign=True)
+        if (p is None and _cpu.supports(x, q, s, bias) and q.is_cpu and s.is_cpu and (bias is None or bias.is_cpu)
+                and q.numel() and q.is_contiguous() and s.is_contiguous() and (bias is None or bias.is_contiguous())):
+            self._plan = _cpu.Plan(q, s, bias)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
@@ -91,7 +113,9 @@ class Int8Embedding(nn.Module):
         return cls(q, s, emb.padding_idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return (F.embedding(idx, self.weight_int8).float() * self.scale[idx].unsqueeze(-1)).to(self.out_dtype)
+        # int8 rows × fp32 scales promotes to fp32 in the multiply itself (no separate cast)
+        y = F.embedding(idx, self.weight_int8) * self.scale[idx].unsqueeze(-1)
+        return y if y.dtype is self.out_dtype else y.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8"
