@@ -450,3 +450,28 @@ def test_live_update_message_is_what_ipywidgets_would_send():
         assert len([1 for t, d, b in sent if t == "comm_msg" and "outputs" in d.get("state", {})]) == n
     finally:
         comm.create_comm = old
+
+
+def test_long_runs_thin_the_metrics_curves():
+    from colossal_lab.engine.telemetry import StepMetrics
+    from colossal_lab.widgets.dashboard import MAX_POINTS, metrics_dict
+    from colossal_lab.widgets.state import MetricsState
+
+    st = MetricsState()
+    n = 5003
+    for i in range(n):
+        for r in (0, 1):
+            st.apply(StepMetrics(rank=r, step=i, loss=float(i), tokens=100, seconds=0.5))
+    fig = metrics_dict(st)
+    assert len(fig["data"]) == 3
+    for tr in fig["data"]:
+        assert 0 < len(tr["x"]) <= MAX_POINTS and tr["x"][-1] == n - 1  # newest step drawn last
+        assert tr["x"] == sorted(tr["x"])
+    loss = fig["data"][0]
+    # bucket means of a linear curve: the thinned curve stays on it, ends at the last bucket's mean
+    assert abs(loss["y"][-1] - (n - 1 - (len(range(0, n)) // len(loss["x"]) - 1) / 2)) < 5
+    assert all(abs(y - 200.0) < 1e-9 for y in fig["data"][1]["y"])  # tokens/s unchanged by averaging
+    short = MetricsState()
+    for i in range(10):
+        short.apply(StepMetrics(rank=0, step=i, loss=1.0 / (i + 1), tokens=1, seconds=1.0))
+    assert metrics_dict(short)["data"][0]["x"] == list(range(10))  # short runs: every step

@@ -11,7 +11,7 @@ hand-offs, and one queue append per event on the emitting thread instead of four
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import plotly.graph_objects as go
 
@@ -24,15 +24,36 @@ from .state import MetricsState, reduce_all
 from .timeline import PipelineTimeline
 
 
+MAX_POINTS = 1000  # per curve: a long run's redraw (and its comm message) stays bounded
+
+
+def thin(xs: List[int], ys: List[float], n: int = MAX_POINTS) -> Tuple[List[int], List[float]]:
+    """At most ``n`` points: consecutive steps averaged in equal buckets, each bucket drawn at its
+    last step (so the newest step is always the last x)."""
+    if len(xs) <= n:
+        return list(xs), list(ys)
+    k = -(-len(xs) // n)
+    ox, oy = [], []
+    for i in range(len(xs) - k * (-(-len(xs) // k)), len(xs), k):  # buckets aligned to the end
+        lo = max(0, i)
+        bx, by = xs[lo:i + k], ys[lo:i + k]
+        ox.append(bx[-1])
+        oy.append(sum(by) / len(by))
+    return ox, oy
+
+
 def metrics_dict(metrics: MetricsState) -> dict:
-    """Loss and per-rank tokens/s curves as a plain plotly dict."""
+    """Loss and per-rank tokens/s curves as a plain plotly dict (long runs thinned to
+    ``MAX_POINTS`` per curve)."""
     xs, ys = metrics.loss_curve()
-    data = [{"type": "scatter", "name": "loss", "x": list(xs), "y": list(ys),
-             "mode": "lines+markers", "xaxis": "x", "yaxis": "y"}]
+    lx, ly = thin(xs, ys)
+    mode = "lines+markers" if len(lx) < 200 else "lines"
+    data = [{"type": "scatter", "name": "loss", "x": lx, "y": ly,
+             "mode": mode, "xaxis": "x", "yaxis": "y"}]
     for r in metrics.ranks:
-        sx, sy = metrics.tokens_per_s(r)
-        data.append({"type": "scatter", "name": f"rank {r} tok/s", "x": list(sx), "y": list(sy),
-                     "mode": "lines+markers", "xaxis": "x2", "yaxis": "y2"})
+        sx, sy = thin(*metrics.tokens_per_s(r))
+        data.append({"type": "scatter", "name": f"rank {r} tok/s", "x": sx, "y": sy,
+                     "mode": mode, "xaxis": "x2", "yaxis": "y2"})
     last = f" · step {xs[-1]} loss {ys[-1]:.4f}" if xs else " · waiting for StepMetrics"
     layout = columns_layout([1, 1], 0.12, ("loss", "tokens/s per rank"))
     layout["xaxis"]["title"] = {"text": "step"}
