@@ -172,8 +172,9 @@ def nvme_bandwidth(nvme_dir, budget, rung):
     """Direct-IO optimizer step of one NVMe trial vs dd's direct sequential bandwidth, same run.
 
     dd runs before the trial (1 GiB) and after it (the step's own volumes, up to 8 GiB each: a
-    virtual disk's burst rate on 1 GiB can be far from its sustained rate); the faster figure of
-    each direction is used, which makes the ratio conservative."""
+    virtual disk's burst rate on 1 GiB can be far from its sustained rate). ``nvme_bw_ratio``
+    compares with the after-trial dd (same volumes); ``nvme_bw_ratio_vs_fastest_dd`` with the
+    fastest dd of each direction (conservative)."""
     d, layers = rung
     raw_w, raw_r = raw_bw(nvme_dir)
     r = _run_trial("gemini_nvme_direct", d, layers, budget, nvme_dir)
@@ -183,9 +184,12 @@ def nvme_bandwidth(nvme_dir, budget, rung):
     raw_w2, _ = raw_bw(nvme_dir, mib=max(64, min(cap, r["nvme_written"] >> 20)))
     _, raw_r2 = raw_bw(nvme_dir, mib=max(64, min(cap, r["nvme_read"] >> 20)))
     dd = {"dd_direct_write_bytes_per_s": [raw_w, raw_w2], "dd_direct_read_bytes_per_s": [raw_r, raw_r2]}
-    raw_w, raw_r = max(raw_w, raw_w2), max(raw_r, raw_r2)
-    dd_s = r["nvme_read"] / raw_r + r["nvme_written"] / raw_w
-    return {"nvme_bw_ratio": dd_s / r["step_s"], "nvme_bw_params": r["params"], "nvme_step_s": r["step_s"],
+    # primary: dd moving the step's own volumes (sustained rate); also vs the fastest dd seen
+    # (a 1 GiB probe can be served by the virtual disk's host-side cache)
+    dd_s = r["nvme_read"] / raw_r2 + r["nvme_written"] / raw_w2
+    best_s = r["nvme_read"] / max(raw_r, raw_r2) + r["nvme_written"] / max(raw_w, raw_w2)
+    return {"nvme_bw_ratio": dd_s / r["step_s"], "nvme_bw_ratio_vs_fastest_dd": best_s / r["step_s"],
+            "nvme_bw_params": r["params"], "nvme_step_s": r["step_s"],
             "nvme_step_read_bytes": r["nvme_read"], "nvme_step_written_bytes": r["nvme_written"],
             "nvme_step_bytes_per_s": r["nvme_bytes"] / r["step_s"], **dd}
 
