@@ -1,7 +1,7 @@
 """Triton kernels, each beside its plain-torch reference, behind one dispatch rule.
 
 ``backend=None`` picks Triton for CUDA tensors and the best torch path elsewhere (SDPA for
-attention, ``aten._weight_int8pack_mm`` for int8 on CPU, torch's fused AdamW); ``"triton"``
+attention, a small C kernel or ``aten._weight_int8pack_mm`` for int8 on CPU, torch's fused AdamW); ``"triton"``
 forces the kernel (CPU too, under ``TRITON_INTERPRET=1``); ``"torch"`` runs the reference.
 Triton is imported on first use only, so this package imports where Triton is missing.
 See ``docs/kernels.md``.

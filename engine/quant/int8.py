@@ -5,8 +5,9 @@ weights + fp32 scales; activations stay in the model's dtype) and, by default, e
 ``nn.Embedding`` by :class:`Int8Embedding` (one scale per row). Weight-only int8 keeps
 accuracy without calibration data (activations are never quantised) and is what makes
 decode fast: a decode step reads every weight once, so it is bound by weight bytes.
-The matmul runs through ``colossal_lab.kernels.int8_linear`` (Triton on CUDA, torch's
-``aten._weight_int8pack_mm`` on CPU). Tied weights (``lm_head.weight is tok_emb.weight``)
+The matmul runs through ``colossal_lab.kernels.int8_linear`` (Triton on CUDA; on CPU our C
+kernel for fp32 decode, which ``Int8Linear`` calls directly with its weights checked once,
+and torch's ``aten._weight_int8pack_mm`` for bf16/fp16 activations). Tied weights (``lm_head.weight is tok_emb.weight``)
 stay one int8 tensor: the embedding's per-row scales are the head's per-output scales.
 
 Built by hand because torch's own ``torch.ao.quantization`` int8 paths quantise activations
