@@ -95,7 +95,7 @@ JS_STATE = """() => {
         n: (d.x || []).length, y: d.y, value: d.value}))};
   }
   const prompts = Array.from(document.querySelectorAll('.jp-InputArea-prompt')).map(e => e.innerText);
-  return {plots: out, prompts: prompts};
+  return {plots: out, prompts: prompts, frames: globalThis.__colossalFrames || 0};
 }"""
 
 

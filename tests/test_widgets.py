@@ -207,32 +207,37 @@ def test_live_subscription_redraws_throttled_and_never_blocks_the_emitter():
     assert len(cm.chunks.chunks) == before  # closed: unsubscribed
 
 
-def test_live_output_widget_redraws_from_a_background_thread():
-    """Live views draw into an ipywidgets.Output carrying the plotly mime bundle (see _live.py
-    for why not FigureWidget); the redraw thread replaces it with the full, latest picture."""
+def test_live_widget_redraws_from_a_background_thread():
+    """Live views draw into an anywidget ``PlotlyView`` (see _frontend.py for why not an Output
+    with the plotly mime bundle, nor FigureWidget); the redraw thread replaces its ``figure``
+    trait with the full, latest picture."""
+    import anywidget
     import ipywidgets as W
+
+    from colossal_lab.widgets._frontend import ESM
 
     g = MemoryGauges(live=True, max_hz=10)
     try:
         out = g.widget()
-        assert isinstance(out, W.Output) and isinstance(g.figure, go.Figure)
+        assert isinstance(out, anywidget.AnyWidget) and isinstance(g.figure, go.Figure)
+        assert out._esm == ESM and "Plotly.react" in ESM  # updated in place in the browser
         th = threading.Thread(target=lambda: T.emit(T.MemorySample(3, time.time(), "cpu", 42 * MIB, 84 * MIB)))
         th.start(); th.join()
         deadline = time.time() + 5
         while time.time() < deadline and not g.figure.data:
             time.sleep(0.05)
         assert g.figure.data[0].value == pytest.approx(42.0)
-        (bundle,) = out.outputs
-        fig = bundle["data"]["application/vnd.plotly.v1+json"]
-        assert fig["data"][0]["value"] == pytest.approx(42.0) and "rank 3" in bundle["data"]["text/plain"]
-        json.dumps(fig)  # plain JSON (no numpy), what the browser's plotly renderer receives
-        assert "application/vnd.jupyter.widget-view+json" in g._repr_mimebundle_()
+        fig = out.figure
+        assert fig["data"][0]["value"] == pytest.approx(42.0) and "rank 3" in g.summary()
+        json.dumps(fig)  # plain JSON (no numpy), what the browser's plotly.js receives
+        bundle = g._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in bundle and "text/html" in bundle
     finally:
         g.close()
     d = Dashboard(live=True, subscribe=False)
     assert isinstance(d.widget(), W.VBox) and len(d.widget().children) == 4
     d.update([T.StepMetrics(0, 1, 2.5, 10, 1.0), T.ChunkEvent(0, 1, 0, "nvme", "hold", MIB, ())])
-    names = {t.get("name") for t in d.chunk_map.widget().outputs[0]["data"]["application/vnd.plotly.v1+json"]["data"]}
+    names = {t.get("name") for t in d.chunk_map.widget().figure["data"]}
     assert "nvme" in names
 
 
@@ -269,20 +274,19 @@ def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
           for r in (0, 1) for c in range(5)] + [T.MemorySample(0, 1.0, "cpu", MIB, 8 * MIB)]
     cm = ChunkMap(live=True, subscribe=False)
     cm.update(ev)
-    (bundle,) = cm.widget().outputs
-    sent = bundle["data"]["application/vnd.plotly.v1+json"]
+    sent = cm.widget().figure
     assert sent is cm.figure_dict() and sent == chunk_map_dict(cm.chunks, cm.memory)
     assert json.loads(json.dumps(sent)) == sent  # already plain JSON: nothing to convert
     as_fig = json.loads(cm.figure.to_json())
     assert as_fig["data"] == sent["data"]
     assert {k: v for k, v in as_fig["layout"].items()} == json.loads(json.dumps(sent["layout"]))
     assert cm.figure is cm.figure  # built once per redraw, on read
-    n, out = cm.redraws, cm.widget().outputs
+    n, out = cm.redraws, cm.widget().figure
     cm.update(ev)          # duplicates: state unchanged, nothing folded
     cm.redraw()            # same picture: skipped, nothing sent
-    assert cm.redraws == n and cm.skipped >= 1 and cm.widget().outputs is out
+    assert cm.redraws == n and cm.skipped >= 1 and cm.widget().figure is out
     cm.update([T.ChunkEvent(0, 2, 0, "nvme", "free", MIB, ("p0",))])
-    assert cm.redraws == n + 1 and cm.widget().outputs is not out
+    assert cm.redraws == n + 1 and cm.widget().figure is not out
     assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
 
 
@@ -420,7 +424,7 @@ def test_timeline_step_index_matches_the_spans_kept():
 
 
 def test_live_update_message_is_what_ipywidgets_would_send():
-    """The Output's lean ``outputs`` update (no binary-buffer walk) sends exactly the message
+    """The PlotlyView's lean ``figure`` update (no binary-buffer walk) sends exactly the message
     ipywidgets' own ``send_state`` builds, through a real comm."""
     import comm
     from comm.base_comm import BaseComm
@@ -438,16 +442,16 @@ def test_live_update_message_is_what_ipywidgets_would_send():
         cm = ChunkMap(live=True, subscribe=False)
         cm.update([T.ChunkEvent(0, 1, c, "cpu", "hold", MIB, (f"p{c}",)) for c in range(3)])
         out = cm.widget()
-        state, paths, bufs = _remove_buffers(out.get_state(key="outputs"))
+        state, paths, bufs = _remove_buffers(out.get_state(key="figure"))
         expect = {"method": "update", "state": state, "buffer_paths": paths}
         updates = [(d, b) for t, d, b in sent if t == "comm_msg" and d.get("method") == "update"]
         assert updates and updates[-1][0] == json.loads(json.dumps(expect)) and not bufs
-        assert updates[-1][0]["state"]["outputs"][0]["data"]["application/vnd.plotly.v1+json"] == \
-            json.loads(json.dumps(cm.figure_dict()))
+        assert updates[-1][0]["state"]["figure"] == json.loads(json.dumps(cm.figure_dict()))
         n = len(updates)
-        out.msg_id = "abc"  # any other key still goes through ipywidgets' own path
-        assert [d for t, d, b in sent if t == "comm_msg"][-1]["state"] == {"msg_id": "abc"}
-        assert len([1 for t, d, b in sent if t == "comm_msg" and "outputs" in d.get("state", {})]) == n
+        out.layout.width = "50%"  # any other key still goes through ipywidgets' own path
+        out.plotly_version = "0.0.1"
+        assert [d for t, d, b in sent if t == "comm_msg"][-1]["state"] == {"plotly_version": "0.0.1"}
+        assert len([1 for t, d, b in sent if t == "comm_msg" and "figure" in d.get("state", {})]) == n
     finally:
         comm.create_comm = old
 

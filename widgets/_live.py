@@ -17,30 +17,35 @@ browser tab cannot back-pressure training. That is this file:
 * ipykernel sends comm messages from any thread through its IOPub thread, so the redraw
   reaches JupyterLab while the main thread is busy in a ``%%colossal`` cell or a torch op.
 
-How a live view reaches the browser, and why not plotly's ``FigureWidget``: each view owns
-an ``ipywidgets.Output`` whose ``outputs`` the redraw thread replaces with one
-``application/vnd.plotly.v1+json`` bundle (the figure as it is now), which JupyterLab's
-plotly mime renderer (the ``jupyterlab-plotly`` extension that ships with plotly) draws.
-``.figure`` stays a plain ``go.Figure`` holding the same picture. We used ``FigureWidget``
-first and it rendered empty axes in the real-browser test (JupyterLab 4.6, ipywidgets 8.1.9,
-anywidget 0.11, plotly 7.1). The cause, read in plotly's ``package_data/widgetbundle.js``:
-the anywidget ``FigureModel`` applies every Python-side delta (``_py2js_addTraces``,
-``restyle``, ``relayout``, ``update``) to ``this.model.get("_widget_data")``, and that getter
-returns a *freshly deserialized copy*, so the model in the browser never records a delta;
-only views alive at that moment apply it. A view created later (JupyterLab renders outputs
-lazily, a reloaded tab, a second view, a page still loading while the kernel streams
-updates) starts from the state at the last *full* ``_widget_data`` assignment, which for a
-live dashboard is the empty figure it was displayed with. A bare ``FigureWidget`` with data
-in its constructor does render, which is why the bug looked version-specific. The ``Output``
-route carries the full state in every update (a few KB to ~100 KB at <= ``max_hz``), so any
-view, created at any time, shows the latest picture, and it needs no 5 MB ESM per figure.
+How a live view reaches the browser: each view owns one ``PlotlyView`` (an ``anywidget``,
+``widgets/_frontend.py``) whose ``figure`` trait the redraw thread replaces with the figure as
+it is now; in the browser one plotly.js plot per view is updated in place with
+``Plotly.react`` (plotly.js taken from the ``jupyterlab-plotly`` extension the plotly package
+installs). ``.figure`` stays a plain ``go.Figure`` holding the same picture. Two routes came
+before it and failed in the real-browser test (JupyterLab 4.6, ipywidgets 8.1.9, anywidget
+0.11, plotly 7.1):
+
+* plotly's ``FigureWidget`` rendered empty axes. Read in plotly's
+  ``package_data/widgetbundle.js``: the anywidget ``FigureModel`` applies every Python-side
+  delta (``_py2js_addTraces``, ``restyle``, ``relayout``, ``update``) to
+  ``this.model.get("_widget_data")``, and that getter returns a *freshly deserialized copy*,
+  so the model in the browser never records a delta; only views alive at that moment apply
+  it. A view created later (JupyterLab renders outputs lazily, a reloaded tab, a page still
+  loading while the kernel streams updates) starts from the last *full* ``_widget_data``
+  assignment, which for a live dashboard is the empty figure it was displayed with;
+* an ``ipywidgets.Output`` holding a plotly mime bundle drew correctly but each update made
+  JupyterLab build a new renderer that plots from scratch and then rasterizes the plot to a
+  PNG (``Plotly.toImage``); a Dashboard at 5 Hz froze headless Chromium for ~35 s.
+
+Our ``figure`` trait carries the full state in every update (a few KB to ~100 KB at
+<= ``max_hz``), so any view, created at any time, shows the latest picture.
 
 Why the redraw path builds plain dicts, not ``go.Figure``: plotly's ``graph_objects`` validate
 every property on construction (10-50 ms of GIL-held Python per figure), and the redraw
 threads share the interpreter with training, so that cost came straight out of tokens/s. Each
 view's ``build_dict()`` writes the ``{"data": [...], "layout": {...}}`` plotly.js reads,
 directly from the reduced state (plain lists, the default template's JSON shared by
-reference), and that dict *is* the mime bundle. ``.figure`` (a real ``go.Figure``, validated)
+reference), and that dict *is* what the browser receives. ``.figure`` (a real ``go.Figure``, validated)
 is built from the same dict only when someone reads it, so tests and static exports see
 exactly what the browser got. A redraw whose dict equals the last one sends nothing.
 
@@ -103,12 +108,9 @@ def widget_frontend_present() -> bool:
     return ip is not None and getattr(ip, "kernel", None) is not None
 
 
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
-
-
 def _jsonable(obj: Any) -> Any:
-    """Plain JSON for the mime bundle: numpy arrays become lists (not plotly's base64
-    ``bdata``, so the page's ``gd.data`` stays plain arrays that tests and users can read)."""
+    """Plain JSON: numpy arrays become lists (not plotly's base64 ``bdata``, so the page's
+    ``gd.data`` stays plain arrays that tests and users can read)."""
     if isinstance(obj, dict):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -117,17 +119,6 @@ def _jsonable(obj: Any) -> Any:
     if tolist is not None and not isinstance(obj, (str, bytes)):
         return _jsonable(tolist())
     return obj
-
-
-def plotly_bundle(fig: Any, text: str = "") -> dict:
-    """One ``display_data`` output that JupyterLab's plotly mime renderer draws.
-
-    ``fig`` is a figure dict from a view's ``build_dict()`` (already plain JSON: sent as is)
-    or a ``go.Figure`` (converted)."""
-    if isinstance(fig, go.Figure):
-        fig = _jsonable(fig.to_plotly_json())
-    return {"output_type": "display_data", "metadata": {},
-            "data": {PLOTLY_MIME: fig, "text/plain": text}}
 
 
 _template: Optional[dict] = None
@@ -177,43 +168,12 @@ def columns_layout(widths: List[float], spacing: float, titles: Iterable[str]) -
     return out
 
 
-_FigureOutput: Any = None
-
-
-def _figure_output_class():
-    """``ipywidgets.Output`` whose ``outputs`` updates skip ipywidgets' binary-buffer search.
-
-    ``Widget.send_state`` runs ``_remove_buffers`` over the whole state, a recursive Python
-    walk of every dict and list looking for ``bytes``/``memoryview`` values to ship as binary
-    frames: ~1 ms of GIL-held time per redraw for a ChunkMap bundle (~800 nodes, most of them
-    plotly's template), i.e. more than building the figure. A plotly JSON bundle holds no
-    binary values, so for ``outputs`` we send ipywidgets' own ``update`` message (same state,
-    empty ``buffer_paths``) directly; every other key takes ipywidgets' path."""
-    global _FigureOutput
-    if _FigureOutput is None:
-        import ipywidgets as W
-
-        class FigureOutput(W.Output):
-            def send_state(self, key=None):
-                send = getattr(self, "_send", None)
-                if key != "outputs" or send is None:
-                    return super().send_state(key)
-                state = self.get_state(key="outputs")
-                lock = getattr(self, "_property_lock", None)
-                if lock and "outputs" in lock:  # keep ipywidgets' echo guard current
-                    lock["outputs"] = state["outputs"]
-                send({"method": "update", "state": state, "buffer_paths": []}, buffers=[])
-
-        _FigureOutput = FigureOutput
-    return _FigureOutput
-
-
 def make_output():
-    """An ``ipywidgets.Output`` for a live view, or None where ipywidgets is unusable."""
-    try:
-        return _figure_output_class()()
-    except Exception:  # no ipywidgets: degrade to static
-        return None
+    """The browser-side widget of a live view (``_frontend.PlotlyView``), or None where
+    ipywidgets/anywidget are unusable (the view then degrades to static output)."""
+    from ._frontend import make_view
+
+    return make_view()
 
 
 class Redrawer:
@@ -430,7 +390,7 @@ class LiveView:
                 return
             if self._out is not None:
                 # one trait assignment = one comm message with the full picture
-                self._out.outputs = (plotly_bundle(new, self.summary()),)
+                self._out.figure = new
             self._dict, self._fig = new, None  # ``.figure`` is rebuilt from the dict on demand
             self.redraws += 1
 
@@ -452,13 +412,14 @@ class LiveView:
         return self.build_figure()
 
     def widget(self):
-        """The ipywidgets object shown in a notebook (an ``Output`` redrawn live), or None."""
+        """The ipywidgets object shown in a notebook (a ``PlotlyView`` redrawn live), or None."""
         return self._out
 
     def _repr_mimebundle_(self, include=None, exclude=None, **kwargs):
         if self._live and display_mode() != "static" and self.widget() is not None:
             bundle = self._static_bundle()
-            bundle.update(self.widget()._repr_mimebundle_())
+            view = self.widget()._repr_mimebundle_()
+            bundle.update(view[0] if isinstance(view, tuple) else view)  # anywidget: (data, md)
             bundle["text/plain"] = self.summary()
             return bundle
         return self._static_bundle()

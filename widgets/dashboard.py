@@ -73,16 +73,16 @@ class Dashboard(LiveView):
     """The four views in one layout, all fed from this process's telemetry bus through one
     subscription and one redraw thread (``_throttle``, shared by the four views).
 
-    ``max_hz`` defaults to 2 here (5 for a view on its own): a tick can redraw all four figures
-    and the browser re-renders each one, so the page gets up to ``4 * max_hz`` plotly renders a
-    second. Measured in the browser test (headless Chromium on the 2-core box, two ranks
-    training): at 5 Hz the page stopped answering for ~35 s while the cells ran; at 2 Hz it
-    stays responsive."""
+    ``max_hz`` (5 by default) bounds the redraws of each of the four views: a tick redraws
+    only the views whose state changed, and in the browser each redraw is one ``Plotly.react``
+    on a plot that already exists (``_frontend.py``). The mime-bundle route we had before
+    re-plotted and rasterized every figure on every update; at 5 Hz that froze headless
+    Chromium on the 2-core test box, which is why this default was 2 for a while."""
 
     accepts = (StepMetrics,)
 
     def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
-                 max_hz: float = 2.0):
+                 max_hz: float = 5.0):
         kw = dict(subscribe=False, live=live, max_hz=max_hz)  # the parts: served by our thread
         self.chunk_map = ChunkMap(**kw)
         self.timeline = PipelineTimeline(**kw)
