@@ -137,6 +137,26 @@ def test_timeline_step_selector_and_chrome_export(tmp_path):
         tl.export_chrome_trace(tmp_path / "nope" / "t.json")
 
 
+
+def test_timeline_dropdown_shows_latest_and_picks_steps():
+    """The ipywidgets dropdown: "latest" is a real selection (a value of None would show a blank
+    box), new steps extend it while following the run, picking a step pins the figure."""
+    tl = PipelineTimeline(live=True, subscribe=False)
+    box = tl.widget()
+    dd = box.children[0]
+    assert dd.label == "latest" and dd.index == 0
+    tl.update(_pipeline_spans(step=1, t0=0.0))
+    tl.update(_pipeline_spans(step=2, t0=5.0, mb=3))
+    assert [o[0] for o in dd.options] == ["latest", "step 1", "step 2"] and dd.label == "latest"
+    assert "step 2" in tl.figure.layout.title.text
+    dd.value = 1  # the user picks step 1
+    assert tl.step == 1 and "step 1" in tl.figure.layout.title.text
+    tl.update(_pipeline_spans(step=3, t0=9.0))
+    assert dd.label == "step 1" and "step 1" in tl.figure.layout.title.text  # stays pinned
+    dd.index = 0
+    assert tl.step is None and "step 3" in tl.figure.layout.title.text
+
+
 def test_gauges_values_latest_sample_wins():
     ev = [T.MemorySample(0, 2.0, "cpu", 300 * MIB, 1000 * MIB),
           T.MemorySample(0, 1.0, "cpu", 100 * MIB, 1000 * MIB),  # older, arrives late

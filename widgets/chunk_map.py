@@ -3,7 +3,8 @@
 Left: a grid per rank, one cell per chunk, coloured by tier and shaped by state; hovering a
 cell names its parameters and bytes; a chunk that changed tier at the newest step is drawn
 with a thick black outline, so moves show as they happen. Right: a bar per tier with the
-bytes of chunks there against the tier's capacity and sampled use (from ``MemorySample``).
+bytes of chunks there against the tier's capacity and sampled use (from ``MemorySample``), on a
+log axis (a disk's capacity dwarfs what a model puts on it).
 
 The trace list has a fixed shape (one scatter per tier, three bars); a redraw writes it as a
 plain dict (``chunk_map_dict``), never through plotly's validated objects.
@@ -87,6 +88,9 @@ def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = 16) 
     layout["xaxis"].update(visible=False, range=[-0.7, ncols - 0.3])
     layout["yaxis"].update(tickvals=tickvals, ticktext=ticktext, zeroline=False, showgrid=False,
                            range=[-(max(row0, 2) - 0.3), 0.7])
+    # log scale: a disk's capacity is 10^4-10^6 times the bytes a small model puts there, and
+    # on a linear axis the used and chunk bars of every tier but the biggest vanish
+    layout["yaxis2"].update(type="log", title={"text": "MiB (log)"})
     layout.update(template=template_json(), title={"text": title}, barmode="overlay",
                   height=max(320, 60 + 26 * row0), margin={"l": 60, "r": 20, "t": 70, "b": 40},
                   hovermode="closest", legend={"orientation": "h", "y": -0.08})

@@ -61,7 +61,8 @@ def timeline_dict(state: TimelineState, step: Optional[int] = None) -> dict:
               "height": max(260, 90 + 48 * len(rows)),
               "margin": {"l": 40, "r": 20, "t": 60, "b": 40},
               "legend": {"orientation": "h", "y": -0.2}, "bargap": 0.25,
-              "xaxis": {"title": {"text": "ms since the step's first span"}},
+              # the unit on the ticks, not as an axis title: the legend sits under the axis
+              "xaxis": {"ticksuffix": " ms", "hoverformat": ".2f"},
               "yaxis": {"categoryorder": "array", "categoryarray": order[::-1],
                         "automargin": True}}
     return {"data": data, "layout": layout}
@@ -120,11 +121,20 @@ class PipelineTimeline(LiveView):
             json.dump(trace, f)
         return path
 
+    # the dropdown's value for "follow the newest step": ipywidgets shows a value of None as
+    # "nothing selected" (a blank box), so "latest" needs a real value
+    _LATEST = -1
+
     def _sync_selector(self) -> None:
-        opts = [("latest", None)] + [(f"step {s}", s) for s in self.timeline.steps]
+        opts = [("latest", self._LATEST)] + [(f"step {s}", s) for s in self.timeline.steps]
         if list(self._selector.options) != opts:
-            self._selector.options = opts
-            self._selector.value = self.step if self.step in self.timeline.steps else None
+            keep = self.step if self.step in self.timeline.steps else self._LATEST
+            self._syncing = True  # replacing options resets the selection: not a user's pick
+            try:
+                self._selector.options = opts
+                self._selector.value = keep
+            finally:
+                self._syncing = False
 
     def widget(self):
         if self._out is None:
@@ -132,12 +142,18 @@ class PipelineTimeline(LiveView):
         if self._selector is None:
             import ipywidgets as W
 
-            self._selector = W.Dropdown(description="step", options=[("latest", None)],
-                                        value=None, layout=W.Layout(width="220px"))
+            self._selector = W.Dropdown(description="step", options=[("latest", self._LATEST)],
+                                        value=self._LATEST, layout=W.Layout(width="220px"))
             self._sync_selector()
-            self._selector.observe(lambda ch: self.select_step(ch["new"]), names="value")
+            self._selector.observe(self._on_select, names="value")
             self._box = W.VBox([self._selector, self._out])
         return self._box
+
+    def _on_select(self, change) -> None:
+        new = change["new"]
+        if new is None or getattr(self, "_syncing", False):
+            return  # options being replaced, not the user picking
+        self.select_step(None if new == self._LATEST else new)
 
     def summary(self) -> str:
         steps = self.timeline.steps
