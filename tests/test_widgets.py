@@ -307,6 +307,9 @@ def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
     assert cm.redraws == n and cm.skipped >= 1 and cm.widget().figure is out
     cm.update([T.ChunkEvent(0, 2, 0, "nvme", "free", MIB, ("p0",))])
     assert cm.redraws == n + 1 and cm.widget().figure is not out
+    # the hover texts cached between redraws are those of the newest events
+    assert cm.figure_dict() == chunk_map_dict(cm.chunks, cm.memory)
+    assert any("state: free" in h for tr in cm.figure_dict()["data"] for h in tr.get("hovertext", []))
     assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
 
 
