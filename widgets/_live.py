@@ -201,6 +201,7 @@ class Redrawer:
         if not (isinstance(maxlen, int) and maxlen > 0):
             raise ValueError(f"maxlen={maxlen!r}: must be a positive int (events queued)")
         self.queue: collections.deque = collections.deque(maxlen=maxlen)
+        self.yield_gil = True  # ``time.sleep(0)`` between a tick's pieces (see ``tick``)
         self._views: tuple = tuple(views)  # copy-on-write: the thread reads it without a lock
         self._period, self._duty = 1.0 / max_hz, float(max_duty)
         self._tick_lock = threading.Lock()  # one tick at a time (this thread vs ``flush()``)
@@ -243,10 +244,17 @@ class Redrawer:
                 mine = [e for t, es in by_type.items() if issubclass(t, view.accepts) for e in es]
                 try:
                     if view._take(mine):
+                        if self.yield_gil:
+                            time.sleep(0)
                         view.redraw()
                 except BaseException as exc:  # a drawing bug must not stop the other views
                     self.errors.append(exc)
                     del self.errors[:-10]
+                if self.yield_gil:
+                    # hand the GIL back between pieces of work: a training thread that comes
+                    # back from a torch op waits for it at most one piece, not a whole tick
+                    # (CPython lets a holder run up to ``sys.getswitchinterval()``, 5 ms)
+                    time.sleep(0)
             self.events += len(batch)
             return len(batch)
 
