@@ -10,7 +10,10 @@ ranks over a lossy relay and can be replayed:
 
 * ``ChunkState``: latest place per ``(rank, chunk_id)``; an event from an older step than the
   one held is ignored, within one step the later arrival wins (a chunk can move twice in a
-  step; ``ChunkEvent`` has no clock). A tier change is recorded as a *move*.
+  step; ``ChunkEvent`` has no clock). A tier change is recorded as a *move*. Events the relay
+  coalesced carry ``ChunkEvent.moves``, the chunk's tier changes at that step so far: it
+  orders them within a step (a smaller count than the one held is stale) and the increase
+  over the count held is recorded as that many moves.
 * ``TimelineState``: a set of ``StageSpan`` (exact duplicates collapse); bubbles come from
   ``telemetry.bubble_fractions`` so the widget and the pipeline runtime report one number.
 * ``MemoryState``: latest ``MemorySample`` per ``(rank, tier)`` by its own ``time``.
@@ -39,13 +42,16 @@ KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1"
 
 class Move(NamedTuple):
     """A chunk's tier change (a named tuple: built on every move, ~10x cheaper than a
-    frozen dataclass)."""
+    frozen dataclass). ``count`` > 1 when the relay folded several moves of the chunk at
+    ``step`` into one event: ``src`` is then where this state last saw the chunk (``""`` if
+    nowhere) and ``dst`` where the moves left it."""
 
     rank: int
     chunk_id: int
     step: int
     src: str
     dst: str
+    count: int = 1
 
 
 @dataclass
@@ -87,12 +93,22 @@ class ChunkState:
     def apply(self, e: ChunkEvent) -> bool:
         key = (e.rank, e.chunk_id)
         old = self.chunks.get(key)
-        if old is not None and (e.step < old.step or (e.step == old.step and e == old)):
+        same_step = old is not None and e.step == old.step
+        if old is not None and (e.step < old.step or (same_step and (e == old or e.moves < old.moves))):
             return False  # stale (out of order) or an exact duplicate
         self.chunks[key] = e
-        if old is not None and old.tier != e.tier:
+        if e.moves:  # coalesced by the relay: it counted the moves at this step so far
+            n = e.moves - (old.moves if same_step else 0)
+            if n > 0:
+                self._add_move(Move(e.rank, e.chunk_id, e.step, old.tier if old is not None else "",
+                                    e.tier, n))
+        elif old is not None and old.tier != e.tier:
             self._add_move(Move(e.rank, e.chunk_id, e.step, old.tier, e.tier))
         return True
+
+    def move_count(self, step: Optional[int] = None) -> int:
+        """Tier changes among the moves kept (at ``step``, or all), counting folded ones."""
+        return sum(m.count for m in self.moves if step is None or m.step == step)
 
     @property
     def ranks(self) -> List[int]:

@@ -18,8 +18,11 @@ from .events import (
     MemorySample,
     StageSpan,
     StepMetrics,
+    ROW_TYPES,
     from_dict,
+    from_row,
     to_dict,
+    to_row,
 )
 from .trace import read_trace, record, write_trace
 from .analysis import bubble_fractions, dedupe, to_chrome_trace
@@ -27,5 +30,5 @@ from .analysis import bubble_fractions, dedupe, to_chrome_trace
 __all__ = [
     "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",
     "SPAN_KINDS", "emit", "subscribe", "has_subscribers", "record", "read_trace", "write_trace",
-    "to_dict", "from_dict", "bubble_fractions", "dedupe", "to_chrome_trace",
+    "to_dict", "from_dict", "to_row", "from_row", "ROW_TYPES", "bubble_fractions", "dedupe", "to_chrome_trace",
 ]

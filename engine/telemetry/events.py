@@ -8,6 +8,7 @@ engine emits them and never knows who listens (see DESIGN.md, "Telemetry").
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -21,6 +22,12 @@ class ChunkEvent:
 
     ``tier`` is ``"cuda"``, ``"cpu"`` or ``"nvme"``; ``state`` is the chunk's tensor state
     (e.g. ``"compute"``, ``"hold"``, ``"free"``); ``params`` names the parameters packed in it.
+    ``moves`` is 0 for an event as the engine emits it (a tier change shows as a different
+    ``tier`` than the chunk's previous event). The live relay folds the events of one chunk at
+    one step within one batch into the latest of them and sets ``moves`` to the tier changes
+    the chunk made at that step up to this placement (counted on the rank, the change into the
+    step's first placement included), so a reducer still sees that, and how often, the chunk
+    moved, and within a step a larger count is the newer event (``widgets.state.ChunkState``).
     """
 
     rank: int
@@ -30,10 +37,13 @@ class ChunkEvent:
     state: str
     nbytes: int
     params: Tuple[str, ...] = ()
+    moves: int = 0
 
     def __post_init__(self):
         if self.tier not in TIERS:
             raise ValueError(f"ChunkEvent.tier={self.tier!r}; expected one of {TIERS}")
+        if self.moves < 0:
+            raise ValueError(f"ChunkEvent.moves={self.moves!r}; expected an int >= 0")
         object.__setattr__(self, "params", tuple(self.params))
 
 
@@ -98,6 +108,9 @@ EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample
 # copy of every field) and ``dataclasses.fields`` cost ~10x more than the record itself
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in EVENT_TYPES.values()}
 _NAMES = {name: (cls, frozenset(_FIELDS[cls])) for name, cls in EVENT_TYPES.items()}
+# fields left out of ``to_dict`` while they hold their default, so a JSONL trace of the
+# engine's own events reads the same as before the field existed
+_OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),)}
 
 
 def to_dict(event: Event) -> dict:
@@ -109,6 +122,9 @@ def to_dict(event: Event) -> dict:
         d = {n: getattr(event, n) for n in names}
     if "params" in d:
         d["params"] = list(d["params"])
+    for name, default in _OMIT_IF_DEFAULT.get(type(event), ()):
+        if d.get(name) == default:
+            del d[name]
     d["type"] = type(event).__name__
     return d
 
@@ -120,3 +136,31 @@ def from_dict(d: dict[str, Any]) -> Event:
         raise ValueError(f"unknown telemetry event type {d.get('type')!r}; known: {sorted(EVENT_TYPES)}")
     cls, names = entry
     return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ---------------------------------------------------------------- compact rows (the relay's wire)
+# One event as a flat tuple ``(code, field, field, ...)``: the fields in declaration order,
+# ``code`` the type's index in ``ROW_TYPES``. JSON of a row carries no key names (a dict per
+# event repeats every key), and a row is read back positionally. For the relay, whose ranks
+# and kernel run the same package; JSONL traces keep ``to_dict``'s self-describing dicts.
+ROW_TYPES = (ChunkEvent, StageSpan, MemorySample, StepMetrics)
+_ROW_CODE = {cls: i for i, cls in enumerate(ROW_TYPES)}
+_GETTERS = {cls: operator.attrgetter(*_FIELDS[cls]) for cls in ROW_TYPES}
+
+
+def to_row(event: Event) -> tuple:
+    """``(code, *fields)``: the event's type as an index into ``ROW_TYPES`` and its fields in
+    declaration order (JSON-safe: ``params`` stays a tuple, which JSON writes as a list)."""
+    cls = type(event)
+    code = _ROW_CODE.get(cls)
+    if code is None:
+        raise TypeError(f"to_row({event!r}): not one of the telemetry event types {[c.__name__ for c in ROW_TYPES]}")
+    return (code,) + _GETTERS[cls](event)
+
+
+def from_row(row) -> Event:
+    """Inverse of :func:`to_row` (a list, as JSON gives it back, is fine)."""
+    code = row[0]
+    if not (type(code) is int and 0 <= code < len(ROW_TYPES)):
+        raise ValueError(f"telemetry row type code {code!r}; expected 0..{len(ROW_TYPES) - 1}")
+    return ROW_TYPES[code](*row[1:])
