@@ -279,3 +279,33 @@ def test_attach_rejects_a_bad_interval_or_coalesce(cluster):
         relay_mod.attach(cluster, interval=0)
     with pytest.raises(TypeError, match="attach\\(coalesce="):
         relay_mod.attach(cluster, coalesce="yes")
+
+
+class _ThisProcess:
+    """A one-rank 'cluster' that is this process (``attach`` takes anything whose
+    ``run(fn, *args)`` runs ``fn`` on every rank): rank sink and receiver in one process."""
+
+    running = True
+
+    def run(self, fn, *args):
+        return [fn(*args)]
+
+
+def test_events_the_receiver_re_emits_are_not_sent_again_from_the_same_process():
+    here = _ThisProcess()
+    got = []
+    unsub = T.subscribe(got.append)
+    relay = relay_mod.attach(here, interval=0.02)
+    try:
+        for i in range(50):
+            T.emit(T.StepMetrics(rank=0, step=i, loss=1.0, tokens=1, seconds=0.1))
+        deadline = time.time() + 10
+        while time.time() < deadline and relay.received < 50:
+            time.sleep(0.02)
+        time.sleep(0.3)  # a loop would keep re-sending what arrived
+        (stats,) = relay.rank_stats()
+        assert stats["sent"] == 50 and relay.received == 50, (stats, relay.received)
+        assert sorted(e.step for e in got) == sorted(list(range(50)) * 2)  # emitted + relayed once
+    finally:
+        unsub()
+        relay.detach()
