@@ -79,7 +79,9 @@ class Chunk:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        # dtype.itemsize, not torch.empty(...).element_size(): ~5 µs less per read, and this is
+        # read ~100x per step and once per ChunkEvent (torch >= 2.1; pyproject needs >= 2.4)
+        return self.dtype.itemsize
 
     @property
     def full_bytes(self) -> int:
