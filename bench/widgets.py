@@ -7,11 +7,14 @@ Two run shapes, each comparing the same training with and without a live ``Dashb
   "attached" = a live ``Dashboard(live=True)`` subscribed to this process's telemetry bus
   with its redraw thread running; "detached" = no subscriber at all (so the engine does not
   even build its events: the baseline a user without the dashboard gets).
-* ``--mode cluster``: the shape of real use. Training runs on a 2-rank ``colossal_lab.launch``
-  cluster (other processes); this process is the notebook kernel and only draws.
-  "attached" = ``relay.attach(cluster)`` + ``Dashboard(live=True)`` here (ranks JSON-encode
-  and PUSH every event, this process decodes, re-emits and draws); "relay_only" = the relay
-  without a dashboard; "detached" = neither (ranks emit nothing).
+* ``--mode cluster``: the shape of real use. Training runs on a ``--ranks``-rank (default 2)
+  ``colossal_lab.launch`` cluster (other processes); this process is the notebook kernel and
+  only draws. "attached" = ``relay.attach(cluster)`` + ``Dashboard(live=True)`` here (ranks
+  coalesce, encode and PUSH their events every ``--relay-interval``, this process decodes,
+  re-emits and draws); "relay_only" = the relay without a dashboard (this process then
+  decodes nothing); "detached" = neither (ranks emit nothing). On a 2-core box ``--ranks 2``
+  leaves no core for the kernel (every CPU-ms it spends is taken from training), ``--ranks 1``
+  leaves it one, as a GPU machine with spare CPU cores does.
 * ``--emit-only`` (inproc) / ``--relay-only`` (cluster) add a third contender that splits the
   cost: the engine building and emitting its events (resp. the relay carrying them) with
   nobody drawing.
@@ -31,9 +34,16 @@ seconds, attached over detached; the median of the paired (adjacent) block ratio
 inproc mode the ratio of this process's CPU seconds per token (all threads: the direct cost,
 which other jobs disturb less than wall time); and the redraw rate achieved (redraws per
 second of each view, and per view that had something new to draw), events/s, the redraw
-thread's wakes, ticks and CPU share, and comm bytes.
+thread's wakes, ticks and CPU share, and comm bytes. In cluster mode also CPU microseconds
+per token per contender (``cpu_us_per_token``: the ranks' processes, their relay sender
+threads, this kernel process, its relay receiver thread and the dashboard's redraw thread),
+``direct_cpu_overhead_*`` (sender threads + the kernel's CPU above its detached baseline, over
+the ranks' detached CPU: what the live path costs, measured on its own threads, which the
+ranks' block-to-block noise does not swamp) and the relay's events, rows and messages per
+rank per second.
 
     OMP_NUM_THREADS=1 python bench/widgets.py --mode both --repeats 5 --pairs 6
+    OMP_NUM_THREADS=1 python bench/widgets.py --mode cluster --relay-only --ranks 1 --repeats 4 --pairs 4
 """
 
 from __future__ import annotations
@@ -254,20 +264,27 @@ def _rank_setup(bench_path, preset, device_memory_limit, chunk_mb, batch, seq, w
 
 
 def _rank_block(steps):
-    """On each rank: ``steps`` timed steps; returns this rank's (tokens, seconds)."""
+    """On each rank: ``steps`` timed steps; returns this rank's tokens, seconds, CPU seconds of
+    the whole process, and of the relay's sender thread (0 without a relay) in that time."""
     import sys
     import time as _t
 
     import torch.distributed as _dist
 
     st = sys.modules["_colossal_bench_widgets"]
+    try:
+        from colossal_lab import relay as _relay
+    except ImportError:
+        _relay = None
+    sink = getattr(_relay, "_rank_sink", None)
     _dist.barrier()
-    t0 = _t.perf_counter()
+    s0 = getattr(sink, "cpu_s", 0.0)
+    t0, c0 = _t.perf_counter(), _t.process_time()
     for _ in range(steps):
         st.step(st.i)
         st.i += 1
-    dt = _t.perf_counter() - t0
-    return steps * st.batch * st.seq, dt
+    dt, cpu = _t.perf_counter() - t0, _t.process_time() - c0
+    return steps * st.batch * st.seq, dt, cpu, getattr(sink, "cpu_s", 0.0) - s0
 
 
 def _rank_teardown():
@@ -285,6 +302,11 @@ def run_cluster(args, comm_stats) -> dict:
 
     contenders = ("attached", "detached") + (("relay_only",) if args.relay_only else ())
     res = {c: [] for c in contenders}
+    relay_kw = {}  # only what was asked for, so the bench also runs against older relays
+    if args.relay_interval is not None:
+        relay_kw["interval"] = args.relay_interval
+    if args.no_coalesce:
+        relay_kw["coalesce"] = False
     cluster = cl.launch(n=args.ranks, backend="gloo", threads=1)
     try:
         for r in range(args.repeats):
@@ -292,20 +314,33 @@ def run_cluster(args, comm_stats) -> dict:
                         args.batch, args.seq, args.warmup)
             for order in _orders(contenders, r, args.pairs):
                 for c in order:
-                    relay = relay_mod.attach(cluster) if c != "detached" else None
+                    relay = relay_mod.attach(cluster, **relay_kw) if c != "detached" else None
                     probe = DashProbe(args.max_hz, comm_stats) if c == "attached" else None
                     try:
+                        st0 = relay.rank_stats() if relay is not None else None
+                        r0 = getattr(relay, "cpu_s", 0.0)
                         if probe:
                             probe.start()
+                        k0 = time.process_time()
                         per_rank = cluster.run(_rank_block, args.steps)
-                        tokens, seconds = sum(t for t, _ in per_rank), max(s for _, s in per_rank)
-                        out = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds}
+                        k1 = time.process_time()
+                        tokens, seconds = sum(x[0] for x in per_rank), max(x[1] for x in per_rank)
+                        out = {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+                               # CPU seconds in the block: the ranks (whole processes), their
+                               # relay sender threads, this process (the kernel), its receiver
+                               "ranks_cpu_s": sum(x[2] for x in per_rank),
+                               "sender_cpu_s": sum(x[3] for x in per_rank),
+                               "kernel_cpu_s": k1 - k0,
+                               "receiver_cpu_s": getattr(relay, "cpu_s", 0.0) - r0}
                         if probe:
                             time.sleep(0.3)  # let the events in flight arrive before counting
                             out.update(probe.stop())
                         if relay is not None:
                             st = relay.rank_stats()
                             out["relay_dropped"] = sum(x["dropped"] for x in st if x)
+                            for k in ("sent", "rows", "messages"):  # per rank per second
+                                out["relay_" + k] = sum(b.get(k, 0) - a.get(k, 0)
+                                                        for a, b in zip(st0, st)) / len(st) / seconds
                     finally:
                         if probe:
                             probe.close()
@@ -365,6 +400,36 @@ def summarize(mode, args, res, ranks) -> dict:
         out["pooled_ratio_relay_only"] = round(pooled("relay_only") / pooled("detached"), 4)
     if mode == "cluster":
         out["relay_dropped"] = sum(x.get("relay_dropped", 0) for c in res for x in res[c])
+        out["relay_interval"] = args.relay_interval
+        out["relay_coalesce"] = not args.no_coalesce
+        # CPU seconds per token (ranks' processes + this kernel process), in microseconds: the
+        # direct cost, which the box's load disturbs less than wall time
+        tok = {c: sum(x["tokens"] for x in res[c]) for c in res}
+        cpu = {}
+        for c in res:
+            d = {k: round(sum(x[k + "_cpu_s"] for x in res[c]) / tok[c] * 1e6, 3)
+                 for k in ("ranks", "sender", "kernel", "receiver")}
+            d["total"] = round(d["ranks"] + d["kernel"], 3)
+            if c == "attached":
+                d["redraw"] = round(sum(x["redraw_cpu_frac"] * x["seconds"] for x in res[c])
+                                    / tok[c] * 1e6, 3)
+            cpu[c] = d
+        out["cpu_us_per_token"] = cpu
+        # what the live path adds, measured on its own threads and the kernel process only
+        # (rank senders + the kernel's CPU above its detached baseline), as a fraction of the
+        # ranks' CPU per token when detached: not swamped by the ranks' own block-to-block noise
+        for c in cpu:
+            if c != "detached":
+                extra = cpu[c]["sender"] + cpu[c]["kernel"] - cpu["detached"]["kernel"]
+                out[f"direct_cpu_overhead_{c}"] = round(extra / cpu["detached"]["ranks"], 4)
+        out["cpu_per_token_ratio"] = round(cpu["attached"]["total"] / cpu["detached"]["total"], 4)
+        if "relay_only" in cpu:
+            out["cpu_per_token_ratio_relay_only"] = round(cpu["relay_only"]["total"]
+                                                          / cpu["detached"]["total"], 4)
+        for c in ("attached", "relay_only"):
+            if c in res and "relay_sent" in res[c][0]:
+                out[f"relay_per_rank_per_s_{c}"] = {
+                    k: round(med(x["relay_" + k] for x in res[c]), 1) for k in ("sent", "rows", "messages")}
     out.update({
         "events_per_s": round(med(x["events_per_s"] for x in att), 1),
         "redraws_per_s_per_active_view": round(med(x["redraws_per_s_per_active_view"] for x in att), 2),
@@ -398,6 +463,10 @@ def main() -> None:
                     help="inproc mode: also time the engine emitting to a subscriber that draws nothing")
     ap.add_argument("--relay-only", action="store_true",
                     help="cluster mode: also time the relay without a dashboard")
+    ap.add_argument("--relay-interval", type=float, default=None,
+                    help="cluster mode: seconds between a rank's relay messages (default: the relay's)")
+    ap.add_argument("--no-coalesce", action="store_true",
+                    help="cluster mode: the relay carries every event as emitted")
     ap.add_argument("--no-serialize", action="store_true",
                     help="leave out the kernel's JSON serialization of each comm message")
     ap.add_argument("--device-memory-limit", type=int, default=1 << 20, help="bytes")
@@ -410,6 +479,8 @@ def main() -> None:
         ap.error("--ranks must be >= 1")
     if not args.max_hz > 0:
         ap.error("--max-hz must be > 0")
+    if args.relay_interval is not None and not args.relay_interval > 0:
+        ap.error("--relay-interval must be > 0 seconds")
     comm_stats = {} if args.no_serialize else install_serializing_comm()
     if args.mode in ("inproc", "both"):
         print(json.dumps(run_inproc(args, comm_stats)), flush=True)
