@@ -309,3 +309,38 @@ def test_events_the_receiver_re_emits_are_not_sent_again_from_the_same_process()
     finally:
         unsub()
         relay.detach()
+
+
+def _emit_steadily(seconds, every):
+    import time
+
+    import torch.distributed as dist
+
+    from colossal_lab.engine import telemetry as T
+
+    r, i, t_end = dist.get_rank(), 0, time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        T.emit(T.StepMetrics(rank=r, step=i, loss=1.0, tokens=1, seconds=every))
+        i += 1
+        time.sleep(every)
+    return i
+
+
+def test_the_kernel_wakes_once_per_interval_for_all_ranks(cluster):
+    # each rank sends one message per interval; the receiver wakes once per interval and
+    # takes both ranks' messages, instead of waking for each message
+    unsub = T.subscribe(lambda e: None)
+    relay = relay_mod.attach(cluster, interval=0.2)
+    try:
+        d0, m0 = relay.drains, relay.messages
+        n = cluster.run(_emit_steadily, 3.0, 0.01)
+        relay.rank_stats()
+        deadline = time.time() + 5
+        while time.time() < deadline and relay.received < sum(n):
+            time.sleep(0.05)
+        drains, messages = relay.drains - d0, relay.messages - m0
+        assert relay.received == sum(n)
+        assert messages >= 20 and messages >= 1.6 * drains, (messages, drains)
+    finally:
+        unsub()
+        relay.detach()
