@@ -10,9 +10,10 @@ result/IOPub channels, because those deliver only when a task finishes or throug
 not as a stream of small records while the task runs. What is hand-written here is small:
 
 * kernel side: one ``PULL`` socket bound on an OS-picked port (``tcp://HOST:*``, so no
-  find-a-free-port race) and a receiver thread that decodes each message and calls
-  ``telemetry.emit`` in the kernel for each event; while nobody in the kernel subscribes (no
-  view open) it only counts what arrives and decodes nothing;
+  find-a-free-port race) and a receiver thread that wakes once per ``interval``, takes every
+  rank's messages, decodes them and calls ``telemetry.emit`` in the kernel for each event;
+  while nobody in the kernel subscribes (no view open) it only counts what arrives and
+  decodes nothing;
 * rank side (installed with ``cluster.run(_install, address, ...)``): a bus subscriber that
   only appends the event to a bounded ``deque`` (no encoding, no syscall, no thread wake-up on
   the training thread), and a sender thread that every ``interval`` (0.2 s) folds what queued
@@ -30,7 +31,9 @@ fill both cores: one message per event cost the ranks ~18% of step time; one JSO
 per 50 ms (~21 messages and ~290 events a second per rank) still cost ~8 µs of CPU per
 trained token between the ranks' sender threads and the kernel's receiver thread (~3% of the
 ranks' own CPU; ~240 µs per message on each side, wake-up included, and ~15-20 µs per event).
-Every 0.2 s with coalescing: ~6 messages and ~65 rows a second per rank, ~2 µs per token.
+Every 0.2 s with coalescing: ~6 messages and ~65 rows a second per rank, ~2 µs per token;
+the receiver waking once per interval for all ranks instead of once per message cut its
+thread from 0.46% to 0.34% of a core with 2 ranks (and to 1/N of the wake-ups with N).
 ``attach(cluster, coalesce=False)`` re-emits every event as the rank emitted it (to record a
 complete trace in the kernel); ``interval`` sets the batch period.
 
