@@ -111,7 +111,7 @@ class ChunkManager:
     def _alloc_ram(self, tier_name: str, numel: int, dtype, protect: Tuple[int, ...] = ()) -> torch.Tensor:
         tier = self.stack.get(tier_name)
         if tier is self.compute:
-            self._reserve(numel * torch.empty((), dtype=dtype).element_size(), protect=protect)
+            self._reserve(numel * dtype.itemsize, protect=protect)
         t = torch.empty(numel, dtype=dtype, device=tier.device,
                         pin_memory=self.pin and tier.device.type == "cpu")
         tier.alloc(t.numel() * t.element_size())

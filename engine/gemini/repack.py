@@ -354,7 +354,7 @@ class _Mover:
 
     def _empty(self, tier: str, numel: int, dtype=torch.float32, zero: bool = False) -> Optional[torch.Tensor]:
         """A buffer in ``tier`` (RAM/device), counted against it; None in a dry run."""
-        self.take(tier, numel * torch.empty((), dtype=dtype).element_size())
+        self.take(tier, numel * dtype.itemsize)
         if self.dry:
             return None
         dev = self.mgr.stack.get(tier).device
