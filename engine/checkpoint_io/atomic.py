@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-import torch
 import torch.distributed as dist
+
+from .. import comm
 
 PathLike = Union[str, os.PathLike]
 
@@ -125,9 +126,7 @@ def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
         raise
     finally:
         if multi:
-            flag = torch.tensor([1.0 if failed else 0.0])
-            dist.all_reduce(flag, group=group)
-            failed = failed or flag.item() > 0
+            failed = comm.any_rank(failed, group)
         if lead:
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)

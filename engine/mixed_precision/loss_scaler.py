@@ -13,6 +13,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
@@ -42,7 +44,7 @@ class DynamicLossScaler:
         """Divide every gradient by the scale in place; True when any rank found inf/nan."""
         inv = 1.0 / self.scale
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        found = torch.zeros(1)
+        found = False
         if grads:
             by_dev = {}
             for g in grads:
@@ -51,11 +53,10 @@ class DynamicLossScaler:
                 torch._foreach_mul_(gs, inv)
                 norms = torch._foreach_norm(gs)  # inf/nan in a tensor -> inf/nan norm
                 total = torch.stack([n.float() for n in norms]).sum()
-                if not torch.isfinite(total).item():
-                    found.fill_(1.0)
-        if self.sync and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(found.item() > 0)
+                found = found or not torch.isfinite(total).item()
+        if self.sync:
+            found = comm.any_rank(found, self.group)  # on the group's device (nccl: cuda)
+        return found
 
     def update(self, found_inf: bool) -> None:
         if found_inf:

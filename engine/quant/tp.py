@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import comm
 from .int8 import Int8Linear, _set_submodule
 
 
@@ -32,7 +33,7 @@ class RowParallelInt8Linear(Int8Linear):
         from colossal_lab.kernels import int8_linear
 
         y = int8_linear(x, self.weight_int8, self.scale, None)
-        dist.all_reduce(y, group=self.group)
+        comm.all_reduce(y, group=self.group)
         return y + self.bias.to(y.dtype) if self.bias is not None else y
 
 
