@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
+from .device import DeviceDataLoader
 from .mixed_precision import require_fp8, validate_precision
 from .plugins.base import Plugin
 
@@ -100,6 +101,10 @@ class Booster:
         if dataloader is not None:
             _check_sized(dataloader, "boost(dataloader=...)")
         out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
+        if out[3] is not None:
+            device = self.plugin.compute_device()
+            if device.type != "cpu":  # batches arrive where the model computes
+                out = (*out[:3], DeviceDataLoader(out[3], device), out[4])
         boosted_opt, boosted_sched = out[1], out[4]
         inner = getattr(boosted_opt, "optim", None)
         if boosted_sched is not None and inner is not None and getattr(boosted_sched, "optimizer", None) is optimizer \

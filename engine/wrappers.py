@@ -1,7 +1,8 @@
 """What ``Booster.boost`` hands back: a model wrapper and an optimizer wrapper.
 
-``ModelWrapper`` runs the forward under the precision's autocast and counts the tokens it is
-fed (for ``StepMetrics``); attribute lookups it does not know fall through to the user's model,
+``ModelWrapper`` moves the forward's tensor inputs to the model's device (as DDP with
+``device_ids`` does), runs it under the precision's autocast and counts the tokens it is fed
+(for ``StepMetrics``); attribute lookups it does not know fall through to the user's model,
 so ``model.cfg`` or ``model.generate`` keep working. ``OptimizerWrapper`` owns the per-step
 policy every plugin shares: loss scaling (fp16), unscale-before-clip, skipping a step whose
 gradients overflowed on any rank, and emitting one ``StepMetrics`` per ``step()``. Plugins
@@ -21,6 +22,7 @@ from torch.optim import Optimizer
 
 from . import telemetry
 from .checkpoint_io.checkpoint_io_base import unwrap_model
+from .device import default_device, module_device, to_device
 from .mixed_precision import DynamicLossScaler, autocast_dtype, needs_loss_scaling
 
 
@@ -41,7 +43,8 @@ class ModelWrapper(nn.Module):
         self.module = module
         self.mixed_precision = mixed_precision
         self._dtype = autocast_dtype(mixed_precision)
-        self._device_type = next((p.device.type for p in module.parameters()), "cpu")
+        self.device = module_device(module, default_device())
+        self._device_type = self.device.type
         self.tokens = 0  # tokens seen since the last optimizer step
         self.first_forward: Optional[float] = None
 
@@ -50,6 +53,7 @@ class ModelWrapper(nn.Module):
         return self.module
 
     def forward(self, *args, **kwargs):
+        args, kwargs = to_device((args, kwargs), self.device)
         self.tokens += _count_tokens(args, kwargs)
         if self.first_forward is None:
             self.first_forward = time.perf_counter()
@@ -145,8 +149,13 @@ class OptimizerWrapper:
         return self.checkpoint_optim, (unwrap_model(self.model) if self.model is not None else None)
 
     # ---- the step policy -----------------------------------------------------------------
+    def record_loss(self, loss: Optional[torch.Tensor]) -> None:
+        """The loss this step's StepMetrics reports (``backward`` records it; a pipeline, whose
+        backward runs inside the schedule, records the batch loss it returns)."""
+        self._last_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        self._last_loss = loss.detach()
+        self.record_loss(loss)
         if self.loss_scaler is not None:
             self.loss_scaler.scale_loss(loss).backward(**kwargs)
         else:

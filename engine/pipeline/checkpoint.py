@@ -15,7 +15,7 @@ state tensor by the *unsplit model's* parameter name instead::
 
     state.<param name>.<state key>     (exp_avg, exp_avg_sq, step, momentum_buffer, ...)
     param_groups.<param name>          (that parameter's group hyper-parameters: lr, betas, ...)
-    loss_scaler.scale / .good          (fp16)
+    loss_scaler.scale / .good_steps / .skipped_steps   (fp16)
 
 DCP then does the rest: a key held by several ranks (data-parallel replicas) is written once,
 DTensor states (tensor parallel) are written as shards, each rank writes its own file into one
@@ -113,10 +113,9 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             for n in names[id(p)]:
                 for k, v in local.state.get(p, {}).items():
                     sd[f"state.{n}.{k}"] = v
-        scaler = getattr(getattr(optimizer, "plugin", None), "_scaler", None)
+        scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None:
-            sd["loss_scaler.scale"] = torch.tensor(float(scaler.scale))
-            sd["loss_scaler.good"] = torch.tensor(float(scaler._good))
+            sd.update({f"loss_scaler.{k}": torch.tensor(float(v)) for k, v in scaler.state_dict().items()})
         with atomic_dir(path, group=None, collective=True) as tmp:
             dcp.save(sd, checkpoint_id=str(tmp), no_dist=not _dist())
 
@@ -169,10 +168,9 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             error = next((e for e in errors if e), None)
         if error:
             raise RuntimeError(error)
-        scaler = getattr(getattr(optimizer, "plugin", None), "_scaler", None)
+        scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None and "loss_scaler.scale" in saved:
-            want["loss_scaler.scale"] = torch.tensor(0.0)
-            want["loss_scaler.good"] = torch.tensor(0.0)
+            want.update({k: torch.tensor(0.0) for k in saved if k.startswith("loss_scaler.")})
         dcp.load(want, checkpoint_id=str(path), no_dist=not _dist())
         # tensors were loaded in place into the live state; non-tensor leaves come back new
         for p in (p for g in local.param_groups for p in g["params"]):
@@ -189,5 +187,5 @@ class HybridCheckpointIO(GeneralCheckpointIO):
                 pre = f"param_groups.{n}."
                 g.update({k[len(pre):]: v for k, v in want.items() if k.startswith(pre)})
         if "loss_scaler.scale" in want:
-            scaler.scale = float(want["loss_scaler.scale"])
-            scaler._good = int(want["loss_scaler.good"])
+            scaler.load_state_dict({k[len("loss_scaler."):]: v.item() for k, v in want.items()
+                                    if k.startswith("loss_scaler.")})

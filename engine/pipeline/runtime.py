@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..device import to_device
 from ..telemetry import bubble_fractions
 from .schedules import ScheduleSpec
 from .timing import SpanRecorder
@@ -49,9 +50,10 @@ def split_batch(batch: Dict[str, Any], m: int) -> List[Dict[str, Any]]:
 class PipelineRuntime:
     """One rank's side of the pipeline: its stages, torch's schedule, and its recorder."""
 
-    def __init__(self, spec: ScheduleSpec, modules, stages, *, rank: int, pp_rank: int,
+    def __init__(self, spec: ScheduleSpec, modules, stages, *, device: torch.device, rank: int, pp_rank: int,
                  pp_group, input_key: str = "idx", loss_scale: Callable[[], float] = lambda: 1.0):
         self.spec = spec
+        self.device = device
         self.modules = modules
         self.stages = stages
         self.pp_rank = pp_rank
@@ -92,6 +94,7 @@ class PipelineRuntime:
                            f"the first stage's input is batch[{self.input_key!r}]")
         self.recorder.step = self.step_index
         self._criterion = criterion
+        batch = to_device(batch, self.device)  # batches are made wherever the user likes (CPU)
         self._mbs = split_batch(batch, m)
         losses: List[torch.Tensor] = []
         outputs = None

@@ -21,15 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 if TYPE_CHECKING:  # pragma: no cover
     from ..checkpoint_io import CheckpointIO
 
+from ..device import default_device  # noqa: F401  (re-exported: plugins place models with it)
 from ..mixed_precision import PRECISIONS  # noqa: F401  (re-exported: plugins validate against it)
-
-
-def default_device() -> torch.device:
-    """Where a plugin puts the model: this rank's GPU when running on CUDA, else the CPU."""
-    if torch.cuda.is_available():
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class Plugin:
@@ -44,6 +37,11 @@ class Plugin:
     #: True when the plugin applies mixed precision itself (Gemini, hybrid); Booster then only
     #: passes the precision string through ``configure``.
     controls_precision: bool = False
+
+    def compute_device(self) -> torch.device:
+        """Where the boosted model computes: its forward moves tensor inputs there, and the
+        dataloader ``Booster.boost`` returns delivers batches there."""
+        return default_device()
 
     # ---- process groups ------------------------------------------------------------------
     @property

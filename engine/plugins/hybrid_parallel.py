@@ -21,6 +21,7 @@ measured bubble fraction per stage.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -30,10 +31,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from .. import comm
+from ..device import default_device, to_device
+from ..mixed_precision import DynamicLossScaler, autocast_dtype
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
+from ..wrappers import OptimizerWrapper, _count_tokens
 from .base import Plugin
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PRECISIONS = ("fp32", "bf16", "fp16")
 _CKPT_INFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper adds it to parameter names
 
 
@@ -61,12 +66,23 @@ class HybridParallelModule(nn.Module):
         self.stage_modules = nn.ModuleList(stage_modules)
         self.runtime = runtime
         self._plugin_pp = plugin.pp_size
+        self.device = runtime.device
+        self.tokens = 0  # tokens seen since the last optimizer step (StepMetrics)
+        self.first_forward: Optional[float] = None
 
     def forward(self, *args, **kwargs):
         if self._plugin_pp > 1:
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
+        args, kwargs = to_device((args, kwargs), self.device)
+        self.count(args, kwargs)
         return self.stage_modules[0].inner(*args, **kwargs)
+
+    def count(self, args, kwargs) -> None:
+        """Count a forward's (or a pipeline batch's) tokens for this step's StepMetrics."""
+        if self.first_forward is None:
+            self.first_forward = time.perf_counter()
+        self.tokens += _count_tokens(args, kwargs)
 
     def named_model_parameters(self, remove_duplicate: bool = True):
         """``(name, param)`` under the unsplit model's names (``blocks.0.attn.wq.weight``).
@@ -100,52 +116,25 @@ class HybridParallelModule(nn.Module):
         return out
 
 
-class _LossScaler:
-    """Dynamic fp16 loss scale; the overflow vote is an all-reduce over every rank."""
+class HybridParallelOptimizer(OptimizerWrapper):
+    """The boosted optimizer of a tensor × pipeline × data-parallel run.
 
-    def __init__(self, init: float = 2.0 ** 16, growth_interval: int = 1000):
-        self.scale = init
-        self.growth_interval = growth_interval
-        self._good = 0
-
-    def unscale_and_check(self, params: List[torch.Tensor]) -> bool:
-        found = torch.zeros(1)
-        inv = 1.0 / self.scale
-        for p in params:
-            if p.grad is not None:
-                g = _local(p.grad)
-                g.mul_(inv)
-                if not torch.isfinite(g).all():
-                    found.fill_(1.0)
-        if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        overflow = bool(found.item())
-        if overflow:
-            self.scale /= 2.0
-            self._good = 0
-        else:
-            self._good += 1
-            if self._good % self.growth_interval == 0:
-                self.scale *= 2.0
-        return overflow
-
-
-class HybridParallelOptimizer:
-    """Wraps the per-rank optimizer: grad sync, loss-scale, then step; the step is an ``optim`` span."""
+    The step policy (loss scaling, overflow skip agreed by every rank, StepMetrics) is the
+    base class's; what this adds is where gradients come from: before unscaling, gradients are
+    averaged over the data-parallel group and tied copies summed (``plugin._sync_grads``), and
+    a norm for clipping is summed over the pipeline stages, each holding only its own
+    parameters (tensor-parallel shards are made whole by DTensor).
+    """
 
     def __init__(self, optim: Optimizer, model: HybridParallelModule, plugin: "HybridParallelPlugin"):
-        self.optim = optim
-        self.model = model
+        # the overflow vote is world-wide: a stage that skipped a step alone would desynchronise
+        # the pipeline (group=None: the default group)
+        super().__init__(optim, model, plugin.precision, loss_scaler=plugin._scaler)
         self.plugin = plugin
+        self._synced = False
 
-    # torch.optim.Optimizer's surface, forwarded
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
-
-    @property
-    def state(self):
-        return self.optim.state
+    def checkpoint_target(self):
+        return self.optim, self.model
 
     def state_dict(self):
         return self.optim.state_dict()
@@ -153,25 +142,44 @@ class HybridParallelOptimizer:
     def load_state_dict(self, sd):
         return self.optim.load_state_dict(sd)
 
-    def zero_grad(self, set_to_none: bool = True):
-        self.optim.zero_grad(set_to_none=set_to_none)
+    def _sync(self) -> None:
+        if not self._synced:
+            self.plugin._sync_grads(self.model)
+            self._synced = True
 
-    def checkpoint_target(self):
-        return self.optim, self.model
-
-    def backward(self, loss: torch.Tensor) -> None:
-        scaler = self.plugin._scaler
-        (loss * scaler.scale if scaler is not None else loss).backward()
+    def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm (all stages, tensor-parallel shards whole; unscaled
+        first under fp16); returns the norm before clipping, like ``clip_grad_norm_``."""
+        p = float(norm_type)
+        if not p > 0:
+            raise ValueError(f"clip_grad_by_norm(norm_type={norm_type!r}): must be > 0 or inf")
+        self._sync()
+        self.unscale_grad()
+        grads = [q.grad for n, q in self.model.named_model_parameters()
+                 if q.grad is not None and not self.plugin._counted_elsewhere(n)]
+        inf = p == math.inf
+        acc = 0.0
+        for g in grads:
+            n = torch.linalg.vector_norm(g.float(), p)
+            n = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
+            acc = max(acc, n) if inf else acc + n ** p
+        pp_group = self.model.runtime.pp_group
+        if pp_group is not None:
+            (acc,) = comm.reduce_values([acc], op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
+        total = acc if inf else acc ** (1.0 / p)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                _local(g).mul_(coef)
+        return torch.tensor(total, dtype=torch.float32)
 
     def step(self, *args, **kwargs):
         rec = self.model.runtime.recorder
         rec.step = max(0, self.model.runtime.step_index - 1)
         with rec.timed("optim"):
-            params = [p for _, p in self.model.named_model_parameters()]
-            self.plugin._sync_grads(self.model)
-            if self.plugin._scaler is not None and self.plugin._scaler.unscale_and_check(params):
-                return None  # overflow: every rank skips this step together
-            return self.optim.step(*args, **kwargs)
+            self._sync()
+            self._synced = False
+            return super().step(*args, **kwargs)
 
 
 class HybridParallelPlugin(Plugin):
@@ -208,8 +216,8 @@ class HybridParallelPlugin(Plugin):
         if zero_stage not in (0, 1):
             raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
                              "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
-        if precision not in _DTYPES:
-            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {tuple(_DTYPES)}")
+        if precision not in _PRECISIONS:
+            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {_PRECISIONS}")
         if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
             raise ValueError(f"HybridParallelPlugin(num_microbatches={num_microbatches!r}): must be an int >= 1")
         if microbatch_size is not None and (not isinstance(microbatch_size, int) or microbatch_size < 1):
@@ -239,7 +247,7 @@ class HybridParallelPlugin(Plugin):
         self.tp_plan, self.input_key = tp_plan, input_key
         self.mesh = None
         self._dp_group = None
-        self._scaler: Optional[_LossScaler] = None
+        self._scaler: Optional[DynamicLossScaler] = None
         self._tie_group = None
         self._tie_local = False
         self._model: Optional[HybridParallelModule] = None
@@ -275,8 +283,8 @@ class HybridParallelPlugin(Plugin):
         if isinstance(model, HybridParallelModule):
             raise ValueError("HybridParallelPlugin.configure(model=...): this model is already boosted")
         if mixed_precision not in (None, "fp32") and not self._precision_explicit:
-            if mixed_precision not in _DTYPES:
-                raise ValueError(f"HybridParallelPlugin: mixed_precision={mixed_precision!r}; choose one of {tuple(_DTYPES)}")
+            if mixed_precision not in _PRECISIONS:
+                raise ValueError(f"HybridParallelPlugin: mixed_precision={mixed_precision!r}; choose one of {_PRECISIONS}")
             self.precision = mixed_precision
         spec = ScheduleSpec(self.pp_style, self.pp_size, self.num_model_chunks, self.num_microbatches or 1)
         # ---- every check that needs the model, still before any group exists ----
@@ -307,16 +315,17 @@ class HybridParallelPlugin(Plugin):
 
         # ---- groups ----
         dp = world // (self.tp_size * self.pp_size)
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device = default_device()
+        device_type = device.type
         self.mesh = init_device_mesh(device_type, (dp, self.pp_size, self.tp_size),
                                      mesh_dim_names=("dp", "pp", "tp"))
         self._dp_group = self.mesh["dp"].get_group() if dp > 1 else None
         pp_group = self.mesh["pp"].get_group()
         pp_rank = self.mesh["pp"].get_local_rank()
         tp_mesh = self.mesh["tp"]
-        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        autocast = _DTYPES[self.precision]
-        self._scaler = _LossScaler() if self.precision == "fp16" else None
+        autocast = autocast_dtype(self.precision)
+        # one overflow vote over every rank (group=None): see HybridParallelOptimizer
+        self._scaler = DynamicLossScaler() if self.precision == "fp16" else None
 
         def prepare(part: nn.Module) -> nn.Module:
             part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
@@ -333,7 +342,7 @@ class HybridParallelPlugin(Plugin):
                                            device, autocast, prepare)
         else:
             modules, stages = [StageModule(prepare(model), autocast).to(device)], []
-        runtime = PipelineRuntime(spec, modules, stages, rank=dist.get_rank(), pp_rank=pp_rank,
+        runtime = PipelineRuntime(spec, modules, stages, device=device, rank=dist.get_rank(), pp_rank=pp_rank,
                                   pp_group=pp_group if self.pp_size > 1 else None, input_key=self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
@@ -410,7 +419,7 @@ class HybridParallelPlugin(Plugin):
                     p.grad.copy_(total)
             elif self._tie_group is not None and tied:
                 for p in tied:
-                    dist.all_reduce(_local(p.grad), group=self._tie_group)
+                    comm.all_reduce(_local(p.grad), group=self._tie_group)
         if self._dp_group is not None:
             grads = [_local(p.grad) for _, p in named if p.grad is not None]
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
@@ -419,12 +428,17 @@ class HybridParallelPlugin(Plugin):
             n = dist.get_world_size(self._dp_group)
             for gs in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in gs])
-                dist.all_reduce(flat, group=self._dp_group)
+                comm.all_reduce(flat, group=self._dp_group)
                 flat.div_(n)
                 off = 0
                 for g in gs:
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
+
+    def _counted_elsewhere(self, name: str) -> bool:
+        """True for the second copy of a weight tied across stages (the head's): after
+        ``_sync_grads`` both copies hold the same gradient, which a norm counts once."""
+        return (self._tie_local or self._tie_group is not None) and name == "lm_head.weight"
 
     # ---- the pipeline ---------------------------------------------------------------------
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
@@ -450,7 +464,10 @@ class HybridParallelPlugin(Plugin):
                 raise ValueError(f"execute_pipeline: batch size {bs} is not a multiple of microbatch_size={self.microbatch_size}")
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
+        model.count((batch[self.input_key],) if self.input_key in batch else (), {})
         out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        if isinstance(optimizer, HybridParallelOptimizer):
+            optimizer.record_loss(out["loss"])
         if not return_loss:
             out["loss"] = None
         return out
