@@ -155,11 +155,10 @@ class HybridParallelOptimizer(OptimizerWrapper):
             raise ValueError(f"clip_grad_by_norm(norm_type={norm_type!r}): must be > 0 or inf")
         self._sync()
         self.unscale_grad()
-        grads = [q.grad for n, q in self.model.named_model_parameters()
-                 if q.grad is not None and not self.plugin._counted_elsewhere(n)]
+        named = [(n, q.grad) for n, q in self.model.named_model_parameters() if q.grad is not None]
         inf = p == math.inf
         acc = 0.0
-        for g in grads:
+        for _, g in ((n, g) for n, g in named if not self.plugin._counted_elsewhere(n)):
             n = torch.linalg.vector_norm(g.float(), p)
             n = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
             acc = max(acc, n) if inf else acc + n ** p
@@ -169,7 +168,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         total = acc if inf else acc ** (1.0 / p)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads:
+            for _, g in named:
                 _local(g).mul_(coef)
         return torch.tensor(total, dtype=torch.float32)
 
