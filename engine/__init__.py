@@ -59,7 +59,7 @@ def _check_torch(version: str | None) -> None:
         f"colossal_lab.engine needs torch >= {floor}, but torch {version} is installed. "
         f"Fix: pip install --upgrade 'torch>={floor}' (on a machine without a GPU add "
         "--index-url https://download.pytorch.org/whl/cpu for the CPU build), "
-        "or run `bash scripts/setup.sh` in a fresh checkout.")
+        "or re-run `bash scripts/setup.sh`, which installs one into .venv.")
 
 
 _check_torch(_torch_version())
