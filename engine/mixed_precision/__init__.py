@@ -20,7 +20,9 @@ from .loss_scaler import DynamicLossScaler
 
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 
-_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+#: The one precision-name -> dtype table. fp8 has no entry: its matmuls run in float8 inside
+#: ``Fp8Linear`` and everything else in bf16 (see :func:`autocast_dtype`).
+TORCH_DTYPE_MAP = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def validate_precision(mixed_precision: str, supported: Optional[Sequence[str]] = None,
@@ -37,12 +39,25 @@ def validate_precision(mixed_precision: str, supported: Optional[Sequence[str]] 
 
 def autocast_dtype(mixed_precision: str) -> Optional[torch.dtype]:
     """The dtype the forward runs in (None = plain fp32). fp8 keeps bf16 for non-matmul ops."""
-    return _DTYPES[mixed_precision]
+    if mixed_precision == "fp32":
+        return None
+    return torch.bfloat16 if mixed_precision == "fp8" else TORCH_DTYPE_MAP[mixed_precision]
+
+
+def resolve_precision(mixed_precision: Optional[str], plugin_precision: str, who: str) -> str:
+    """The one rule for who chooses the precision: ``Booster(mixed_precision=...)`` decides when
+    it is set to anything but its default ``"fp32"``; otherwise the plugin's own ``precision``
+    argument does (Gemini's default is bf16, the hybrid plugin's fp32)."""
+    chosen = plugin_precision if mixed_precision in (None, "fp32") else mixed_precision
+    if chosen not in TORCH_DTYPE_MAP:
+        raise ValueError(f"{who} does not support mixed_precision={chosen!r}; use one of {list(TORCH_DTYPE_MAP)}")
+    return chosen
 
 
 def needs_loss_scaling(mixed_precision: str) -> bool:
     return mixed_precision == "fp16"
 
 
-__all__ = ["PRECISIONS", "validate_precision", "autocast_dtype", "needs_loss_scaling",
+__all__ = ["PRECISIONS", "TORCH_DTYPE_MAP", "validate_precision", "autocast_dtype", "resolve_precision",
+           "needs_loss_scaling",
            "DynamicLossScaler", "require_fp8", "fp8_unavailable_reason"]

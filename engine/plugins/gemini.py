@@ -54,9 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..mixed_precision import TORCH_DTYPE_MAP, resolve_precision
 from .base import Plugin, default_device
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -89,8 +88,8 @@ class GeminiPlugin(Plugin):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
                 raise ValueError(f"GeminiPlugin({name}={v!r}): must be a fraction in [0, 1]")
-        if self.precision not in _DTYPES:
-            raise ValueError(f"GeminiPlugin(precision={self.precision!r}): choose one of {list(_DTYPES)}")
+        if self.precision not in TORCH_DTYPE_MAP:
+            raise ValueError(f"GeminiPlugin(precision={self.precision!r}): choose one of {list(TORCH_DTYPE_MAP)}")
         if self.placement_policy != "static" and (self.offload_optim_frac or self.offload_param_frac):
             raise ValueError("GeminiPlugin: offload_optim_frac/offload_param_frac apply to "
                              "placement_policy='static' only; set placement_policy='static' or leave them at 0")
@@ -132,16 +131,6 @@ class GeminiPlugin(Plugin):
             raise ValueError(f"GeminiPlugin(nvme_offload_dir={d!r}): the directory is not writable ({exc.strerror}); "
                              "pass a directory you can write to on a fast local disk") from None
 
-    def validate(self, mixed_precision: str) -> None:
-        super().validate(mixed_precision)
-
-    def _effective_precision(self, mixed_precision: Optional[str]) -> str:
-        if mixed_precision in (None, "fp32"):
-            return self.precision
-        if mixed_precision not in _DTYPES:
-            raise ValueError(f"GeminiPlugin does not support mixed_precision={mixed_precision!r}; use one of {list(_DTYPES)}")
-        return mixed_precision
-
     # ---- the boost -----------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision="fp32"):
         from ..gemini.chunk import Chunk, TensorInfo, pack, search_chunk_size
@@ -155,8 +144,8 @@ class GeminiPlugin(Plugin):
         from ..gemini.zero_model import GeminiModel
         from ..gemini.zero_optim import SUPPORTED, GeminiOptimizer
 
-        precision = self._effective_precision(mixed_precision)
-        dtype = _DTYPES[precision]
+        precision = resolve_precision(mixed_precision, self.precision, "GeminiPlugin")
+        dtype = TORCH_DTYPE_MAP[precision]
         if optimizer is not None and not isinstance(optimizer, SUPPORTED):
             raise ValueError(f"GeminiPlugin: optimizer={type(optimizer).__name__} is not supported; pass "
                              "torch.optim.AdamW or torch.optim.Adam (Gemini runs fused AdamW on chunk shards)")
