@@ -8,7 +8,9 @@ per rank (ZeRO-3); the full payload exists only while it is gathered.
 Storage trick (from FSDP2's unsharded parameters): every parameter's ``.data`` is a view into
 ``chunk.full``. Releasing the chunk resizes ``full``'s storage to 0 bytes; gathering resizes it
 back and fills it. The parameters — and any copies autograd saved for backward — keep pointing
-at the same storage, so nothing is re-bound between forward and backward.
+at the same storage, so nothing is re-bound between forward and backward. Each parameter keeps
+a version counter of its own (``materialize.bind``), so refilling ``full`` with the values it
+had is not an in-place change in autograd's eyes.
 """
 
 from __future__ import annotations

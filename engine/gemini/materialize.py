@@ -72,9 +72,18 @@ class ParamSource:
 
 
 def bind(info: TensorInfo, view: torch.Tensor) -> None:
-    """Make ``info.param`` a view of its chunk (same Python object, new storage)."""
+    """Make ``info.param`` a view of its chunk (same Python object, new storage).
+
+    The parameter shares the chunk's storage but keeps a version counter of its own, whatever
+    way it was built: the chunk manager refills ``chunk.full`` in place (host→device copy, NVMe
+    staging copy, all-gather) with the values it had, and that refill must not count as an
+    in-place change of a parameter whose views autograd saved for backward. ``p.data = view``
+    keeps the parameter's counter; a meta parameter cannot take ``.data``, so it is swapped for
+    a Parameter over ``view.data``, which aliases the storage with a fresh counter (a Parameter
+    over ``view`` itself would share the chunk buffer's counter).
+    """
     p = info.param
     if p.is_meta:
-        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+        torch.utils.swap_tensors(p, nn.Parameter(view.data, requires_grad=p.requires_grad))
     else:
         p.data = view
