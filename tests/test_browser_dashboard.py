@@ -7,6 +7,14 @@ Every event drawn comes from a real engine component on a rank (Gemini's chunk m
 the pipeline runtime's timers, the boosted optimizer's StepMetrics) through the relay.
 """
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("psutil")
+pytest.importorskip("nbformat")
+pytest.importorskip("jupyterlab")
+pytest.importorskip("ipyparallel")
+
 import json
 import os
 import re

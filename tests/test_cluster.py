@@ -4,6 +4,12 @@ One cluster is shared by the module (starting one is the slow part); the tests r
 order and the last one stops it and checks that no child process is left.
 """
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("psutil")
+pytest.importorskip("ipyparallel")
+
 import os
 import signal
 import threading

@@ -1,5 +1,11 @@
 """Bad arguments to cl.launch fail with one clear sentence before any process starts."""
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("psutil")
+pytest.importorskip("ipyparallel")
+
 import psutil
 import pytest
 import torch

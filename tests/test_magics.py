@@ -6,6 +6,15 @@ interrupted through its KernelManager while every rank sleeps), a restart — an
 shut down *without* %colossal stop: the kernel's exit must leave no process behind.
 """
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("psutil")
+pytest.importorskip("nbformat")
+pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("ipyparallel")
+
 import json
 import os
 import signal

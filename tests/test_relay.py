@@ -1,6 +1,13 @@
 """The relay on a real 2-rank cluster: events emitted on both ranks reach this process's bus
 (and a Dashboard subscribed to it) while ``cluster.run`` is still running."""
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("zmq")
+pytest.importorskip("plotly")
+pytest.importorskip("ipyparallel")
+
 import threading
 import time
 

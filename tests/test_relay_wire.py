@@ -1,6 +1,12 @@
 """The relay's wire, without processes: compact rows, the rank-side coalescing, and that a
 coalesced stream folds to the same picture as the full one (what the widgets draw)."""
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("zmq")
+pytest.importorskip("plotly")
+
 import random
 
 import pytest

@@ -1,6 +1,13 @@
 """Widgets: event streams -> figure data, out-of-order and duplicate events, live redraw,
 replay from a JSONL trace, Chrome trace export, static/text fallback."""
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+pytest.importorskip("anywidget")
+
 import json
 import os
 import random

@@ -2,6 +2,11 @@
 at that step so far): moves still recorded, counted, ordered within a step; engine events
 (``moves`` 0) keep their old semantics."""
 
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("plotly")
+
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets.state import ChunkState, Move
 
