@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from .. import telemetry
 from .chunk import Chunk, TensorInfo, TensorState
-from .memstats import AccessTrace, NonModelMemory
+from .memstats import AccessTrace, NonModelMemory, storage_key
 from .nvme import NVMeStore
 from .placement import PlacementConfig, optim_block_bytes
 from .tiers import Tier, TierStack
@@ -205,7 +205,7 @@ class ChunkManager:
                 self.nvme.write(f"c{c.id}.state", state).result()
                 del state
             del flat, master
-        self.nonmodel.chunk_storages = {c.full.untyped_storage().data_ptr() for c in self.chunks}
+        self.nonmodel.chunk_storages = {storage_key(c.full) for c in self.chunks}
 
     def shares_master(self, c: Chunk) -> bool:
         """fp32 chunk whose parameter shard and optimizer state share a RAM home: the parameter

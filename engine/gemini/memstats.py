@@ -103,8 +103,19 @@ class AccessTrace:
         return out
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage that survives ``resize_``: a chunk buffer is released by
+    resizing its storage to 0 bytes and re-allocated on gather, so its ``data_ptr`` changes
+    with every gather while the storage object stays the same."""
+    return t.untyped_storage()._cdata
+
+
 class NonModelMemory:
-    """Bytes of activations saved for backward (non-chunk tensors), peak over the warm-up."""
+    """Bytes of activations saved for backward (non-chunk tensors), peak over the warm-up.
+
+    ``chunk_storages`` holds the chunk buffers' ``storage_key``s: parameters autograd saves are
+    views of those and are model memory, whether the chunk is resident or gathered on demand.
+    """
 
     def __init__(self, chunk_storages: Optional[Set[int]] = None):
         self.chunk_storages = chunk_storages or set()
@@ -117,7 +128,7 @@ class NonModelMemory:
             try:
                 st = t.untyped_storage()
                 ptr = st.data_ptr()
-                if ptr not in self.chunk_storages:
+                if st._cdata not in self.chunk_storages:
                     ent = self._live.get(ptr)
                     if ent is None:  # a storage saved by several nodes is counted once
                         self._live[ptr] = [st.nbytes(), 1]

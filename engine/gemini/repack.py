@@ -69,7 +69,7 @@ from .. import telemetry
 from .chunk import Chunk, TensorInfo, TensorState, pack, search_chunk_size
 from .chunk_manager import ChunkManager, _all_gather
 from .materialize import bind
-from .memstats import AccessTrace, NonModelMemory
+from .memstats import AccessTrace, NonModelMemory, storage_key
 from .nvme import _as_bytes
 from .placement import min_working_set_bytes, plan_homes
 
@@ -609,7 +609,7 @@ def _adopt(mgr: ChunkManager, new: List[Chunk], mover: _Mover) -> None:
     mgr._optim_state = mover.state
     mgr._lru.clear()
     mgr.trace = AccessTrace()          # learned again in this (warm-up) step, with the new ids
-    mgr.nonmodel = NonModelMemory({c.full.untyped_storage().data_ptr() for c in new})
+    mgr.nonmodel = NonModelMemory({storage_key(c.full) for c in new})
     opt = getattr(mgr, "gemini_optimizer", None)
     if opt is not None:
         opt.relink(dict(mover.steps))
