@@ -233,19 +233,23 @@ def test_two_ranks_lazy_model_regathered_for_backward_matches_pytorch():
 
 # ---- the issue's shape, small, on a GPU ----------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,limit", [("cpu", None), ("auto", 600 << 20)])
-def test_gpu_vocab_50304_head_reloaded_for_backward(policy, limit):
-    """bf16, d=256, L=2, vocab 50304, batch 4x256, lazily built (as large models are): host-homed
-    chunks are copied to the device on the side stream, the head's chunk leaves the device after
-    its forward and comes back for its backward. Trains like the same model built eagerly."""
-    cfg = GPTConfig(vocab_size=50304, block_size=256, n_layer=2, n_head=4, n_embd=256)
+@pytest.mark.parametrize("policy,limit,n_layer,batch_size", [("cpu", None, 2, 4), ("auto", 224 << 20, 8, 32)])
+def test_gpu_vocab_50304_head_reloaded_for_backward(policy, limit, n_layer, batch_size):
+    """bf16, d=256, vocab 50304, sequences of 256, lazily built (as large models are): host-homed
+    chunks are copied to the device on the side stream, and the head's chunk leaves the device
+    after its forward and comes back for its backward. ``cpu`` does that at any size; ``auto``
+    only when the activations still to come outweigh the room left, so it runs with the least
+    limit the chunks allow and enough layers and batch for that (at 2 layers x 4 sequences it
+    keeps the head cached). Trains like the same model built eagerly."""
+    cfg = GPTConfig(vocab_size=50304, block_size=256, n_layer=n_layer, n_head=4, n_embd=256)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 50304, (4, 256), generator=g), torch.randint(0, 50304, (4, 256), generator=g))
-               for _ in range(3)]
+    batches = [(torch.randint(0, 50304, (batch_size, 256), generator=g),
+                torch.randint(0, 50304, (batch_size, 256), generator=g)) for _ in range(3)]
     runs = {}
     for name, model in zip(("lazy", "eager"), _models(cfg)):
         plugin = GeminiPlugin(placement_policy=policy, precision="bf16", device_memory_limit=limit)
         runs[name] = _train(model, [(x.cuda(), y.cuda()) for x, y in batches], plugin, "bf16")
         assert runs[name]["head_reloaded"], name
         plugin.close()
+        torch.cuda.empty_cache()
     assert runs["lazy"]["losses"] == pytest.approx(runs["eager"]["losses"], rel=1e-3)
