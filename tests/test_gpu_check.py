@@ -19,8 +19,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash")
+#: Not on a bare GPU image: the Jupyter-side packages and what comes only with them.
 ABSENT = ("ipyparallel", "ipywidgets", "jupyterlab", "plotly", "anywidget", "nbclient", "papermill",
-          "playwright", "nbformat", "ipykernel", "jupyter_client", "IPython", "zmq", "psutil")
+          "playwright", "nbformat", "ipykernel", "jupyter_client", "jupyter_core", "jupyter_server",
+          "IPython", "zmq", "traitlets", "tornado", "cloudpickle", "psutil")
 BLOCKER = """import sys
 _ABSENT = set(%r)
 class _Absent:
