@@ -1,105 +1,53 @@
 """Megatron-style tensor parallelism through DTensor's ``parallelize_module``.
 
-Built on ``torch.distributed.tensor.parallel``: column/row sharding, and the collectives
-between them, are DTensor's. We add only the glue a pipeline needs:
-
-* a plan is applied to a *stage* (a GPT cut by ``pipeline_stage``) that keeps only some
-  blocks, so plan entries for modules the stage does not hold are dropped (exact names) instead
-  of raising warnings per missing block;
-* the reference GPT brings its own plan (``GPT.tp_plan()``); any other model passes one
-  (``{"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}``, fnmatch patterns allowed);
-* ``sequence_parallel=True`` (GPT only) keeps the residual stream sharded along the sequence
-  between blocks: norms run as ``SequenceParallel``, the attention/MLP inputs are all-gathered
-  and their row-parallel outputs reduce-scattered back to sequence shards, as in Megatron-SP.
-  Pipeline boundaries carry the full sequence (GPT.forward sizes its rotary tables from its
-  input), so the saving is in norm/dropout activations inside a stage.
+Column/row sharding and the collectives between them are DTensor's. The plan is the model's
+own (``tp_plan(sequence_parallel=...)``, the model contract) or the user's (``{"fc1":
+ColwiseParallel(), "fc2": RowwiseParallel()}``, fnmatch patterns allowed). We add only glue: a
+plan is applied to a pipeline *stage* holding some layers, so entries for modules it lacks are
+dropped (exact names) instead of warned about; :func:`seq_boundary` is the style a
+sequence-parallel plan puts where activations move between the whole sequence and its shards.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Optional
 
 import torch.nn as nn
 
 
-def _gpt_sp_plan(module: nn.Module) -> Dict[str, object]:
+def seq_boundary(n_inputs: int = 1, into: Optional[str] = None, out: Optional[str] = None):
+    """A style moving a module's first positional input (of ``n_inputs``; ``into``) or its output
+    (``out``) between the whole sequence and shards of it (dim 1): ``"shard"`` or ``"gather"``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 
-    keys = list(module.blocks.keys())
-    plan: Dict[str, object] = {}
-    # positional inputs as GPT calls them: Block(h, cos, sin[, cache, key]), Attention(x, cos, sin, cache, key)
-    nb = 3 if module.cfg.activation_checkpointing else 5
-    blk_in, blk_rest = (Replicate(),) + (None,) * (nb - 1), (None,) * (nb - 1)
-    rest4 = (None,) * 4
-    if getattr(module, "tok_emb", None) is not None:
-        # replicated embedding; its output is cut into sequence shards for the blocks
-        plan["tok_emb"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                              use_local_output=True)
-    elif keys:
-        # a later pipeline stage receives the full sequence (so GPT.forward sees the true length
-        # for its rotary tables) and cuts it into shards before its first block
-        plan[f"blocks.{keys[0]}"] = PrepareModuleInput(input_layouts=blk_in,
-                                                       desired_input_layouts=(Shard(1),) + blk_rest,
-                                                       use_local_output=True)
-    for key in keys:
-        p = f"blocks.{key}"
-        plan[f"{p}.attn_norm"] = SequenceParallel()
-        plan[f"{p}.mlp_norm"] = SequenceParallel()
-        plan[f"{p}.attn"] = PrepareModuleInput(input_layouts=(Shard(1),) + rest4,
-                                               desired_input_layouts=(Replicate(),) + rest4,
-                                               use_local_output=True)
-        plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                              use_local_output=True)
-        for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
-            plan[f"{p}.{n}"] = ColwiseParallel()
-        for n in ("attn.wo", "mlp.w2"):
-            plan[f"{p}.{n}"] = RowwiseParallel(output_layouts=Shard(1))
-    if getattr(module, "norm", None) is not None:
-        plan["norm"] = SequenceParallel()
-        # the head stays replicated (it may be tied to the embedding): gather the sequence first
-        plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
-    elif keys:
-        # hand the next pipeline stage the full sequence
-        last = f"blocks.{keys[-1]}"
-        if last in plan:  # a one-block middle stage: shard on the way in, gather on the way out
-            plan[last] = PrepareModuleInputOutput(
-                input_layouts=blk_in, desired_input_layouts=(Shard(1),) + blk_rest,
-                use_local_input=True, output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                use_local_output=True)
-        else:
-            plan[last] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
-                                             use_local_output=True)
-    return plan
+    moves, rest, kw = {"shard": (Replicate(), Shard(1)), "gather": (Shard(1), Replicate())}, (None,) * (n_inputs - 1), {}
+    if into:
+        kw.update(input_layouts=(moves[into][0],) + rest, desired_input_layouts=(moves[into][1],) + rest)
+    if out:
+        kw.update(output_layouts=moves[out][0], desired_output_layouts=moves[out][1], use_local_output=True)
+    if into and out:
+        return PrepareModuleInputOutput(use_local_input=True, **kw)
+    return PrepareModuleInput(use_local_output=True, **kw) if into else PrepareModuleOutput(**kw)
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = None,
                           sequence_parallel: bool = False) -> nn.Module:
-    """Shard ``module`` in place over ``tp_mesh`` (a 1-D DeviceMesh) and return it."""
+    """Shard ``module`` in place over ``tp_mesh`` (a 1-D DeviceMesh) and return it.
+
+    ``plan`` (the user's) wins over the module's ``tp_plan()`` and then carries any sequence
+    parallelism itself."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() == 1:
         return module
-    if sequence_parallel:
-        if not hasattr(module, "blocks"):
-            raise ValueError("HybridParallelPlugin(sequence_parallel=True): sequence parallelism is "
-                             "implemented for the reference GPT only; set sequence_parallel=False")
-        plan = _gpt_sp_plan(module)
-    elif plan is None:
-        if not hasattr(module, "tp_plan"):
+    if plan is None:
+        own = getattr(module, "tp_plan", None)
+        if not callable(own):
             raise ValueError(
-                f"HybridParallelPlugin(tp_size={tp_mesh.size()}): {type(module).__name__} has no tp_plan(); "
-                "pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}"
-            )
-        plan = module.tp_plan()
+                f"HybridParallelPlugin(tp_size={tp_mesh.size()}): {type(module).__name__} has no tp_plan() "
+                "(the model contract); pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
+        plan = own(sequence_parallel=True) if sequence_parallel else own()
     names = {n for n, _ in module.named_modules()}
     kept = {k: v for k, v in plan.items() if any(c in k for c in "*?[") or k in names}
     parallelize_module(module, tp_mesh, kept)

@@ -1,5 +1,6 @@
-"""Reference models shared by tests, benchmarks and tutorials."""
+"""Reference models shared by tests, benchmarks and tutorials, and the contract any model may implement."""
 
 from .gpt import GPT, PRESETS, GPTConfig, KVCache
+from .protocol import ModelConfig, ModelContract
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "ModelConfig", "ModelContract", "PRESETS"]

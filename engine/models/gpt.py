@@ -1,15 +1,10 @@
 """The reference model: a compact decoder-only transformer, nanoGPT-short.
 
 RMSNorm, rotary positions, SwiGLU MLP, no biases; ``tie_embeddings=False`` by default. Tests,
-benchmarks and tutorials share it, so it also carries what the parallel plugins need:
-
-* ``GPT.tp_plan()`` — Megatron-style column/row sharding for DTensor's ``parallelize_module``
-  (heads are inferred from the local width, so a sharded block runs unchanged);
-* ``GPT.split_points(n)`` / ``GPT.pipeline_stage(i, n)`` — stage boundaries and a stage module
-  that keeps only its own parts. Blocks live in an ``nn.ModuleDict`` keyed by layer index, so a
-  stage's parameter names equal the full model's (checkpoints line up across layouts), as in
-  torchtitan. With tied embeddings the first and last stage each hold a copy of the tied
-  weight; the pipeline runtime must sum their gradients to keep them in sync.
+benchmarks and tutorials share it. It implements the whole model contract (:mod:`.protocol`);
+heads are inferred from the local width, so a tensor-parallel block runs unchanged, and blocks
+live in an ``nn.ModuleDict`` keyed by layer index, so a pipeline stage's parameter names equal
+the full model's (checkpoints line up across layouts), as in torchtitan.
 
 Attention and RMSNorm go through ``colossal_lab.kernels`` when it provides them (Triton on
 CUDA, the best torch path elsewhere).
@@ -19,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional
 
 import torch
@@ -64,6 +59,10 @@ class GPTConfig:
         if name not in PRESETS:
             raise ValueError(f"GPTConfig.preset({name!r}): unknown preset; choose one of {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides)
+
+    def build(self) -> "GPT":
+        """The model this config describes (the contract's config side: ``load_quantized(cfg, ...)``)."""
+        return GPT(self)
 
 
 PRESETS: Dict[str, GPTConfig] = {
@@ -243,24 +242,66 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    # ---- what the parallel plugins need -------------------------------------------------
+    # ---- the model contract (protocol.py): what the engine asks of a model -------------------
 
-    def tp_plan(self) -> dict:
-        """Megatron column/row plan for ``torch.distributed.tensor.parallel.parallelize_module``.
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The constructor's recipe for one module, for lazy init (the engine calls it)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            scaled = name.endswith(("attn.wo", "mlp.w2"))  # GPT-2's scaled residual projections
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer) if scaled else 0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif module is self:
+            cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
 
-        Embedding and head stay replicated (small models; the vocab is the data-parallel
-        hot spot only at scale).
-        """
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    def tp_plan(self, sequence_parallel: bool = False) -> dict:
+        """Megatron column/row plan for ``parallelize_module``, of this model or a stage of it;
+        embedding and head stay whole (small models). With ``sequence_parallel`` (Megatron-SP)
+        norms run on sequence shards, attention/MLP gather their input and reduce-scatter their
+        output; a stage takes and hands on the whole sequence (its rotary tables are sized from it)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
+        from ..tensor_parallel import seq_boundary
+
+        sp = sequence_parallel
+        keys = list(self.blocks.keys())
+        nb = 3 if self.cfg.activation_checkpointing else 5  # Block's positional inputs as forward passes them
         plan = {}
-        for key in self.blocks.keys():
+        if sp and self.tok_emb is not None:
+            plan["tok_emb"] = seq_boundary(out="shard")
+        elif sp and keys:  # a later stage cuts the whole sequence before its first block
+            plan[f"blocks.{keys[0]}"] = seq_boundary(nb, into="shard")
+        for key in keys:
             p = f"blocks.{key}"
+            if sp:
+                plan[f"{p}.attn_norm"], plan[f"{p}.mlp_norm"] = SequenceParallel(), SequenceParallel()
+                plan[f"{p}.attn"] = seq_boundary(5, into="gather")  # Attention(x, cos, sin, cache, key)
+                plan[f"{p}.mlp"] = seq_boundary(into="gather")
             for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
                 plan[f"{p}.{n}"] = ColwiseParallel()
             for n in ("attn.wo", "mlp.w2"):
-                plan[f"{p}.{n}"] = RowwiseParallel()
+                plan[f"{p}.{n}"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+        if sp and self.norm is not None:
+            plan["norm"] = SequenceParallel()
+            plan["lm_head"] = seq_boundary(into="gather")  # the head may be tied: it stays whole
+        elif sp and keys:  # hand the next stage the whole sequence (a one-block stage also cuts it)
+            last = f"blocks.{keys[-1]}"
+            plan[last] = seq_boundary(nb, into="shard" if last in plan else None, out="gather")
         return plan
+
+    def check_tp(self, tp_size: int) -> None:
+        if self.cfg.n_head % tp_size:
+            raise ValueError(f"GPT: n_head={self.cfg.n_head} is not divisible by the {tp_size} ranks of the "
+                             f"tensor-parallel group; use a size that divides {self.cfg.n_head}")
+
+    def num_layers(self) -> int:
+        return self.cfg.n_layer
+
+    def enable_activation_checkpointing(self) -> None:
+        self.cfg.activation_checkpointing = True
 
     def split_points(self, num_stages: int) -> List[int]:
         """Layer indices where stages 1..n-1 begin (even split; blocks must divide evenly)."""

@@ -1,0 +1,47 @@
+"""The model contract: all the engine may ask of a model, as optional methods.
+
+The engine knows no model: it looks these methods up by name on the user's module (so a model
+implements them without importing this file), and without one a model gets torch's default or
+an error naming the method. The reference GPT implements them all, as torchtitan's models
+bring their own parallel plans. Tied weights need no method: the engine finds a parameter
+registered under two names itself. A pipeline stage keeps the full model's parameter names, so
+checkpoints, optimizers and tied copies line up across layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Protocol, runtime_checkable
+
+import torch.nn as nn
+
+
+@runtime_checkable
+class ModelContract(Protocol):
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Fill ``module`` (``name`` in the model, ``""`` the model itself) after lazy init: its own
+        tensors have storage, no values; called in ``named_modules()`` order. Default:
+        ``module.reset_parameters()``."""
+
+    def tp_plan(self, sequence_parallel: bool = False) -> Dict[str, object]:
+        """A ``parallelize_module`` plan (module name -> ``ParallelStyle``) for this module or a
+        pipeline stage of it; with ``sequence_parallel`` the stream between layers is cut along
+        dim 1 and enters and leaves whole. Default: ``HybridParallelPlugin(tp_plan=...)`` or an error."""
+
+    def check_tp(self, tp_size: int) -> None:
+        """Raise ``ValueError`` if the model cannot be split over ``tp_size`` ranks (e.g. heads)."""
+
+    def num_layers(self) -> int:
+        """How many units a pipeline divides among its stages. Default: an ``nn.Sequential``'s length."""
+
+    def pipeline_stage(self, stage: int, num_stages: int) -> nn.Module:
+        """A copy holding stage ``stage``'s part: it takes the previous stage's output (the first,
+        the batch input) and returns a tensor or a tuple led by one. Default: a Sequential's slice."""
+
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each layer in backward. Default: ``checkpoint_wrapper`` on a Sequential's children."""
+
+
+@runtime_checkable
+class ModelConfig(Protocol):
+    def build(self) -> nn.Module:
+        """The model this config describes (``load_quantized(config, ...)`` builds it lazily)."""
