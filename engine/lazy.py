@@ -12,18 +12,15 @@ Why not ``nn.Module.to_empty``: it materialises everything at once and breaks ti
 when applied module by module; here a memo keeps one storage per meta tensor, so a tied
 ``lm_head.weight is tok_emb.weight`` stays tied.
 
-Re-running init: meta construction runs the constructor but the values are lost, so we
-re-initialise with, in order: the module's ``reset_parameters()``; ones/zeros for norm
-weights/biases (modules whose class name ends in ``Norm``); then the root model's
-``_init_weights(module)`` hook (the convention of our GPT and of Hugging Face models). The
-reference GPT's scaled residual init and its rotary tables are restored by a GPT rule below.
-Pass ``init_fn(name, module)`` to take over for other models.
+Re-running init: meta construction runs the constructor but the values are lost, so each
+module is re-initialised by the model's own ``init_module(name, module)`` (the model contract,
+:mod:`colossal_lab.engine.models.protocol`), or else by torch's default, the module's
+``reset_parameters()``. Pass ``init_fn(name, module)`` to take over.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, Dict, Iterator, Optional, Union
 
 import torch
@@ -49,50 +46,18 @@ def meta_names(module: nn.Module) -> list:
     return [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
 
 
-def _gpt_rules(root: nn.Module, name: str, module: nn.Module) -> None:
-    """The reference GPT's init beyond ``_init_weights``: scaled residual projections, rotary tables."""
-    try:
-        from .models.gpt import GPT, rope_tables
-    except Exception:  # pragma: no cover
-        return
-    if not isinstance(root, GPT):
-        return
-    if name == "":
-        cfg = root.cfg
-        cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
-        if "rope_cos" in module._buffers and module._buffers["rope_cos"] is not None:
-            module.rope_cos.copy_(cos)
-            module.rope_sin.copy_(sin)
-    if name.endswith("attn.wo") or name.endswith("mlp.w2"):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * root.cfg.n_layer))
-
-
 def default_init(root: nn.Module) -> InitFn:
-    """The init rule described in the module docstring, for modules of ``root``."""
+    """``root.init_module`` where the model has one, else each module's ``reset_parameters()``."""
+    own = getattr(root, "init_module", None)
+    if callable(own):
+        return own
 
     def init(name: str, module: nn.Module) -> None:
-        own = list(module._parameters.items()) + list(module._buffers.items())
-        if not any(t is not None for _, t in own):
-            return
-        done = False
-        if hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-            done = True
-        elif type(module).__name__.endswith("Norm"):
-            for pname, p in module._parameters.items():
-                if p is not None:
-                    nn.init.ones_(p) if pname == "weight" else nn.init.zeros_(p)
-            done = True
-        hook = getattr(root, "_init_weights", None)
-        if callable(hook):
-            hook(module)
-            done = done or any(isinstance(module, c) for c in (nn.Linear, nn.Embedding))
-        _gpt_rules(root, name, module)
-        if name == "" and hasattr(root, "cfg"):
-            done = True  # root's own buffers handled by the model rule
-        if not done and module._parameters:
-            raise ValueError(f"materialize: no init rule for module {name or '<root>'!r} "
-                             f"({type(module).__name__}); pass init_fn=... or a state_dict_loader")
+        if not hasattr(module, "reset_parameters"):
+            raise ValueError(f"materialize: no init rule for module {name or '<root>'!r} ({type(module).__name__} has "
+                             f"no reset_parameters(), {type(root).__name__} no init_module(name, module)); "
+                             "pass init_fn=... or a state_dict_loader")
+        module.reset_parameters()
 
     return init
 

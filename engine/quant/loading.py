@@ -13,10 +13,9 @@ Checkpoints: Hugging Face layout (``model.safetensors`` or ``model-0000i-of-0000
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -25,24 +24,6 @@ from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_na
 from .int8 import Int8Embedding, Int8Linear, _set_submodule, cast_unquantized, check_dtype, check_mode, quantize_weight
 
 PathLike = Union[str, os.PathLike]
-
-
-def _checkpoint_files(path: Path) -> list:
-    try:
-        from ..checkpoint_io.safetensors_shards import checkpoint_files
-    except Exception:  # engine-core writer not present: same rules, inline
-        checkpoint_files = None
-    if checkpoint_files is not None:
-        return [Path(p) for p in checkpoint_files(path)]
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    found = sorted(path.glob("*.safetensors"))
-    if not found:
-        raise FileNotFoundError(f"{path} holds no *.safetensors files")
-    return found
 
 
 class ShardReader:
@@ -58,9 +39,11 @@ class ShardReader:
             raise FileNotFoundError(f"load_quantized: no checkpoint at {path}")
         from safetensors import safe_open
 
+        from ..checkpoint_io.safetensors_shards import checkpoint_files
+
         self._open = safe_open
         self.where: Dict[str, Path] = {}
-        for f in _checkpoint_files(path):
+        for f in checkpoint_files(path):
             with safe_open(str(f), framework="pt") as h:
                 for k in h.keys():
                     self.where.setdefault(k, f)
@@ -84,18 +67,15 @@ def _build_meta(model) -> nn.Module:
             raise ValueError("load_quantized: the model already has real weights; pass a config, a "
                              "class/factory, or a model built under colossal_lab.engine.lazy.lazy_init()")
         return model
-    from ..models.gpt import GPT, GPTConfig
-
+    build = getattr(model, "build", None)  # a config that knows its model (the contract's ModelConfig)
+    if not callable(build) and not callable(model):
+        raise TypeError(f"load_quantized: model must be a config with build(), a factory returning an "
+                        f"nn.Module, or a meta-device module; got {type(model).__name__}")
     with lazy_init():
-        if isinstance(model, GPTConfig):
-            return GPT(model)
-        if callable(model):
-            built = model()
-            if not isinstance(built, nn.Module):
-                raise TypeError(f"load_quantized: factory returned {type(built).__name__}, not an nn.Module")
-            return built
-    raise TypeError(f"load_quantized: model must be a GPTConfig, a factory returning an nn.Module, "
-                    f"or a meta-device module; got {type(model).__name__}")
+        built = build() if callable(build) else model()
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"load_quantized: {type(model).__name__} built a {type(built).__name__}, not an nn.Module")
+    return built
 
 
 @torch.no_grad()
@@ -104,7 +84,8 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
                    tp_group=None) -> nn.Module:
     """Build ``model`` lazily and fill it from ``checkpoint_path``, quantising as tensors arrive.
 
-    ``model``: a ``GPTConfig``, a zero-argument factory, or a module built under ``lazy_init()``.
+    ``model``: a config with ``build()`` (e.g. ``GPTConfig``), a zero-argument factory, or a module
+    built under ``lazy_init()``.
     ``dtype``: compute dtype of activations and unquantised tensors (as in ``quantize``; default: as stored).
     ``tp_group``: a ``torch.distributed`` group (or ``True`` for the default group) — shard
     each quantised linear named in ``model.tp_plan()`` as it loads (see :mod:`.tp`).

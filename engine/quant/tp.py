@@ -1,12 +1,13 @@
 """Tensor-parallel int8 serving: each rank keeps a column or row slice of every quantised linear.
 
-The model's own ``tp_plan()`` (Megatron style, the one the training TP plugin feeds to DTensor)
-says which linears are column-parallel (wq/wk/wv, w1/w3: split output channels, and their
-per-channel scales with them) and which row-parallel (wo, w2: split input channels, scales
-stay whole, one all-reduce sums the partial outputs). Attention infers its local head count
-from the local width, so a sharded block runs unchanged and ``GPT.generate`` with its KV
-cache works as is: logits are replicated after the last all-reduce, so every rank samples
-the same token (seed all ranks alike when sampling).
+The model's own ``tp_plan()`` (the model contract; the plan the training TP plugin feeds to
+DTensor) says which linears are column-parallel (split output channels, and their
+per-channel scales with them) and which row-parallel (split input channels, scales stay
+whole, one all-reduce sums the partial outputs); its ``check_tp(size)``, if any, rejects group
+sizes the model cannot be split over. The reference GPT infers its local head count from the
+local width, so a sharded block runs unchanged and ``GPT.generate`` with its KV cache works as
+is: logits are replicated after the last all-reduce, so every rank samples the same token
+(seed all ranks alike when sampling).
 
 Plain ``torch.distributed`` collectives rather than DTensor: DTensor has no sharding rule
 for ``aten._weight_int8pack_mm`` or our Triton int8 kernel.
@@ -61,10 +62,8 @@ def _group_info(model: nn.Module, group):
                            "call it on every rank of a launched cluster")
     group = None if group is True else group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    n_head = getattr(getattr(model, "cfg", None), "n_head", None)
-    if n_head is not None and n_head % world:
-        raise ValueError(f"tensor-parallel int8: n_head={n_head} is not divisible by the {world} ranks; "
-                         f"use a group size that divides {n_head}")
+    if callable(getattr(model, "check_tp", None)):  # the model contract: e.g. heads must divide
+        model.check_tp(world)
     return rank, world, group
 
 
