@@ -2,15 +2,14 @@
 
 Two kinds of model are understood:
 
-* the reference :class:`~colossal_lab.engine.models.GPT`: ``GPT.pipeline_stage(i, n)`` keeps
-  stage ``i``'s blocks (embedding on the first stage, norm and head on the last) under the
-  full model's parameter names, so checkpoints line up across layouts;
+* one with the model contract's ``num_layers()`` and ``pipeline_stage(i, n)``
+  (:mod:`colossal_lab.engine.models.protocol`): stage ``i``'s part, under the full model's names;
 * an ``nn.Sequential`` (the user's own split): its children are divided evenly among stages
   (``seq[lo:hi]`` keeps the original child names).
 
-torch's stages want a module that returns tensors, while ``GPT.forward`` returns
-``(logits_or_hidden, loss)``; :class:`StageModule` drops the loss and, when asked, runs the
-stage under autocast (mixed precision) — the rest of the forward is the user's module.
+torch's stages want a module that returns tensors, while a model may return a tuple (GPT:
+``(logits_or_hidden, loss)``); :class:`StageModule` keeps the first item and, when asked, runs
+the stage under autocast (mixed precision) — the rest of the forward is the user's module.
 """
 
 from __future__ import annotations
@@ -41,25 +40,25 @@ class StageModule(nn.Module):
                 out = self.inner(x)
         else:
             out = self.inner(x)
-        if isinstance(out, tuple):  # GPT: (logits_or_hidden, loss)
+        if isinstance(out, tuple):  # e.g. GPT's (logits_or_hidden, loss)
             out = out[0]
         return out
 
 
-def _is_gpt(model: nn.Module) -> bool:
-    return hasattr(model, "pipeline_stage") and hasattr(model, "split_points")
+def _no_split(model: nn.Module, method: str) -> TypeError:
+    return TypeError(
+        f"pipeline parallelism: {type(model).__name__} has no {method} (the model contract, "
+        "colossal_lab.engine.models.protocol) and is not an nn.Sequential; implement num_layers() and "
+        "pipeline_stage(stage, num_stages), or wrap your layers in nn.Sequential (one child per splittable unit)")
 
 
 def num_layers(model: nn.Module) -> int:
-    """How many units the model splits into (GPT blocks, or Sequential children)."""
-    if _is_gpt(model):
-        return model.cfg.n_layer
+    """How many units the model splits into (its ``num_layers()``, or Sequential children)."""
+    if callable(getattr(model, "num_layers", None)):
+        return model.num_layers()
     if isinstance(model, nn.Sequential):
         return len(model)
-    raise TypeError(
-        f"pipeline parallelism needs the reference GPT or an nn.Sequential, got {type(model).__name__}; "
-        "wrap your layers in nn.Sequential (one child per splittable unit)"
-    )
+    raise _no_split(model, "num_layers()")
 
 
 def check_divisible(model: nn.Module, num_stages: int) -> None:
@@ -75,9 +74,11 @@ def check_divisible(model: nn.Module, num_stages: int) -> None:
 
 def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """A copy of ``model`` holding only stage ``stage``'s part."""
-    if _is_gpt(model):
-        return model.pipeline_stage(stage, num_stages)
     check_divisible(model, num_stages)
+    if callable(getattr(model, "pipeline_stage", None)):
+        return model.pipeline_stage(stage, num_stages)
+    if not isinstance(model, nn.Sequential):
+        raise _no_split(model, "pipeline_stage(stage, num_stages)")
     per = len(model) // num_stages
     return copy.deepcopy(model[stage * per:(stage + 1) * per])
 

@@ -7,12 +7,15 @@ stages and schedules (:mod:`colossal_lab.engine.pipeline`); tensor parallelism i
 ``ZeroRedundancyOptimizer``. Written by hand, because torch has no piece for them:
 
 * gradient sync at ``optimizer.step()``: an all-reduce (mean) over the data-parallel group,
-  bucketed per dtype, and for tied embeddings a sum of the first and last stage's copies of the
-  tied weight (each holds one after the split), so both copies take identical steps;
+  bucketed per dtype, and for a weight tied across stages (a parameter the model registers
+  under two names, e.g. embedding and head) a sum of the copies the split made, so every copy
+  takes identical steps;
 * mixed precision for a pipeline: autocast inside each stage (fp32 master weights), and for
   fp16 a dynamic loss scale whose overflow check is agreed by *all* ranks (a stage that skips
   a step alone would desynchronise the pipeline);
 * measured timelines (:mod:`colossal_lab.engine.pipeline.timing`) and bubble fractions.
+
+What it needs to know of a model it asks through the model contract (:mod:`..models.protocol`).
 
 Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
 Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
@@ -185,7 +188,7 @@ class HybridParallelPlugin(Plugin):
     """Tensor × pipeline × data parallelism: ``world = dp_size * pp_size * tp_size``.
 
     Args:
-        tp_size: tensor-parallel degree (Megatron column/row sharding of the GPT's linears).
+        tp_size: tensor-parallel degree (Megatron column/row sharding, by the model's ``tp_plan()``).
         pp_size: pipeline stages (ranks in one pipeline).
         zero_stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp).
         num_microbatches / microbatch_size: how a batch is cut for the pipeline (one is needed
@@ -195,8 +198,9 @@ class HybridParallelPlugin(Plugin):
         num_model_chunks: stages per rank (virtual stages) for interleaved / zero-bubble.
         sequence_parallel: shard norms/dropout activations along the sequence (needs tp_size > 1).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights).
-        activation_checkpointing: recompute each block in backward.
-        tp_plan: a ``parallelize_module`` plan for models without ``tp_plan()``.
+        activation_checkpointing: recompute each layer in backward (the model's
+            ``enable_activation_checkpointing()``, or each child of an ``nn.Sequential``).
+        tp_plan: a ``parallelize_module`` plan used instead of the model's ``tp_plan()``.
         input_key: which entry of a batch dict feeds the first stage (``"idx"``).
     """
 
@@ -247,8 +251,8 @@ class HybridParallelPlugin(Plugin):
         self.mesh = None
         self._dp_group = None
         self._scaler: Optional[DynamicLossScaler] = None
-        self._tie_group = None
-        self._tie_local = False
+        self._ties: List[tuple] = []  # (this rank's copies of a tied weight, group of the ranks holding copies)
+        self._tie_skip: set = set()  # names of copies whose gradient a norm counts on another copy
         self._model: Optional[HybridParallelModule] = None
 
     # ---- groups -------------------------------------------------------------------------
@@ -289,14 +293,16 @@ class HybridParallelPlugin(Plugin):
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
             check_divisible(model, spec.num_stages)
-        gpt_ac = self.activation_checkpointing and hasattr(getattr(model, "cfg", None), "activation_checkpointing")
-        if self.activation_checkpointing and not gpt_ac and not isinstance(model, nn.Sequential):
-            raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): supported for the reference "
-                             f"GPT and nn.Sequential models, not {type(model).__name__}; wrap your layers in "
-                             "nn.Sequential or set activation_checkpointing=False")
-        if self.tp_size > 1 and self.tp_plan is None and not self.sequence_parallel and not hasattr(model, "tp_plan"):
-            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}): {type(model).__name__} has no tp_plan(); "
-                             "pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
+        own_ac = self.activation_checkpointing and callable(getattr(model, "enable_activation_checkpointing", None))
+        if self.activation_checkpointing and not own_ac and not isinstance(model, nn.Sequential):
+            raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): {type(model).__name__} has no "
+                             "enable_activation_checkpointing() (the model contract) and is not an nn.Sequential; "
+                             "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
+        if self.tp_size > 1 and self.tp_plan is None and not callable(getattr(model, "tp_plan", None)):
+            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}): {type(model).__name__} has no tp_plan() "
+                             "(the model contract); pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
+        if self.tp_size > 1 and callable(getattr(model, "check_tp", None)):
+            model.check_tp(self.tp_size)
         if not dist.is_initialized():
             raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
                                "with cl.launch(n=...) or torchrun")
@@ -304,13 +310,12 @@ class HybridParallelPlugin(Plugin):
         if world % (self.tp_size * self.pp_size):
             raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}): "
                              f"tp_size * pp_size does not divide the world size {world}")
-        tied = bool(getattr(getattr(model, "cfg", None), "tie_embeddings", False))
         # parameter names by identity, taken now: tensor parallelism replaces the parameters
         names_of: Dict[int, List[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(n)  # a tied weight has two names
-        if gpt_ac:
-            model.cfg.activation_checkpointing = True
+        if own_ac:
+            model.enable_activation_checkpointing()
 
         # ---- groups ----
         dp = world // (self.tp_size * self.pp_size)
@@ -328,7 +333,7 @@ class HybridParallelPlugin(Plugin):
 
         def prepare(part: nn.Module) -> nn.Module:
             part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
-            if self.activation_checkpointing and not gpt_ac:
+            if self.activation_checkpointing and not own_ac:
                 # each child of the (stage's) Sequential recomputes in backward; wrapped after
                 # tensor parallelism so a tp_plan sees the user's own module names
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -346,8 +351,9 @@ class HybridParallelPlugin(Plugin):
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
         self._model = hp_model
+        tied = [names for names in names_of.values() if len(names) > 1]
         if tied and self.pp_size > 1:
-            self._setup_tied(spec)
+            self._setup_tied(hp_model, tied)
 
         # ---- optimizer over this rank's parameters, same groups and hyper-parameters ----
         hp_optim = None
@@ -393,32 +399,39 @@ class HybridParallelPlugin(Plugin):
         return cls(groups, **defaults)
 
     # ---- gradient sync ------------------------------------------------------------------
-    def _setup_tied(self, spec: ScheduleSpec) -> None:
-        """Groups pairing the ranks that hold the first and the last stage (same dp, tp)."""
-        first, last = spec.stage_rank(0), spec.stage_rank(spec.num_stages - 1)
-        if first == last:
-            self._tie_local = True
-            return
-        ranks = self.mesh.mesh  # (dp, pp, tp) tensor of global ranks
-        me = dist.get_rank()
-        for d in range(ranks.shape[0]):
-            for t in range(ranks.shape[2]):
-                pair = [int(ranks[d, first, t]), int(ranks[d, last, t])]
-                g = dist.new_group(sorted(pair))  # every rank creates every group, same order
-                if me in pair:
-                    self._tie_group = g
+    def _setup_tied(self, model: HybridParallelModule, tied: List[List[str]]) -> None:
+        """Find the copies the split made of each tied weight: copies on this rank are summed
+        locally, copies on other ranks (same dp and tp coordinate) over a group of the ranks
+        holding them; a norm counts one copy (the first of the lowest pipeline rank)."""
+        self._ties, self._tie_skip = [], set()
+        which = {n: i for i, names in enumerate(tied) for n in names}
+        local: Dict[int, List[tuple]] = {}  # tied weight -> this rank's distinct copies (name, param)
+        for n, p in model.named_model_parameters():
+            if n in which and all(q is not p for _, q in local.get(which[n], [])):
+                local.setdefault(which[n], []).append((n, p))
+        held: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, sorted(local))
+        ranks, me = self.mesh.mesh, dist.get_rank()  # (dp, pp, tp) tensor of global ranks
+        pipelines = ranks.transpose(1, 2).reshape(-1, ranks.shape[1]).tolist()  # one per (dp, tp)
+        for i in range(len(tied)):
+            for pipeline in pipelines:
+                holders = [r for r in pipeline if i in held[r]]
+                group = dist.new_group(holders) if len(holders) > 1 else None  # every rank, same order
+                if me in holders:
+                    self._ties.append(([p for _, p in local[i]], group))
+                    self._tie_skip.update(n for n, _ in local[i][int(me == holders[0]):])
 
     def _sync_grads(self, model: HybridParallelModule) -> None:
         named = list(model.named_model_parameters())
-        if self._tie_local or self._tie_group is not None:
-            tied = [p for n, p in named if n in ("tok_emb.weight", "lm_head.weight") and p.grad is not None]
-            if self._tie_local and len(tied) == 2:
-                total = tied[0].grad + tied[1].grad
-                for p in tied:
-                    p.grad.copy_(total)
-            elif self._tie_group is not None and tied:
-                for p in tied:
-                    comm.all_reduce(_local(p.grad), group=self._tie_group)
+        for params, group in self._ties:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            total = sum(grads[1:], grads[0])
+            if group is not None:
+                comm.all_reduce(_local(total), group=group)
+            for g in grads:
+                g.copy_(total)  # a no-op on the one copy a rank holds alone
         if self._dp_group is not None:
             grads = [_local(p.grad) for _, p in named if p.grad is not None]
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
@@ -435,9 +448,9 @@ class HybridParallelPlugin(Plugin):
                     off += g.numel()
 
     def _counted_elsewhere(self, name: str) -> bool:
-        """True for the second copy of a weight tied across stages (the head's): after
-        ``_sync_grads`` both copies hold the same gradient, which a norm counts once."""
-        return (self._tie_local or self._tie_group is not None) and name == "lm_head.weight"
+        """True for all copies but one of a weight tied across stages: after ``_sync_grads``
+        every copy holds the same gradient, which a norm counts once."""
+        return name in self._tie_skip
 
     # ---- the pipeline ---------------------------------------------------------------------
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
