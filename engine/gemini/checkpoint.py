@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..checkpoint_io import CheckpointIO, atomic_dir, atomic_file, load_state_dict_shards, save_state_dict_shards
 from ..checkpoint_io.atomic import recover
 from .chunk import Chunk
@@ -49,10 +50,7 @@ def _gather_full(mgr: ChunkManager, c: Chunk, shard: torch.Tensor) -> torch.Tens
     if not (c.sharded and mgr.world > 1):
         return shard
     k = shard.numel() // c.shard_size
-    dev = shard.to(mgr.device)  # nccl gathers device tensors only (a no-op on CPU)
-    parts = [torch.empty_like(dev) for _ in range(mgr.world)]
-    dist.all_gather(parts, dev, group=mgr.group)
-    parts = [p.cpu() for p in parts]
+    parts = comm.all_gather([torch.empty_like(shard) for _ in range(mgr.world)], shard, group=mgr.group)
     # each part is [block0 | block1 | ...]; regroup into k full-size blocks
     blocks = [torch.cat([p[j * c.shard_size:(j + 1) * c.shard_size] for p in parts]) for j in range(k)]
     return torch.cat(blocks)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import telemetry
+from .. import comm, telemetry
 from .chunk import Chunk, TensorInfo, TensorState
 from .memstats import AccessTrace, NonModelMemory, storage_key
 from .nvme import NVMeStore
@@ -47,8 +47,7 @@ from .tiers import Tier, TierStack
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    return comm.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 @dataclass
@@ -63,8 +62,7 @@ class _Load:
 
 
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+    comm.reduce_scatter_tensor(out, inp, group=group)
 
 
 class ChunkManager:
@@ -395,7 +393,7 @@ class ChunkManager:
                 out = torch.empty(c.shard_size, dtype=torch.float32, device=self.device)
                 _reduce_scatter(out, g, self.group)
             else:
-                dist.all_reduce(g, group=self.group)
+                comm.all_reduce(g, group=self.group)
                 out = g
             out.div_(self.world)
         else:
@@ -538,11 +536,11 @@ class ChunkManager:
             if self.world > 1:  # decisions that drive collectives must agree on every rank
                 at = self.trace.nonmodel_at
                 n = torch.tensor([float(len(at)), -float(len(at))], dtype=torch.float64, device=self.device)
-                dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
+                comm.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
                 same = int(n[0].item()) == -int(n[1].item())
                 vals = torch.tensor([float(self.nonmodel.peak)] + ([float(v) for v in at] if same else []),
                                     dtype=torch.float64, device=self.device)
-                dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
+                comm.all_reduce(vals, op=dist.ReduceOp.MAX, group=self.group)
                 self.nonmodel.peak = int(vals[0].item())
                 self.trace.nonmodel_at = [int(v) for v in vals[1:].tolist()] if same else []
             self.trace.finish_warmup()

@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import telemetry
+from .. import comm, telemetry
 from .chunk import Chunk, TensorInfo, TensorState, pack, search_chunk_size
 from .chunk_manager import ChunkManager, _all_gather
 from .materialize import bind
@@ -148,8 +148,8 @@ def _vote(mgr: ChunkManager, values: List[int]) -> bool:
         return True
     t = torch.tensor(values, dtype=torch.int64, device=mgr.device)
     lo, hi = t.clone(), t.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=mgr.group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=mgr.group)
+    comm.all_reduce(lo, op=dist.ReduceOp.MIN, group=mgr.group)
+    comm.all_reduce(hi, op=dist.ReduceOp.MAX, group=mgr.group)
     return bool(torch.equal(lo, hi))
 
 

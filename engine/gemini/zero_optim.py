@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 from torch.optim import Optimizer
 
+from .. import comm
 from .chunk_manager import ChunkManager
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
@@ -106,7 +107,7 @@ class GeminiOptimizer:
                 bad.fill_(1)
                 break
         if self.mgr.world > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+            comm.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         return bool(bad.item())
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -126,7 +127,7 @@ class GeminiOptimizer:
             acc = max(acc, part) if inf else acc + part
         t = torch.tensor([acc], dtype=torch.float64, device=mgr.device)
         if mgr.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
+            comm.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=self.group)
         total = float(t.item()) if inf else float(t.item()) ** (1.0 / p)
         total /= self.scale
         self._clip_coef = min(1.0, max_norm / (total + 1e-6))
