@@ -79,13 +79,19 @@ def _retarget_scheduler(lr_scheduler, optimizer) -> None:
 
 
 class Booster:
-    def __init__(self, plugin: Optional[Plugin] = None, mixed_precision: str = "fp32"):
+    def __init__(self, plugin: Optional[Plugin] = None, mixed_precision: Optional[str] = None):
+        """``mixed_precision``: ``"fp32" | "fp16" | "bf16" | "fp8"``, or None (the default) to let
+        a plugin with a ``precision`` argument of its own (Gemini, hybrid) decide, and fp32
+        elsewhere: see ``mixed_precision.resolve_precision``, the one rule."""
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(f"Booster(plugin=...): expected a colossal_lab.engine.plugins.Plugin, "
                             f"got {type(plugin).__name__}")
-        self.mixed_precision = validate_precision(mixed_precision)
         self.plugin = plugin if plugin is not None else _SingleProcess()
-        self.plugin.validate(self.mixed_precision)
+        if mixed_precision is None and not self.plugin.controls_precision:
+            mixed_precision = "fp32"
+        self.mixed_precision = None if mixed_precision is None else validate_precision(mixed_precision)
+        if self.mixed_precision is not None:
+            self.plugin.validate(self.mixed_precision)
         if self.mixed_precision == "fp8":
             require_fp8()
         self._boosted = False

@@ -85,3 +85,19 @@ def test_clip_matches_one_process(runs, i):
         for k, v in ref_state.items():
             err = (res["state"][k] - v).abs().max().item()
             assert err < 2e-5, f"rank {rank}: {k} differs from one-process clipped training by {err}"
+
+
+def _direct_call_dtype(rank, world, precision):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, precision=precision))
+    model, *_ = booster.boost(_model(False))
+    x = torch.randint(0, 256, (2, 8))
+    logits, _ = model(x, x)
+    return str(logits.dtype)
+
+
+def test_direct_call_without_pipeline_runs_in_the_plugins_precision():
+    """pp_size=1: calling the boosted model directly runs under the precision's autocast."""
+    assert run_distributed(_direct_call_dtype, 2, "bf16") == ["torch.bfloat16"] * 2

@@ -45,10 +45,10 @@ def autocast_dtype(mixed_precision: str) -> Optional[torch.dtype]:
 
 
 def resolve_precision(mixed_precision: Optional[str], plugin_precision: str, who: str) -> str:
-    """The one rule for who chooses the precision: ``Booster(mixed_precision=...)`` decides when
-    it is set to anything but its default ``"fp32"``; otherwise the plugin's own ``precision``
-    argument does (Gemini's default is bf16, the hybrid plugin's fp32)."""
-    chosen = plugin_precision if mixed_precision in (None, "fp32") else mixed_precision
+    """The one rule for who chooses the precision: ``Booster(mixed_precision=...)`` decides
+    whenever it is given (fp32 included); left at its default None, the plugin's own
+    ``precision`` argument does (Gemini's default is bf16, the hybrid plugin's fp32)."""
+    chosen = plugin_precision if mixed_precision is None else mixed_precision
     if chosen not in TORCH_DTYPE_MAP:
         raise ValueError(f"{who} does not support mixed_precision={chosen!r}; use one of {list(TORCH_DTYPE_MAP)}")
     return chosen

@@ -25,7 +25,7 @@ Colossal-AI's argument names and order. Arguments and the trade-off each makes:
 * ``max_prefetch`` — chunks loaded ahead of use (overlap vs. memory held for them).
 * ``precision`` — compute dtype of parameters: ``bf16`` (default), ``fp16`` (dynamic loss
   scale) or ``fp32``; master weights and Adam states are always fp32. A ``Booster``
-  ``mixed_precision`` other than the default ``"fp32"`` takes precedence.
+  ``mixed_precision``, when given, takes precedence (``mixed_precision.resolve_precision``).
 * ``pin_memory`` — page-locked host buffers for faster host↔device copies (CUDA only).
 * ``pack_order`` — ``"execution"`` (default): at the first training forward the model is run once
   on the meta device to learn the order parameters are first used, and the chunks are re-packed
@@ -132,7 +132,7 @@ class GeminiPlugin(Plugin):
                              "pass a directory you can write to on a fast local disk") from None
 
     # ---- the boost -----------------------------------------------------------------------
-    def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision="fp32"):
+    def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision=None):
         from ..gemini.chunk import Chunk, TensorInfo, pack, search_chunk_size
         from ..gemini.chunk_manager import ChunkManager
         from ..gemini.hostmem import bound_host_heap

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..device import default_device, to_device
-from ..mixed_precision import DynamicLossScaler, autocast_dtype
+from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from ..wrappers import OptimizerWrapper, _count_tokens
 from .base import Plugin
@@ -79,7 +79,12 @@ class HybridParallelModule(nn.Module):
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
         args, kwargs = to_device((args, kwargs), self.device)
         self.count(args, kwargs)
-        return self.stage_modules[0].inner(*args, **kwargs)
+        stage = self.stage_modules[0]
+        if stage.autocast_dtype is None:
+            return stage.inner(*args, **kwargs)
+        # the whole output (GPT's (logits, loss) too), under the precision's autocast
+        with torch.autocast(device_type=self.device.type, dtype=stage.autocast_dtype):
+            return stage.inner(*args, **kwargs)
 
     def count(self, args, kwargs) -> None:
         """Count a forward's (or a pipeline batch's) tokens for this step's StepMetrics."""
@@ -245,7 +250,6 @@ class HybridParallelPlugin(Plugin):
         self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
         self.sequence_parallel = sequence_parallel
         self.precision = precision
-        self._precision_explicit = precision != "fp32"
         self.activation_checkpointing = activation_checkpointing
         self.tp_plan, self.input_key = tp_plan, input_key
         self.mesh = None
@@ -285,10 +289,7 @@ class HybridParallelPlugin(Plugin):
 
         if isinstance(model, HybridParallelModule):
             raise ValueError("HybridParallelPlugin.configure(model=...): this model is already boosted")
-        if mixed_precision not in (None, "fp32") and not self._precision_explicit:
-            if mixed_precision not in _PRECISIONS:
-                raise ValueError(f"HybridParallelPlugin: mixed_precision={mixed_precision!r}; choose one of {_PRECISIONS}")
-            self.precision = mixed_precision
+        self.precision = resolve_precision(mixed_precision, self.precision, "HybridParallelPlugin")
         spec = ScheduleSpec(self.pp_style, self.pp_size, self.num_model_chunks, self.num_microbatches or 1)
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
