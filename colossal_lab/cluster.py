@@ -53,8 +53,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import cloudpickle
-
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
 
 _current: Optional["Cluster"] = None
@@ -584,28 +582,36 @@ def _by_value_function(obj: Any) -> Optional[types.FunctionType]:
     return None
 
 
-class _Pickler(cloudpickle.CloudPickler):
-    """cloudpickle, except that the notebook's IPython shell (and its bound methods, such as
-    the ``get_ipython`` in every notebook's namespace) becomes the rank's own shell: a shell
-    cannot be pickled, and on a rank ``get_ipython()`` must mean that rank's."""
+@functools.lru_cache(maxsize=None)
+def _pickler_class():
+    """cloudpickle's pickler, except that the notebook's IPython shell (and its bound methods,
+    such as the ``get_ipython`` in every notebook's namespace) becomes the rank's own shell: a
+    shell cannot be pickled, and on a rank ``get_ipython()`` must mean that rank's. Built on
+    first use, so importing the package (and the engine, on a bare GPU image) needs no
+    cloudpickle."""
+    import cloudpickle
 
-    shell: Any = None
+    class _Pickler(cloudpickle.CloudPickler):
+        shell: Any = None
 
-    def reducer_override(self, obj):
-        shell = self.shell
-        if shell is not None:
-            if obj is shell:
-                return _rank_fn("ipython_object"), (None,)
-            if type(obj) is types.MethodType and obj.__self__ is shell:
-                return _rank_fn("ipython_object"), (obj.__func__.__name__,)
-        return super().reducer_override(obj)
+        def reducer_override(self, obj):
+            shell = self.shell
+            if shell is not None:
+                if obj is shell:
+                    return _rank_fn("ipython_object"), (None,)
+                if type(obj) is types.MethodType and obj.__self__ is shell:
+                    return _rank_fn("ipython_object"), (obj.__func__.__name__,)
+            return super().reducer_override(obj)
+
+    return _Pickler, cloudpickle.DEFAULT_PROTOCOL
 
 
 def _dumps(obj: Any) -> Tuple[bytes, list]:
     """cloudpickle ``obj``; large buffers that support it (numpy arrays) stay out of band."""
     buffers: list = []
     f = io.BytesIO()
-    p = _Pickler(f, protocol=max(5, cloudpickle.DEFAULT_PROTOCOL), buffer_callback=buffers.append)
+    pickler, protocol = _pickler_class()
+    p = pickler(f, protocol=max(5, protocol), buffer_callback=buffers.append)
     ipython = sys.modules.get("IPython")
     p.shell = ipython.get_ipython() if ipython is not None else None
     p.dump(obj)

@@ -10,9 +10,10 @@ import linecache
 import os
 import threading
 
-import ipyparallel as ipp
-import IPython
 import pytest
+
+ipp = pytest.importorskip("ipyparallel")
+IPython = pytest.importorskip("IPython")
 
 import colossal_lab as cl
 from test_cluster import cluster  # noqa: F401 - the module-scoped 2-rank gloo cluster
