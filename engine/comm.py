@@ -31,11 +31,6 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def group_size(group=None) -> int:
-    """Ranks in ``group`` (1 without an initialised process group)."""
-    return dist.get_world_size(group) if initialized() else 1
-
-
 def device_types_of(backend: str) -> Sequence[str]:
     """Device types a backend (by name, as ``dist.get_backend`` gives it) reduces on."""
     backend = str(backend)
@@ -130,11 +125,6 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=None, group=N
     fn(out, inp, op=dist.ReduceOp.SUM if op is None else op, group=group)
 
 
-def barrier(group=None) -> None:
-    if initialized():
-        dist.barrier(group=group)
-
-
 def _check_device(tensors, group, what: str) -> None:
     types = backend_device_types(group)
     for t in tensors:
@@ -143,5 +133,5 @@ def _check_device(tensors, group, what: str) -> None:
                                f"which reduces on {list(types)}; allocate it on comm_device(group)")
 
 
-__all__ = ["initialized", "group_size", "device_types_of", "backend_device_types", "comm_device", "all_reduce", "any_rank",
-           "reduce_values", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier"]
+__all__ = ["initialized", "device_types_of", "backend_device_types", "comm_device", "all_reduce", "any_rank",
+           "reduce_values", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"]
