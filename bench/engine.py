@@ -120,7 +120,7 @@ def main() -> None:
     # paired: each repeat timed both back to back, so load drift cancels within a pair
     paired = statistics.median(o / b for o, b in zip(ours, base))
     # CPU time of this process: on a CPU run with one thread, insensitive to other processes
-    # competing for the cores (wall-clock figures on a shared machine swing by 2x)
+    # competing for the cores (wall-clock figures on a shared machine swing widely)
     cpu_paired = statistics.median(o / b for o, b in zip(cpu_tps["ours"], cpu_tps["base"]))
     print(json.dumps({
         "bench": "engine", "contenders": f"Booster(DDPPlugin) vs {args.baseline} torch loop", "device": str(device),

@@ -17,7 +17,8 @@
    of the step that dd would need to move the same bytes (1.0 = the disk is busy the whole
    step at dd's speed; Adam's compute is inside the step, so overlap counts).
 
-GPU parts of the issue (Colossal-AI comparison, 6/24 GB caps) need an accelerator; not run here.
+Comparisons at GPU scale (against Colossal-AI, under 6/24 GB GPU memory caps) need an
+accelerator and are not part of this script.
 
     python bench/gemini.py --nvme-dir /tmp/gemini-bench --budget-mib 512
 """

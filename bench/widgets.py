@@ -19,10 +19,11 @@ Two run shapes, each comparing the same training with and without a live ``Dashb
   cost: the engine building and emitting its events (resp. the relay carrying them) with
   nobody drawing.
 
-Each redraw pays what it pays in a kernel: the views build their figure dicts, ipywidgets
-builds the ``Output`` update, and the comm message is serialized and HMAC-signed by
-jupyter_client's ``Session`` exactly as ipykernel's ``Comm.publish_msg`` does (only the final
-zmq send to a browser is left out; ``--no-serialize`` skips the serialization too).
+Each redraw pays what it pays in a kernel: the views build their figure dicts, each view's
+``PlotlyView`` widget builds its ``update`` message, and the comm message is serialized and
+HMAC-signed by jupyter_client's ``Session`` exactly as ipykernel's ``Comm.publish_msg`` does
+(only the final zmq send to a browser is left out; ``--no-serialize`` skips the serialization
+too).
 
 Per repeat: a fresh model and booster, ``--warmup`` steps, then ``--pairs`` rounds of one
 block of ``--steps`` timed steps per contender, the order alternating (ABBA...) and rotating

@@ -161,11 +161,12 @@ class Shipped(CannedObject):
     large ``buffers`` as separate frames (the payload is not pickled again per rank) and, on
     the rank, calls ``get_object`` with the rank's interactive namespace. ``fill`` is set for a
     function shipped by value: names it uses that the notebook did not define are then taken
-    from that namespace (where ``push`` and ``%%colossal`` put them), as they were when such
-    functions ran with the rank's namespace as globals. The function gets a copy of those
-    names: the rank's namespace itself is not changed. ``sources`` are the notebook cells the
-    shipped code comes from (filename -> lines), added to the rank's ``linecache`` so its
-    tracebacks show the cell's lines, as they do in the notebook.
+    from that namespace (where ``push`` and ``%%colossal`` put them), as ipyparallel's own
+    route (which runs such functions with the rank's namespace as globals) would find them.
+    The function gets a copy of those names: the rank's namespace itself is not changed.
+    ``sources`` are the notebook cells the shipped code comes from (filename -> lines), added
+    to the rank's ``linecache`` so its tracebacks show the cell's lines, as they do in the
+    notebook.
     """
 
     def __init__(self, payload: bytes, buffers: List[Any], fill: bool,

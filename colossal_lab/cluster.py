@@ -27,8 +27,8 @@ groups). What we add, and why:
   ``NameError`` on every rank. ``run`` sends such a function by value with cloudpickle (what
   Ray and loky use): the function, the helpers it calls, the constants, closures and lambdas
   it uses, with modules and importable functions referred to by name. A function the ranks
-  can import is still sent by ipyparallel as before, with its module's globals. Arguments go
-  through cloudpickle too, each pickled once for all ranks. Everything is pickled before any
+  can import is sent the way ipyparallel sends it, and runs with its module's globals.
+  Arguments go through cloudpickle too, each pickled once for all ranks. Everything is pickled before any
   rank is sent anything, so an object that cannot be pickled is reported by name with
   nothing started. We wrap each value in an ipyparallel ``CannedObject`` (``_rank.Shipped``)
   rather than call ``use_cloudpickle()``, which switches serialization for the whole kernel

@@ -25,15 +25,14 @@ not as a stream of small records while the task runs. What is hand-written here 
   widgets' redraw thread is the only consumer of the kernel's bus and it is throttled.
 
 The wire: ``[b"2 <events folded in>", JSON array of rows]``, a row being
-``telemetry.to_row(event)`` (the type's index and the fields in order: no key names). What it
-cost before, measured in ``bench/widgets.py --mode cluster`` on a 2-core box where two ranks
-fill both cores: one message per event cost the ranks ~18% of step time; one JSON-dict batch
-per 50 ms (~21 messages and ~290 events a second per rank) still cost ~8 µs of CPU per
-trained token between the ranks' sender threads and the kernel's receiver thread (~3% of the
-ranks' own CPU; ~240 µs per message on each side, wake-up included, and ~15-20 µs per event).
-Every 0.2 s with coalescing: ~6 messages and ~65 rows a second per rank, ~2 µs per token;
-the receiver waking once per interval for all ranks instead of once per message cut its
-thread from 0.46% to 0.34% of a core with 2 ranks (and to 1/N of the wake-ups with N).
+``telemetry.to_row(event)`` (the type's index and the fields in order: no key names). Why
+batches, coalescing and rows: every message costs both sides a thread wake-up plus JSON work,
+and every event costs encoding and decoding, all on CPU the ranks' training would otherwise
+use (on a machine whose cores the ranks fill, the kernel's share is taken from them too). So
+a rank sends one message per ``interval``, folds the events to what the widgets draw, and
+writes rows without key names; the receiver wakes once per interval for all ranks rather
+than once per message. What this costs and what each step saved is measured in
+``bench/widgets.py --mode cluster`` (see ``docs/widgets.md``, "The relay").
 ``attach(cluster, coalesce=False)`` re-emits every event as the rank emitted it (to record a
 complete trace in the kernel); ``interval`` sets the batch period.
 
@@ -160,8 +159,8 @@ def decode(frames: List[bytes]) -> list:
 _rank_lock = threading.Lock()
 # idents of this process's relay receiver threads (kernel side; empty on a rank): what they
 # re-emit must not be queued by a rank sink in the same process (it would loop back). A set
-# checked for emptiness first: on a rank the check is one truth test (a ``threading.local``
-# attribute lookup that misses cost ~2 µs per event on the training thread)
+# checked for emptiness first: on a rank the check is one truth test on the training thread
+# (cheaper than a ``threading.local`` attribute lookup, which is slow when it misses)
 _receiver_threads: set = set()
 _rank_sink: Optional["_RankSink"] = None
 
@@ -321,7 +320,7 @@ class Relay:
     def _receive_loop(self) -> None:
         # wake once per ``interval`` and drain whatever every rank sent meanwhile, rather than
         # once per message: with N ranks that is 1/N of the wake-ups (each costs the kernel
-        # process ~0.1-0.2 ms of CPU), at the price of up to one more interval of latency
+        # process CPU), at the price of up to one more interval of latency
         t_start = time.thread_time()
         last_check = time.monotonic()
         while not self._stop.wait(self.config.interval):

@@ -6,14 +6,14 @@ multiplied by fp32 activations with an fp32 accumulator, and the per-output-chan
 the bias are applied once at the end. Nothing is rounded to bf16, so it is *more* exact than
 torch's ``aten._weight_int8pack_mm`` route (whose fast CPU kernel needs bf16 activations and
 therefore a cast in and a cast out per layer — three ops where an fp32 ``F.linear`` is one,
-which is what made int8 decode slower than fp32 on small models).
+and on small models that per-op overhead outweighs what the int8 weights save).
 
 Why C: torch ships no CPU op for fp32 activations × int8 weights that is not either slow
-(``_weight_int8pack_mm`` with fp32 runs a scalar loop, ~10x an fp32 GEMV) or a dynamic-quant
-op (which quantises activations too). The source below is compiled on first use with the
-system C compiler (``cc``, or ``$CC``) into a cache directory (``$COLOSSAL_LAB_CACHE`` or
-``~/.cache/colossal_lab``) and loaded with ``ctypes``; no torch headers, so it builds in well
-under a second. No compiler → :func:`available` is False with the reason in
+(``_weight_int8pack_mm`` with fp32 runs a scalar loop, far slower than an fp32 GEMV) or a
+dynamic-quant op (which quantises activations too). The source below is compiled on first use
+with the system C compiler (``cc``, or ``$CC``) into a cache directory (``$COLOSSAL_LAB_CACHE``
+or ``~/.cache/colossal_lab``) and loaded with ``ctypes``; it needs no torch headers, so one
+compiler call builds it. No compiler → :func:`available` is False with the reason in
 :func:`unavailable_reason`, and ``int8_linear`` keeps using the aten route.
 Set ``COLOSSAL_LAB_INT8_CPU_KERNEL=0`` to disable it.
 
@@ -294,7 +294,8 @@ def int8_linear_cpu(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Ten
     """``x (…, K)`` fp32 × int8 ``(N, K)`` · ``scale (N,)`` (+ ``bias``) → fp32 ``(…, N)``; no autograd.
 
     Call only where :func:`supports` holds. What keeps the C code in bounds (shapes, dtypes,
-    contiguity, CPU) is checked here on every call; it costs about a microsecond.
+    contiguity, CPU) is checked here on every call; :class:`Plan` checks once, for callers that
+    reuse one weight on every call (``Int8Linear``).
     """
     N, K = weight_int8.shape
     if (x.shape[-1] != K or scale.shape != (N,) or weight_int8.dtype != torch.int8 or x.dtype != torch.float32

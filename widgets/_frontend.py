@@ -1,16 +1,15 @@
 """The browser side of a live view: one ``anywidget`` per figure that keeps one plotly.js plot
 alive and updates it in place with ``Plotly.react``.
 
-Why not the plotly mime bundle in an ``ipywidgets.Output`` (what we used before): every
-``outputs`` assignment makes JupyterLab clear the output area and build a new
-``jupyterlab-plotly`` renderer, which draws the figure from scratch into a new DOM node and
-then, read in its source (``RenderedPlotly.createGraph``), rasterizes it with
-``Plotly.toImage`` to cache a PNG in the notebook model. A ``Dashboard`` redrawing its four
-figures at 5 Hz asked the page for 20 full renders and 20 PNG encodings a second; headless
-Chromium on the 2-core test box stopped answering for ~35 s while two ranks trained. Here the
-plot is created once and ``Plotly.react`` diffs each new ``{data, layout}`` against the drawn
-one; updates that arrive while a draw is in progress collapse to the newest (the browser never
-queues stale pictures), so a slow or hidden tab costs the kernel nothing either.
+Why not the plotly mime bundle in an ``ipywidgets.Output``: every ``outputs`` assignment makes
+JupyterLab clear the output area and build a new ``jupyterlab-plotly`` renderer, which draws the
+figure from scratch into a new DOM node and then (``RenderedPlotly.createGraph``) rasterizes it
+with ``Plotly.toImage`` to cache a PNG in the notebook model, so every redraw of every view
+costs the page a full render and a PNG encoding, enough to stall a browser under a live
+``Dashboard``. Here the plot is created once and ``Plotly.react`` diffs each new
+``{data, layout}`` against the drawn one; updates that arrive while a draw is in progress
+collapse to the newest (the browser never queues stale pictures), so a slow or hidden tab
+costs the kernel nothing either.
 
 Why not plotly's ``FigureWidget``: see ``_live.py`` (its model drops deltas, so views created
 later show the figure it was displayed with). Here the model's state is the whole latest figure
@@ -22,12 +21,13 @@ Where plotly.js comes from: JupyterLab (and Notebook 7) already carry it in the
 container (``window._JUPYTERLAB["jupyterlab-plotly"]``) exports ``RenderedPlotly``, whose first
 render loads plotly.js and sets ``window.Plotly``. We let it render one empty figure into a
 detached node to trigger that load (no PNG: a detached node has no size) and use
-``window.Plotly``. So no 5 MB bundle travels per widget. Front ends without that extension
-(VS Code, Colab) get plotly.js from the CDN (the version the Python plotly package embeds).
+``window.Plotly``, so the plotly.js bundle never travels with a widget. Front ends without that
+extension (VS Code, Colab) get plotly.js from the CDN (the version the Python plotly package
+embeds).
 
 Kernel side: ``figure`` updates skip ipywidgets' recursive binary-buffer search (a plotly dict
-holds no binary values; the walk cost ~1 ms of GIL-held time per redraw) and send ipywidgets'
-own ``update`` message directly (``send_state``).
+holds no binary values, and the walk is GIL-held Python paid on every redraw) and send
+ipywidgets' own ``update`` message directly (``send_state``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ browser tab cannot back-pressure training. That is this file:
 
 * the bus subscriber is a ``deque``'s own ``append`` (a C call: O(1), no Python frame, no
   lock, no thread wake-up, never blocks on the notebook, never raises into the emitter), so
-  the training thread pays ~0.35 µs per event and nothing else;
+  the training thread pays one append per event and nothing else;
 * one daemon thread (``Redrawer``) per subscription, shared by all four views of a
   ``Dashboard``, wakes ``max_hz`` times a second; when something was queued it hands each
   view the events of the types it draws, folds them into that view's state
@@ -21,11 +21,10 @@ How a live view reaches the browser: each view owns one ``PlotlyView`` (an ``any
 ``widgets/_frontend.py``) whose ``figure`` trait the redraw thread replaces with the figure as
 it is now; in the browser one plotly.js plot per view is updated in place with
 ``Plotly.react`` (plotly.js taken from the ``jupyterlab-plotly`` extension the plotly package
-installs). ``.figure`` stays a plain ``go.Figure`` holding the same picture. Two routes came
-before it and failed in the real-browser test (JupyterLab 4.6, ipywidgets 8.1.9, anywidget
-0.11, plotly 7.1):
+installs). ``.figure`` stays a plain ``go.Figure`` holding the same picture. Why not the two
+obvious routes:
 
-* plotly's ``FigureWidget`` rendered empty axes. Read in plotly's
+* plotly's ``FigureWidget`` shows empty axes in a live view. Read in plotly's
   ``package_data/widgetbundle.js``: the anywidget ``FigureModel`` applies every Python-side
   delta (``_py2js_addTraces``, ``restyle``, ``relayout``, ``update``) to
   ``this.model.get("_widget_data")``, and that getter returns a *freshly deserialized copy*,
@@ -33,16 +32,17 @@ before it and failed in the real-browser test (JupyterLab 4.6, ipywidgets 8.1.9,
   it. A view created later (JupyterLab renders outputs lazily, a reloaded tab, a page still
   loading while the kernel streams updates) starts from the last *full* ``_widget_data``
   assignment, which for a live dashboard is the empty figure it was displayed with;
-* an ``ipywidgets.Output`` holding a plotly mime bundle drew correctly but each update made
+* an ``ipywidgets.Output`` holding a plotly mime bundle draws correctly but each update makes
   JupyterLab build a new renderer that plots from scratch and then rasterizes the plot to a
-  PNG (``Plotly.toImage``); a Dashboard at 5 Hz froze headless Chromium for ~35 s.
+  PNG (``Plotly.toImage``): a live ``Dashboard`` makes the browser do that for every redraw
+  of every view (see ``_frontend.py``).
 
-Our ``figure`` trait carries the full state in every update (a few KB to ~100 KB at
-<= ``max_hz``), so any view, created at any time, shows the latest picture.
+Our ``figure`` trait carries the full picture in every update (at most ``max_hz`` times a
+second), so any view, created at any time, shows the latest picture.
 
 Why the redraw path builds plain dicts, not ``go.Figure``: plotly's ``graph_objects`` validate
-every property on construction (10-50 ms of GIL-held Python per figure), and the redraw
-threads share the interpreter with training, so that cost came straight out of tokens/s. Each
+every property on construction (GIL-held Python), and the redraw thread shares the
+interpreter with training, so that cost would come straight out of tokens/s. Each
 view's ``build_dict()`` writes the ``{"data": [...], "layout": {...}}`` plotly.js reads,
 directly from the reduced state (plain lists, the default template's JSON shared by
 reference), and that dict *is* what the browser receives. ``.figure`` (a real ``go.Figure``, validated)
@@ -125,7 +125,7 @@ _template: Optional[dict] = None
 
 # what our figures draw: the template's defaults for other trace types (choropleth, surface,
 # ...) and other subplot kinds (3-D scenes, maps, polar, ternary) and colour scales change
-# nothing in our pictures, and would be ~2/3 of every message's JSON
+# nothing in our pictures, and would be most of every message's JSON
 TEMPLATE_TRACE_TYPES = ("scatter", "bar", "indicator")
 _UNUSED_LAYOUT_KEYS = ("scene", "geo", "polar", "ternary", "mapbox", "map", "colorscale",
                        "coloraxis")
@@ -135,7 +135,7 @@ def template_json() -> dict:
     """plotly's default template as JSON, resolved once and shared by every figure dict (what
     ``go.Figure`` would embed; without it plotly.js would draw with its bare defaults), keeping
     only what our figures use (``TEMPLATE_TRACE_TYPES``; no 3-D/map/polar/ternary subplots, no
-    colour scales): the look is the same, and every redraw message is ~3.5 KB smaller."""
+    colour scales): the look is the same, and every redraw message is smaller."""
     global _template
     if _template is None:
         import plotly.io as pio
@@ -183,11 +183,10 @@ class Redrawer:
     views whose state changed, spending at most ``max_duty`` of the wall clock doing so.
 
     The bus subscriber is ``queue.append`` itself (a C call: no Python frame, no lock and no
-    thread wake-up on the emitting thread: ``emit`` takes ~0.35 µs longer with a Dashboard
-    subscribed, measured), so everything the live path costs
-    happens here, at most ``max_hz`` times a second, on one thread. It polls instead of being
-    woken: a wake-up per event (``threading.Event.set``) cost the training thread ~4 µs per
-    event and view, and four threads (one per view) meant four times the GIL hand-offs.
+    thread wake-up on the emitting thread), so everything the live path costs happens here,
+    at most ``max_hz`` times a second, on one thread. It polls instead of being woken: a
+    wake-up per event (``threading.Event.set``) is Python run on the training thread for
+    every event and view, and a thread per view would multiply the GIL hand-offs.
     ``maxlen`` bounds the queue (the oldest events are dropped past it: only if this thread
     stalls for a very long time).
     """

@@ -39,7 +39,8 @@ def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = 16,
     state in, dict out; no ``graph_objects``, see ``_live.py``).
 
     ``hover_cache`` (a dict the caller keeps between redraws) reuses each chunk's hover text
-    while its latest event is the same object: the text was ~40% of a redraw's time."""
+    while its latest event is the same object, so a redraw formats text only for chunks with
+    a new event (formatting every chunk's text is a large share of a redraw)."""
     ranks = chunks.ranks
     by_rank: Dict[int, list] = {r: [] for r in ranks}
     for (rr, _), e in chunks.chunks.items():
@@ -101,8 +102,8 @@ def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = 16,
     layout["xaxis"].update(visible=False, range=[-0.7, ncols - 0.3])
     layout["yaxis"].update(tickvals=tickvals, ticktext=ticktext, zeroline=False, showgrid=False,
                            range=[-(max(row0, 2) - 0.3), 0.7])
-    # log scale: a disk's capacity is 10^4-10^6 times the bytes a small model puts there, and
-    # on a linear axis the used and chunk bars of every tier but the biggest vanish
+    # log scale: a disk's capacity is orders of magnitude above the bytes a small model puts
+    # there, and on a linear axis the used and chunk bars of every tier but the biggest vanish
     layout["yaxis2"].update(type="log", title={"text": "MiB (log)"})
     layout.update(template=template_json(), title={"text": title}, barmode="overlay",
                   height=max(320, 60 + 26 * row0), margin={"l": 60, "r": 20, "t": 70, "b": 40},

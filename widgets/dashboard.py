@@ -4,8 +4,8 @@
 the three other views are ``.chunk_map``, ``.timeline`` and ``.gauges``, each with its own
 ``figure`` and state. One bus subscription and one redraw thread serve all four: each wake
 it routes the queued events by type to the views that draw them and redraws only the views
-whose state changed (one thread instead of four: a quarter of the wake-ups and GIL
-hand-offs, and one queue append per event on the emitting thread instead of four).
+whose state changed (one thread for all four keeps the wake-ups and GIL hand-offs down, and
+the emitting thread pays one queue append per event whatever the number of views).
 ``%colossal dashboard`` attaches the relay to the running cluster and shows one of these.
 """
 
@@ -75,9 +75,8 @@ class Dashboard(LiveView):
 
     ``max_hz`` (5 by default) bounds the redraws of each of the four views: a tick redraws
     only the views whose state changed, and in the browser each redraw is one ``Plotly.react``
-    on a plot that already exists (``_frontend.py``). The mime-bundle route we had before
-    re-plotted and rasterized every figure on every update; at 5 Hz that froze headless
-    Chromium on the 2-core test box, which is why this default was 2 for a while."""
+    on a plot that already exists (``_frontend.py``), cheap enough for the page to keep up
+    with four views at that rate."""
 
     accepts = (StepMetrics,)
 

@@ -41,10 +41,10 @@ KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1"
 
 
 class Move(NamedTuple):
-    """A chunk's tier change (a named tuple: built on every move, ~10x cheaper than a
-    frozen dataclass). ``count`` > 1 when the relay folded several moves of the chunk at
-    ``step`` into one event: ``src`` is then where this state last saw the chunk (``""`` if
-    nowhere) and ``dst`` where the moves left it."""
+    """A chunk's tier change (a named tuple: one is built on every move, and a named tuple is
+    much cheaper to build than a frozen dataclass). ``count`` > 1 when the relay folded several
+    moves of the chunk at ``step`` into one event: ``src`` is then where this state last saw
+    the chunk (``""`` if nowhere) and ``dst`` where the moves left it."""
 
     rank: int
     chunk_id: int

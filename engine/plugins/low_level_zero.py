@@ -7,8 +7,9 @@
   ``reshard_after_forward=False``. Gradients are reduce-scattered, so each rank keeps only its
   shard of gradients and optimizer state (the parameters are DTensor shards between steps and
   stay gathered from forward to the end of backward). Under bf16/fp16 FSDP2's
-  ``MixedPrecisionPolicy`` gathers 16-bit parameters and reduce-scatters fp32 gradients. We checked that FSDP2 runs on CPU with
-  gloo and matches the single-process loss curve, so nothing here is hand-written.
+  ``MixedPrecisionPolicy`` gathers 16-bit parameters and reduce-scatters fp32 gradients.
+  FSDP2 runs on CPU with gloo and follows the single-process loss curve
+  (``tests/test_zero_ddp_parity.py``), so nothing here is hand-written.
 
 ``cpu_offload=True`` keeps optimizer states (and, at stage 2, the sharded fp32 master
 parameters and gradients) in host memory: FSDP2's ``CPUOffloadPolicy`` at stage 2. On a

@@ -105,11 +105,12 @@ EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample
 
 # field names per event type, read once: ``to_dict``/``from_dict`` run per event on the relay's
 # hot path (every rank's emit, the kernel's receiver), where ``dataclasses.asdict`` (a deep
-# copy of every field) and ``dataclasses.fields`` cost ~10x more than the record itself
+# copy of every field) and ``dataclasses.fields`` cost far more than reading the fields
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in EVENT_TYPES.values()}
 _NAMES = {name: (cls, frozenset(_FIELDS[cls])) for name, cls in EVENT_TYPES.items()}
-# fields left out of ``to_dict`` while they hold their default, so a JSONL trace of the
-# engine's own events reads the same as before the field existed
+# fields left out of ``to_dict`` while they hold their default: the engine never sets them
+# (only the relay does), so a JSONL trace of the engine's own events carries only the keys
+# every reader of these traces knows
 _OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),)}
 
 

@@ -97,7 +97,7 @@ def emit_memory(rank: int, nvme_dir: Optional[str] = None, device=None,
 @dataclass
 class MemorySamplerConfig:
     rank: int
-    interval: float = 0.5  # seconds between samples; the widgets redraw at ~8 Hz at most
+    interval: float = 0.5  # seconds between samples: memory changes slowly, and each sample is an event
     nvme_dir: Optional[str] = None
     cuda: Optional[bool] = None
 
