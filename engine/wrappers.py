@@ -5,8 +5,9 @@
 (for ``StepMetrics``); attribute lookups it does not know fall through to the user's model,
 so ``model.cfg`` or ``model.generate`` keep working. ``OptimizerWrapper`` owns the per-step
 policy every plugin shares: loss scaling (fp16), unscale-before-clip, skipping a step whose
-gradients overflowed on any rank, and emitting one ``StepMetrics`` per ``step()``. Plugins
-differ only in the inner objects (DDP/FSDP module, plain/ZeRO optimizer) they put inside.
+gradients overflowed on any rank, and emitting one ``StepMetrics`` per ``step()``. Every
+plugin's optimizer is one (the hybrid and Gemini ones are subclasses); they differ in the inner
+objects (DDP/FSDP module, plain/ZeRO optimizer) and in the hooks their subclass overrides.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ class ModelWrapper(nn.Module):
         """The inner module (DDP/FSDP-wrapped where the plugin wrapped it)."""
         return self.module
 
-    def forward(self, *args, **kwargs):
+    def _prepare(self, args, kwargs):
+        """The forward's inputs moved to this model's device, their tokens counted (StepMetrics)."""
         args, kwargs = to_device((args, kwargs), self.device)
         self.tokens += _count_tokens(args, kwargs)
         if self.first_forward is None:
             self.first_forward = time.perf_counter()
+        return args, kwargs
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self._prepare(args, kwargs)
         if self._dtype is None:
             return self.module(*args, **kwargs)
         with torch.autocast(device_type=self._device_type, dtype=self._dtype):
@@ -103,8 +109,12 @@ def constructor_kwargs(optimizer_class, settings: dict) -> dict:
 
 
 class OptimizerWrapper:
-    """The boosted optimizer. ``checkpoint_optim`` is the torch optimizer whose ``state`` this
-    rank holds (ZeRO-1: the local shard's optimizer)."""
+    """The boosted optimizer, and the base of every plugin's (the step contract): ``backward``
+    (records the loss, scales it), ``unscale_grad``, ``clip_grad_by_norm``, ``step``,
+    ``zero_grad``, and one ``StepMetrics`` per step. A subclass whose gradients or update live
+    elsewhere overrides ``_unscale``, ``_apply_step`` and ``_skip_step`` (see Gemini's).
+    ``checkpoint_optim`` is the torch optimizer whose ``state`` this rank holds (ZeRO-1: the
+    local shard's optimizer)."""
 
     def __init__(self, optim: Optimizer, model: Optional[ModelWrapper] = None, mixed_precision: str = "fp32",
                  group: Optional["dist.ProcessGroup"] = None, checkpoint_optim: Optional[Optimizer] = None,
@@ -164,9 +174,14 @@ class OptimizerWrapper:
     def unscale_grad(self) -> bool:
         """Unscale gradients once per step (fp16); returns whether any rank overflowed."""
         if self.loss_scaler is not None and not self._unscaled:
-            self._found_inf = self.loss_scaler.unscale_(self.params())
+            self._found_inf = self._unscale()
             self._unscaled = True
         return self._found_inf
+
+    def _unscale(self) -> bool:
+        """Divide this rank's gradients by the loss scale; True when any rank of the scaler's
+        group found inf/nan (every rank calls it). Overridden where gradients are not ``p.grad``."""
+        return self.loss_scaler.unscale_(self.params())
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm (unscaled first under fp16); returns the norm before clipping."""
@@ -176,16 +191,25 @@ class OptimizerWrapper:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self, *args, **kwargs):
-        skip = self.unscale_grad() if self.loss_scaler is not None else False
+        """The one step policy: the overflow vote (fp16), then the update or the skip, the
+        scale's backoff/growth and one StepMetrics. Subclasses change what an update or a skip
+        is (``_apply_step``/``_skip_step``) and how gradients are unscaled (``_unscale``)."""
+        skip = self.unscale_grad()
         if skip:
-            self.optim.zero_grad(set_to_none=True)  # the overflowed gradients are garbage
+            self._skip_step()
         else:
-            self.optim.step(*args, **kwargs)
+            self._apply_step(*args, **kwargs)
         if self.loss_scaler is not None:
             self.loss_scaler.update(skip)
         self.skipped_last = skip
         self._unscaled = self._found_inf = False
         self._emit()
+
+    def _apply_step(self, *args, **kwargs) -> None:
+        self.optim.step(*args, **kwargs)
+
+    def _skip_step(self) -> None:
+        self.optim.zero_grad(set_to_none=True)  # the overflowed gradients are garbage
 
     def _emit(self) -> None:
         now = time.perf_counter()
