@@ -16,7 +16,7 @@ had is not an in-place change in autograd's eyes.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -175,14 +175,18 @@ def _waste(numels: List[int], size: int) -> int:
     return waste + (size - cur)
 
 
-def pack(numels: List[int], size: int) -> List[List[int]]:
-    """Indices of ``numels`` per chunk, in order, each chunk holding at most ``size`` elements."""
-    chunks: List[List[int]] = [[]]
+def pack_chunks(tensors: List[TensorInfo], size: int, dtype: torch.dtype, world: int, rank: int,
+                shard_frac: float) -> List[Chunk]:
+    """``tensors`` in this order in chunks of ``size`` elements (a tensor never straddles two; each
+    gets a fresh ``TensorInfo`` at its offset); the first ``shard_frac`` of the chunks sharded."""
+    groups: List[List[TensorInfo]] = [[]]
     cur = 0
-    for idx, n in enumerate(numels):
-        if cur + n > size and chunks[-1]:
-            chunks.append([])
+    for t in tensors:
+        if cur + t.numel > size and groups[-1]:
+            groups.append([])
             cur = 0
-        chunks[-1].append(idx)
-        cur += n
-    return chunks
+        groups[-1].append(replace(t, offset=cur, state=TensorState.FREE))
+        cur += t.numel
+    n_shard = int(round(shard_frac * len(groups)))
+    return [Chunk(id=cid, size=size, dtype=dtype, world=world, rank=rank, sharded=world > 1 and cid < n_shard,
+                  infos=infos) for cid, infos in enumerate(groups)]

@@ -40,14 +40,11 @@ import torch.nn as nn
 
 from .. import comm, telemetry
 from .chunk import Chunk, TensorInfo, TensorState
+from .materialize import ParamSource, bind
 from .memstats import AccessTrace, NonModelMemory, storage_key
 from .nvme import NVMeStore
 from .placement import PlacementConfig, optim_block_bytes
 from .tiers import Tier, TierStack
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    return comm.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 @dataclass
@@ -59,10 +56,6 @@ class _Load:
     work: Optional[object] = None         # async all-gather (dist.Work)
     src: Optional[torch.Tensor] = None    # the all-gather's input, kept alive until it lands
     started: int = 0                      # access counter when the load began
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    comm.reduce_scatter_tensor(out, inp, group=group)
 
 
 class ChunkManager:
@@ -91,6 +84,7 @@ class ChunkManager:
         self._grad_on_nvme: Dict[int, bool] = {}
         self._grad_norms: Dict[int, Tuple[float, float]] = {}  # NVMe-bound grads: (sum of squares, max |g|)
         self._optim_state: Dict[int, torch.Tensor] = {}      # master|exp_avg|exp_avg_sq, optim home in RAM
+        self.steps: Dict[int, int] = {c.id: 0 for c in chunks}  # Adam's step count, per chunk
         self._in_backward = False
         self.check_finite = False   # set by the fp16 optimizer: inf/nan check of NVMe-bound grads
         self.found_inf = False
@@ -156,8 +150,6 @@ class ChunkManager:
         which materialises meta parameters on demand) and go straight to the chunk's home
         tier, so at most one chunk's staging buffers exist at once, whatever the model size.
         """
-        from .materialize import ParamSource, bind
-
         if source is None:
             source = ParamSource(nn.Module())
         for c in self.chunks:
@@ -302,7 +294,7 @@ class ChunkManager:
             load.fut = None
         src = load.staging if load.staging is not None else c.shard
         load.src = src.to(self.device)
-        load.work = _all_gather(c.full, load.src, self.group, async_op=True)
+        load.work = comm.all_gather_into_tensor(c.full, load.src, group=self.group, async_op=True)
 
     def _wait_load(self, c: Chunk) -> None:
         entry = self._loading.pop(c.id, None)
@@ -391,7 +383,7 @@ class ChunkManager:
         if self.world > 1:
             if c.sharded:
                 out = torch.empty(c.shard_size, dtype=torch.float32, device=self.device)
-                _reduce_scatter(out, g, self.group)
+                comm.reduce_scatter_tensor(out, g, group=self.group)
             else:
                 comm.all_reduce(g, group=self.group)
                 out = g
@@ -474,6 +466,24 @@ class ChunkManager:
             return 0.0
         return float(g.abs().max()) if inf else float(g.double().abs().pow(p).sum())
 
+    def grads_finite(self) -> bool:
+        """Whether this rank's gradient shards are all finite (NVMe-bound ones were checked as
+        they were written, under ``check_finite``)."""
+        return not self.found_inf and all(bool(torch.isfinite(g).all()) for g in self._grad_shard.values())
+
+    def discard_grads(self) -> None:
+        """Drop every gradient waiting for the optimizer step (an overflowed step, ``zero_grad``)."""
+        self.flush_writes()
+        for cid in self._grad_on_nvme:
+            self.nvme.remove(f"c{cid}.grad")
+        self._grad_on_nvme.clear()
+        self._grad_norms.clear()
+        for c in self.chunks:
+            g = self._grad_shard.pop(c.id, None)
+            if g is not None:
+                self._free_ram(c.optim_home, g)
+        self.found_inf = False
+
     def drop_cache(self) -> None:
         """Before the optimizer step: cached gathered copies become stale, so drop them."""
         for c in self.chunks:
@@ -526,6 +536,52 @@ class ChunkManager:
         if c.shard.data_ptr() != master.data_ptr():
             c.shard.copy_(master)
 
+    # ---- whole state blocks (checkpoints, re-pack) -------------------------------------------
+    def state_block(self, c: Chunk) -> Optional[torch.Tensor]:
+        """``c``'s ``master|exp_avg|exp_avg_sq`` block itself when its home is RAM, else None."""
+        return self._optim_state.get(c.id)
+
+    def drop_state(self, c: Chunk) -> None:
+        """Let go of ``c``'s RAM state block (a re-pack moved everything out of it)."""
+        self._optim_state.pop(c.id, None)
+
+    def read_state(self, c: Chunk) -> torch.Tensor:
+        """A CPU copy of this rank's ``master|exp_avg|exp_avg_sq`` block of ``c``."""
+        self.flush_writes()
+        if c.optim_home == "nvme":
+            return self.nvme.read(f"c{c.id}.state", torch.empty(3 * c.shard_size)).result()
+        return self._optim_state[c.id].detach().to("cpu", copy=True)
+
+    def write_state(self, c: Chunk, state: torch.Tensor, params: bool = False) -> None:
+        """Store ``state`` as ``c``'s block on this rank; ``params=True`` (a model load): the
+        parameter shard follows the new master and a cached gathered copy is dropped."""
+        if c.optim_home == "nvme":
+            self.nvme.write(f"c{c.id}.state", state).result()
+        else:
+            self._optim_state[c.id].copy_(state)
+        if params:
+            self._drop(c)
+            self.write_params(c, state[:c.shard_size])
+            self.flush_writes()
+
+    def gather_full(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` (k blocks of ``shard_size``) of a sharded chunk as k full-size
+        blocks (collective); an unsharded chunk's ``shard`` as it is."""
+        if not (c.sharded and self.world > 1):
+            return shard
+        n = c.shard_size
+        parts = comm.all_gather([torch.empty_like(shard) for _ in range(self.world)], shard, group=self.group)
+        return torch.cat([p[j * n:(j + 1) * n] for j in range(shard.numel() // n) for p in parts])
+
+    def adopt(self, chunks: List[Chunk], state_blocks: Dict[int, torch.Tensor], steps: Dict[int, int]) -> None:
+        """Take a new chunk list (a re-pack) with its RAM state blocks and step counts; the
+        access trace is learned again for the new ids."""
+        self.chunks, self._optim_state = chunks, state_blocks
+        self.steps = {c.id: steps.get(c.id, 0) for c in chunks}
+        self._lru.clear()
+        self.trace = AccessTrace()
+        self.nonmodel = NonModelMemory({storage_key(c.full) for c in chunks})
+
     # ---- steps and telemetry -----------------------------------------------------------------
     def begin_step(self) -> None:
         self.trace.begin_step()
@@ -544,6 +600,7 @@ class ChunkManager:
                 self.nonmodel.peak = int(vals[0].item())
                 self.trace.nonmodel_at = [int(v) for v in vals[1:].tolist()] if same else []
             self.trace.finish_warmup()
+        self.found_inf = False
         self.step += 1
         self.snapshot()
 

@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -189,8 +190,6 @@ class NVMeStore:
                        "lower nvme_offload_frac. Checkpoints written before this step are intact.")
 
     def _write(self, key: str, t: torch.Tensor) -> None:
-        import time
-
         buf = _as_bytes(t)
         n = len(buf)
         t0 = time.perf_counter()
@@ -235,8 +234,6 @@ class NVMeStore:
         del view
 
     def _read(self, key: str, out: torch.Tensor) -> torch.Tensor:
-        import time
-
         buf = _as_bytes(out)
         n = len(buf)
         t0 = time.perf_counter()
@@ -245,16 +242,19 @@ class NVMeStore:
             if self.direct:
                 self._read_direct(fd, key, out.data_ptr(), n)
             else:
-                done = 0
-                while done < n:
-                    r = os.preadv(fd, [buf[done:]], done)
-                    if r == 0:
-                        raise self._short(key, done, n)
-                    done += r
+                self._preadv(fd, key, buf, 0)
         finally:
             os.close(fd)
         self._count(n, 0, time.perf_counter() - t0)
         return out
+
+    def _preadv(self, fd: int, key: str, buf: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(buf):
+            r = os.preadv(fd, [buf[done:]], offset + done)
+            if r == 0:
+                raise self._short(key, done, len(buf))
+            done += r
 
     def _short(self, key: str, done: int, n: int) -> IOError:
         return IOError(f"Gemini NVMe tier: {self.path(key)} is shorter than expected "
@@ -288,6 +288,24 @@ class NVMeStore:
         """Fill ``out`` from file ``key`` in the background; the future returns ``out``."""
         self._check_open()
         return self._pool.submit(self._read, key, out)
+
+    def read_at(self, key: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (any device or layout) from file ``key`` at byte ``offset``, now and through
+        the page cache: any offset, and coherent with files written with ``O_DIRECT``."""
+        self._check_open()
+        host = out if out.device.type == "cpu" and out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+        fd = os.open(self.path(key), os.O_RDONLY)
+        try:
+            self._preadv(fd, key, _as_bytes(host), offset)
+        finally:
+            os.close(fd)
+        return out if host is out else out.copy_(host)
+
+    def rename(self, src: str, dst: str) -> None:
+        """File ``src`` becomes ``dst`` (replacing it); nothing when there is no ``src``."""
+        if os.path.exists(self.path(src)):
+            os.replace(self.path(src), self.path(dst))
+            self._sizes[dst] = self._sizes.pop(src, 0)
 
     def remove(self, key: str) -> None:
         self._sizes.pop(key, None)

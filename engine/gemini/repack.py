@@ -32,8 +32,8 @@ How, and what it builds on:
   buffer written to NVMe; from each old chunk only the ranges the new chunk takes are copied
   (RAM) or read at their offsets (NVMe ``.state`` files: no whole-file staging). A sharded old
   chunk is all-gathered row by row in ``world`` pieces of a row, only the pieces that hold
-  something the new chunk takes — ``checkpoint.py``'s ``_read_state_shard``/``_gather_full``
-  idea at a fraction of its memory: the transient is a new block plus ``~1/world`` of an old row.
+  something the new chunk takes — ``ChunkManager.read_state``/``gather_full`` (what checkpoints
+  use) at a fraction of their memory: the transient is a new block plus ``~1/world`` of an old row.
   An old chunk's homes (RAM, NVMe files) are freed as soon as every parameter in it has moved.
 * **Budgets**: old and new homes coexist for a while, so the schedule is first played *dry*
   against copies of the tier counters (homes, the new block, the gather pieces, staging for
@@ -44,9 +44,9 @@ How, and what it builds on:
   schedule, so no tier is ever over its capacity during the move.
 * **Same objects**: parameters stay the same ``nn.Parameter`` objects (``materialize.bind`` makes
   them views of the new chunks), so the user's optimizer ``param_groups`` stay valid; the
-  manager's chunk list, state blocks, NVMe files (written under temporary names, renamed to
-  ``c<id>.*`` once the old files are gone), access trace, ``GeminiModel``'s hooks and the
-  optimizer's per-chunk step counts are rebuilt, and a telemetry snapshot is emitted.
+  manager's chunk list, state blocks, per-chunk step counts (``ChunkManager.adopt``), NVMe files
+  (written under temporary names, renamed to ``c<id>.*`` once the old files are gone), access
+  trace and ``GeminiModel``'s hooks are rebuilt, and a telemetry snapshot is emitted.
 
 The whole thing runs before the first real forward (and so also after a ``load_model`` /
 ``load_optimizer`` resume), when no gradient is pending; it costs one read and one write of
@@ -55,7 +55,6 @@ every chunk's optimizer state, once.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -66,11 +65,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm, telemetry
-from .chunk import Chunk, TensorInfo, TensorState, pack, search_chunk_size
-from .chunk_manager import ChunkManager, _all_gather
+from .chunk import Chunk, TensorInfo, TensorState, pack_chunks, search_chunk_size
+from .chunk_manager import ChunkManager
 from .materialize import bind
-from .memstats import AccessTrace, NonModelMemory, storage_key
-from .nvme import _as_bytes
 from .placement import min_working_set_bytes, plan_homes
 
 ORDERS = ("execution", "registration")
@@ -199,9 +196,9 @@ def learn_and_repack(model, args, kwargs) -> None:
         mover = _Mover(mgr, old, new, dry=False)
         mover.run(plan)
         spec.status, spec.spilled, spec.gathers = "repacked", len(mover.spilled), mover.gathers
-        _adopt(mgr, new, mover)
+        mgr.adopt(new, mover.state, mover.steps)
     finally:
-        model._install_hooks()
+        model.install_hooks()
         spec.done = True
         spec.seconds += time.perf_counter() - t0
     if spec.status == "repacked":
@@ -218,21 +215,8 @@ def _new_layout(mgr: ChunkManager, spec: PackSpec, ordered: List[TensorInfo]) ->
     c0 = old[0]
     numels = [i.numel for i in ordered]
 
-    def chunks_of(size: int) -> List[Chunk]:
-        groups = pack(numels, size)
-        n_shard = int(round(spec.shard_param_frac * len(groups)))
-        out = []
-        for cid, idxs in enumerate(groups):
-            c = Chunk(id=cid, size=size, dtype=c0.dtype, world=c0.world, rank=c0.rank,
-                      sharded=c0.world > 1 and cid < n_shard)
-            off = 0
-            for i in idxs:
-                src = ordered[i]
-                c.infos.append(TensorInfo(name=src.name, param=src.param, offset=off, numel=src.numel,
-                                          shape=src.shape, group=src.group))
-                off += src.numel
-            out.append(c)
-        return out
+    def chunks_of(size: int) -> List[Chunk]:  # the packing build() does, over the new order
+        return pack_chunks(ordered, size, c0.dtype, c0.world, c0.rank, spec.shard_param_frac)
 
     new = None
     if spec.search_max is not None:  # the size was searched at boost: search again for this order
@@ -384,8 +368,7 @@ class _Mover:
                 self._release(oc)
 
     def _steps_of(self, oc: Chunk) -> int:
-        opt = getattr(self.mgr, "gemini_optimizer", None)
-        return opt.steps.get(oc.id, 0) if opt is not None else 0
+        return self.mgr.steps.get(oc.id, 0)
 
     def _move(self, k: int, c: Chunk, oc: Chunk, block: Optional[torch.Tensor]) -> None:
         """Copy into ``block`` (new chunk ``c``'s shard, rows master|exp_avg|exp_avg_sq) what old
@@ -414,14 +397,14 @@ class _Mover:
         if self.dry or not mine:
             return
         n_new, n_old = c.shard_size, oc.shard_size
-        st = self.mgr._optim_state.get(oc.id) if oc.optim_home != "nvme" else None
+        st = self.mgr.state_block(oc)
         for r in range(3):
             for a, b, d in mine:
                 dst = block[r * n_new + d:r * n_new + d + b - a]
                 if st is not None:
                     dst.copy_(st[r * n_old + a:r * n_old + b])
                 else:
-                    self._pread(oc, 4 * (r * n_old + a), dst)
+                    self.mgr.nvme.read_at(f"c{oc.id}.state", 4 * (r * n_old + a), dst)
 
     def _move_sharded(self, c: Chunk, oc: Chunk, need, mine, block) -> None:
         """Old chunk sharded over the ranks: all-gather, row by row and in ``world`` pieces of a
@@ -437,7 +420,7 @@ class _Mover:
                 pieces.update(range(lo // q, (hi - 1) // q + 1))
         on_nvme, dev = oc.optim_home == "nvme", mgr.device.type != "cpu"
         gtier = mgr.compute.name if dev else self.host          # where the collective's buffers live
-        st = None if (self.dry or on_nvme) else mgr._optim_state[oc.id]
+        st = None if (self.dry or on_nvme) else mgr.state_block(oc)
         staged = self._empty(self.host, q) if on_nvme else None  # this rank's piece, read from its file
         din = self._empty(gtier, q) if dev else None
         dout = self._empty(gtier, world * q)
@@ -449,14 +432,14 @@ class _Mover:
                     continue
                 if on_nvme:
                     src = staged[:L]
-                    self._pread(oc, 4 * (r * n + j * q), src)
+                    self.mgr.nvme.read_at(f"c{oc.id}.state", 4 * (r * n + j * q), src)
                 else:
                     src = st[r * n + j * q:r * n + j * q + L]
                 if din is not None:
                     din[:L].copy_(src)
                     src = din[:L]
                 out = dout[:world * L]
-                _all_gather(out, src, mgr.group)      # out[s*L + t] = rank s's local[r*n + j*q + t]
+                comm.all_gather_into_tensor(out, src, group=mgr.group)  # out[s*L + t] = rank s's local[r*n + j*q + t]
                 for a, b, d in mine:
                     for s in range(a // n, (b - 1) // n + 1):
                         x0, x1 = max(a, s * n + j * q), min(b, s * n + j * q + L)
@@ -468,29 +451,6 @@ class _Mover:
             self.give(gtier, 4 * q)
         if on_nvme:
             self.give(self.host, 4 * q)
-
-    def _pread(self, oc: Chunk, offset: int, dst: torch.Tensor) -> None:
-        """Read ``dst.numel()`` floats at byte ``offset`` of old chunk ``oc``'s ``.state`` file.
-
-        Only the ranges a new chunk takes are read (no whole-file staging buffer); a plain
-        buffered read, which is coherent with files the store wrote with ``O_DIRECT``.
-        """
-        out = dst if dst.device.type == "cpu" and dst.is_contiguous() else torch.empty(dst.numel())
-        buf = _as_bytes(out)
-        path = self.mgr.nvme.path(f"c{oc.id}.state")
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(buf):
-                got = os.preadv(fd, [buf[done:]], offset + done)
-                if got == 0:
-                    raise IOError(f"Gemini re-pack: {path} is shorter than expected; was the offload directory "
-                                  "modified?")
-                done += got
-        finally:
-            os.close(fd)
-        if out is not dst:
-            dst.copy_(out)
 
     # ---- homes -------------------------------------------------------------------------------
     def _alias(self, c: Chunk) -> bool:
@@ -566,7 +526,7 @@ class _Mover:
         else:
             self.give(oc.optim_home, 12 * n)
             if not self.dry:
-                mgr._optim_state.pop(oc.id, None)
+                mgr.drop_state(oc)
         if not self.dry:
             oc.full = oc.shard = None
             oc.gathered = False
@@ -593,23 +553,8 @@ class _Mover:
             self.process(code // 2, spill=bool(code % 2))
         self.finish()
         assert all(not v for v in self.left.values())
-        nv = self.mgr.nvme
-        if nv is not None:  # new files were written under temporary names; the old ones are gone
+        if self.mgr.nvme is not None:  # new files were written under temporary names; the old ones are gone
             for c in self.new:
                 for kind in ("param", "state"):
-                    a, b = f"r{c.id}.{kind}", f"c{c.id}.{kind}"
-                    if os.path.exists(nv.path(a)):
-                        os.replace(nv.path(a), nv.path(b))
-                        nv._sizes[b] = nv._sizes.pop(a, 0)
+                    self.mgr.nvme.rename(f"r{c.id}.{kind}", f"c{c.id}.{kind}")
 
-
-def _adopt(mgr: ChunkManager, new: List[Chunk], mover: _Mover) -> None:
-    """The manager, the optimizer and the trace follow the new chunk list."""
-    mgr.chunks = new
-    mgr._optim_state = mover.state
-    mgr._lru.clear()
-    mgr.trace = AccessTrace()          # learned again in this (warm-up) step, with the new ids
-    mgr.nonmodel = NonModelMemory({storage_key(c.full) for c in new})
-    opt = getattr(mgr, "gemini_optimizer", None)
-    if opt is not None:
-        opt.relink(dict(mover.steps))

@@ -15,6 +15,10 @@ Hooks sit on modules that own parameters directly, so a chunk is gathered only f
 modules that use it, whatever the model's structure. At the first training forward (the
 warm-up) the chunks are re-packed in the order those hooks fire (``repack.py``) before the
 real forward runs; the hooks are then re-installed for the new chunks.
+
+As every boosted model (``wrappers.ModelWrapper``, its base), it moves the forward's inputs to
+its compute device and counts their tokens for ``StepMetrics``; it runs no autocast: the
+parameters already are in the chunks' compute dtype.
 """
 
 from __future__ import annotations
@@ -24,24 +28,25 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..wrappers import ModelWrapper
 from .chunk import Chunk, TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .repack import PackSpec, learn_and_repack
 
 
-class GeminiModel(nn.Module):
+class GeminiModel(ModelWrapper):
     """Wraps ``module``; call it like the module. ``unwrap()`` returns the original module."""
 
     def __init__(self, module: nn.Module, manager: ChunkManager, pack: Optional[PackSpec] = None):
-        super().__init__()
-        self.module = module
+        super().__init__(module)
+        self.device = manager.device
         self._mgr = manager
         # chunks are re-packed in execution order at the first training forward (repack.py)
         self.pack = pack if pack is not None else PackSpec(order="registration")
         self._handles = []
-        self._install_hooks()
+        self.install_hooks()
 
-    def _install_hooks(self) -> None:
+    def install_hooks(self) -> None:
         """Hooks for the manager's current chunk list (again after a re-pack)."""
         manager, module = self._mgr, self.module
         self._where: Dict[int, Tuple[Chunk, TensorInfo]] = {}
@@ -115,6 +120,7 @@ class GeminiModel(nn.Module):
 
     # ---- module API --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        args, kwargs = self._prepare(args, kwargs)
         if torch.is_grad_enabled() and self.module.training and not self._mgr._in_backward:
             if not self.pack.done:  # the warm-up: learn the execution order, re-pack before running
                 learn_and_repack(self, args, kwargs)
@@ -124,23 +130,39 @@ class GeminiModel(nn.Module):
                     return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
-    def unwrap(self) -> nn.Module:
-        return self.module
-
     @property
     def manager(self) -> ChunkManager:
         return self._mgr
 
-    def state_dict(self, *args, **kwargs):
-        """Full (gathered) tensors by parameter name, on CPU — collective on every rank."""
-        from .checkpoint import gather_model_state
-
-        return gather_model_state(self)
+    def state_dict(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
+        """Full (gathered) fp32 master tensors by parameter name, on CPU — collective on every rank."""
+        out: Dict[str, torch.Tensor] = {}
+        for c in self._mgr.chunks:
+            full = self._mgr.gather_full(c, self._mgr.read_state(c)[:c.shard_size].contiguous())
+            for info in c.infos:
+                out[info.name] = full[info.offset:info.end].view(info.shape).clone()
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        from .checkpoint import load_model_state
-
-        return load_model_state(self, state_dict, strict=strict)
+        mgr, sd = self._mgr, state_dict
+        names = {i.name for c in mgr.chunks for i in c.infos}
+        missing, unexpected = sorted(names - set(sd)), sorted(set(sd) - names)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Gemini load_model: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}; "
+                               "pass strict=False to skip them")
+        for c in mgr.chunks:
+            state = mgr.read_state(c)
+            full = mgr.gather_full(c, state[:c.shard_size].contiguous()).clone()
+            for info in c.infos:
+                if info.name in sd:
+                    t = sd[info.name]
+                    if tuple(t.shape) != tuple(info.shape):
+                        raise RuntimeError(f"Gemini load_model: {info.name} has shape {tuple(t.shape)} in the "
+                                           f"checkpoint but {tuple(info.shape)} in the model")
+                    full[info.offset:info.end].copy_(t.reshape(-1).float())
+            state[:c.shard_size].copy_(full[slice(*c.shard_range)])
+            mgr.write_state(c, state, params=True)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -9,8 +9,9 @@ device supports it — the fused CPU kernel on host/NVMe chunks), and the new fp
 into the chunk's compute-dtype parameter shard. Hyper-parameters are read from the user's
 optimizer's ``param_groups`` every step, so LR schedulers keep working unchanged.
 
-fp16 uses a dynamic loss scale (skip the step and halve on inf/nan, double after
-``growth_interval`` clean steps); bf16 and fp32 need none.
+fp16 uses the engine's one ``DynamicLossScaler`` through ``OptimizerWrapper``'s step policy:
+gradients live in chunk shards, not ``p.grad``, so ``_unscale`` only votes (over ``group``) on
+whether any rank's shards hold inf/nan, and the update folds 1/scale into its gradient scale.
 
 ``clip_grad_by_norm`` (what ``Booster.clip_grad_by_norm`` calls) computes the global norm from
 the gradient shards where they are (RAM, or the norms taken as NVMe-bound gradients were
@@ -22,7 +23,7 @@ of rewriting the gradients.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.optim.adam import adam as _adam
 from torch.optim import Optimizer
 
 from .. import comm
+from ..wrappers import OptimizerWrapper
 from .chunk_manager import ChunkManager
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
@@ -39,76 +41,63 @@ def _fused_ok(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
-class GeminiOptimizer:
-    """``step()``/``zero_grad()``/``backward(loss)``/``param_groups``/``state_dict()`` like an Optimizer."""
+def check_optimizer(optimizer: Optimizer) -> None:
+    """Raise ``ValueError`` unless Gemini can run ``optimizer`` (called before any work)."""
+    if not isinstance(optimizer, SUPPORTED):
+        raise ValueError(f"GeminiPlugin: optimizer={type(optimizer).__name__} is not supported; pass "
+                         "torch.optim.AdamW or torch.optim.Adam (Gemini runs fused AdamW on chunk shards)")
+    if any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups):
+        raise ValueError("GeminiPlugin: amsgrad/maximize are not supported; set them to False")
+
+
+class GeminiOptimizer(OptimizerWrapper):
+    """The boosted optimizer of a Gemini model: the base's step policy over chunk shards."""
 
     def __init__(self, optimizer: Optimizer, manager: ChunkManager, precision: str = "fp32",
-                 group=None, initial_scale: float = 2.0 ** 16, growth_interval: int = 1000):
-        if not isinstance(optimizer, SUPPORTED):
-            raise ValueError(
-                f"GeminiPlugin: optimizer={type(optimizer).__name__} is not supported; Gemini updates "
-                "chunk shards with fused AdamW — pass torch.optim.AdamW or torch.optim.Adam")
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError("GeminiPlugin: amsgrad/maximize are not supported; set them to False")
-        self.optim = optimizer
+                 group=None, model=None):
+        check_optimizer(optimizer)
+        super().__init__(optimizer, model, precision, group=group)
         self.mgr = manager
-        self.precision = precision
         self.group = group
         self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
             g.get("decoupled_weight_decay") for g in optimizer.param_groups)
-        self._group_of: Dict[int, int] = {}
-        for gi, g in enumerate(optimizer.param_groups):
-            for p in g["params"]:
-                self._group_of[id(p)] = gi
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for c in manager.chunks:
             for info in c.infos:
-                info.group = self._group_of.get(id(info.param), -1)
-        self.steps: Dict[int, int] = {c.id: 0 for c in manager.chunks}
-        self.scale = initial_scale if precision == "fp16" else 1.0
-        self.growth_interval = growth_interval
-        self._clean = 0
-        self.skipped = 0
+                info.group = group_of.get(id(info.param), -1)
         self._clip_coef = 1.0
         self.optim.state.clear()  # the user's optimizer never steps; its state would be stale
-        manager.check_finite = precision == "fp16"
-        manager.gemini_optimizer = self  # repack.py moves the per-chunk step counts with the chunks
-
-    def relink(self, steps: Dict[int, int]) -> None:
-        """After a re-pack (``repack.py``): per-chunk step counts and param groups of the new chunks."""
-        for c in self.mgr.chunks:
-            for info in c.infos:
-                info.group = self._group_of.get(id(info.param), -1)
-        self.steps = {c.id: steps.get(c.id, 0) for c in self.mgr.chunks}
-
-    # ---- torch.optim.Optimizer-like surface ------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optim.param_groups
+        manager.check_finite = self.loss_scaler is not None
 
     @property
-    def defaults(self):
-        return self.optim.defaults
+    def steps(self) -> Dict[int, int]:
+        """Adam's step count per chunk id (kept by the manager, which moves it on a re-pack)."""
+        return self.mgr.steps
+
+    @property
+    def scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self.loss_scaler.scale = float(value)
+
+    @property
+    def skipped(self) -> int:
+        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Gradients live in chunk shards and are consumed by ``step``; nothing to clear."""
+        """Gradients live in chunk shards until ``step`` consumes them: drop any still waiting."""
+        self.mgr.discard_grads()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.scale if self.scale != 1.0 else loss).backward()
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        super().backward(loss, **kwargs)
         self.mgr.finish_backward()
 
-    def _found_inf(self) -> bool:
-        bad = torch.zeros(1, device=self.mgr.device)  # nccl reduces device tensors only
-        if self.mgr.found_inf:  # an NVMe-resident gradient was non-finite when it was stored
-            bad.fill_(1)
-        for c in self.mgr.chunks:
-            g = self.mgr._grad_shard.get(c.id)
-            if g is not None and not torch.isfinite(g).all():
-                bad.fill_(1)
-                break
-        if self.mgr.world > 1:
-            comm.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(bad.item())
+    def _unscale(self) -> bool:
+        """Nothing is rewritten (1/scale is folded into the update): only the vote on inf/nan."""
+        bad = not self.mgr.grads_finite()
+        return comm.any_rank(bad, self.group) if self.mgr.world > 1 else bad
 
     def clip_grad_by_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global gradient norm to ``max_norm`` for this step; returns the norm before
@@ -136,21 +125,17 @@ class GeminiOptimizer:
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("GeminiOptimizer.step(closure): closures are not supported")
+        self.mgr.finish_backward()
+        self.mgr.flush_writes()
+        super().step()
+
+    def _skip_step(self) -> None:
+        self._clip_coef = 1.0
+        self.mgr.discard_grads()
+        self.mgr.end_step()
+
+    def _apply_step(self) -> None:
         mgr = self.mgr
-        mgr.finish_backward()
-        mgr.flush_writes()
-        found_inf = self.precision == "fp16" and self._found_inf()
-        mgr.found_inf = False
-        if found_inf:
-            self._clip_coef = 1.0
-            self.skipped += 1
-            self.scale /= 2
-            self._clean = 0
-            for c in mgr.chunks:
-                if mgr.has_grad(c):
-                    mgr.release_optim(mgr.load_optim(c).wait())
-            mgr.end_step()
-            return
         mgr.drop_cache()
         todo = [c for c in mgr.chunks if mgr.has_grad(c)]
         window = mgr.load_optim(todo[0]) if todo else None
@@ -162,10 +147,6 @@ class GeminiOptimizer:
             mgr.release_optim(cur)  # write-behind for NVMe homes
         mgr.end_step()
         self._clip_coef = 1.0
-        if self.precision == "fp16":
-            self._clean += 1
-            if self._clean % self.growth_interval == 0:
-                self.scale *= 2
 
     def _update(self, c, w) -> None:
         if w.grad is None:
@@ -196,13 +177,30 @@ class GeminiOptimizer:
                     steps = [torch.tensor(float(step - 1)) for _ in segs]
                     _adam(params, grads, m, v, [], steps, foreach=False, **kw)
 
-    # ---- checkpoint surface (see checkpoint.py) ------------------------------------------------
-    def state_dict(self):
-        from .checkpoint import gather_optim_state
+    # ---- checkpoint surface (checkpoint.py) ---------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """``state.<name>.exp_avg|exp_avg_sq|step``, full tensors on CPU (collective on every rank)."""
+        out: Dict[str, torch.Tensor] = {}
+        for c in self.mgr.chunks:
+            full = self.mgr.gather_full(c, self.mgr.read_state(c))
+            m, v = full[c.size:2 * c.size], full[2 * c.size:]
+            for info in c.trainable:
+                out[f"state.{info.name}.exp_avg"] = m[info.offset:info.end].view(info.shape).clone()
+                out[f"state.{info.name}.exp_avg_sq"] = v[info.offset:info.end].view(info.shape).clone()
+                out[f"state.{info.name}.step"] = torch.tensor(float(self.steps[c.id]))
+        return out
 
-        return gather_optim_state(self)
-
-    def load_state_dict(self, sd) -> None:
-        from .checkpoint import load_optim_state
-
-        load_optim_state(self, sd)
+    def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        for c in self.mgr.chunks:
+            state = self.mgr.read_state(c)
+            full = self.mgr.gather_full(c, state).clone()
+            n, (s0, s1) = c.shard_size, c.shard_range
+            for row in (1, 2):
+                moments = full[row * c.size:(row + 1) * c.size]
+                for info in c.infos:
+                    key = f"state.{info.name}.{'exp_avg' if row == 1 else 'exp_avg_sq'}"
+                    if key in sd:
+                        moments[info.offset:info.end].copy_(sd[key].reshape(-1))
+                        self.steps[c.id] = int(sd[f"state.{info.name}.step"].item())
+                state[row * n:(row + 1) * n].copy_(moments[s0:s1])
+            self.mgr.write_state(c, state)

@@ -47,15 +47,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from ..gemini.build import build
+from ..gemini.checkpoint import GeminiCheckpointIO
+from ..gemini.nvme import check_direct_io
+from ..gemini.placement import POLICIES
+from ..gemini.repack import ORDERS
 from ..mixed_precision import TORCH_DTYPE_MAP, resolve_precision
-from .base import Plugin, default_device
+from .base import Plugin
 
 
 @dataclass
@@ -79,8 +83,6 @@ class GeminiPlugin(Plugin):
     controls_precision = True
 
     def __post_init__(self):
-        from ..gemini.placement import POLICIES
-
         if self.placement_policy not in POLICIES:
             raise ValueError(f"GeminiPlugin(placement_policy={self.placement_policy!r}): unknown policy; "
                              f"choose one of {list(POLICIES)}")
@@ -107,8 +109,6 @@ class GeminiPlugin(Plugin):
             raise ValueError(f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb!r}): must be > 0 or None (search)")
         if not isinstance(self.max_prefetch, int) or self.max_prefetch < 0:
             raise ValueError(f"GeminiPlugin(max_prefetch={self.max_prefetch!r}): must be an int >= 0")
-        from ..gemini.repack import ORDERS
-
         if self.pack_order not in ORDERS:
             raise ValueError(f"GeminiPlugin(pack_order={self.pack_order!r}): choose one of {list(ORDERS)}")
         if self.nvme_direct_io and not self.nvme_offload_dir:
@@ -117,8 +117,6 @@ class GeminiPlugin(Plugin):
         if self.nvme_offload_dir is not None:
             self._check_dir(self.nvme_offload_dir)
             if self.nvme_direct_io:
-                from ..gemini.nvme import check_direct_io
-
                 check_direct_io(self.nvme_offload_dir)
 
     @staticmethod
@@ -133,100 +131,14 @@ class GeminiPlugin(Plugin):
 
     # ---- the boost -----------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision=None):
-        from ..gemini.chunk import Chunk, TensorInfo, pack, search_chunk_size
-        from ..gemini.chunk_manager import ChunkManager
-        from ..gemini.hostmem import bound_host_heap
-        from ..gemini.materialize import ParamSource
-        from ..gemini.nvme import NVMeStore
-        from ..gemini.placement import PlacementConfig, min_working_set_bytes, plan_homes
-        from ..gemini.repack import PackSpec
-        from ..gemini.tiers import TierStack
-        from ..gemini.zero_model import GeminiModel
-        from ..gemini.zero_optim import SUPPORTED, GeminiOptimizer
-
         precision = resolve_precision(mixed_precision, self.precision, "GeminiPlugin")
-        dtype = TORCH_DTYPE_MAP[precision]
-        if optimizer is not None and not isinstance(optimizer, SUPPORTED):
-            raise ValueError(f"GeminiPlugin: optimizer={type(optimizer).__name__} is not supported; pass "
-                             "torch.optim.AdamW or torch.optim.Adam (Gemini runs fused AdamW on chunk shards)")
-        world, rank = self.dp_size, self.dp_rank
-        device = default_device()
-        named, seen = [], set()
-        for name, p in model.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                named.append((name, p))
-        numels = [p.numel() for _, p in named]
-        elem = torch.empty((), dtype=dtype).element_size()
-        if self.chunk_size_mb is not None:
-            size = int(self.chunk_size_mb * 2 ** 20) // elem
-            if size < max(numels):
-                big = max(named, key=lambda np_: np_[1].numel())
-                raise ValueError(
-                    f"GeminiPlugin(chunk_size_mb={self.chunk_size_mb}): a chunk holds {size} elements but parameter "
-                    f"{big[0]!r} has {big[1].numel()}; parameters never straddle chunks, so set chunk_size_mb >= "
-                    f"{max(numels) * elem / 2 ** 20:.3f} or None to search")
-            size = -(-size // world) * world
-        else:
-            size = search_chunk_size(numels, world, max_size=self._max_chunk_elems(elem))
-        groups = pack(numels, size)
-        n_shard = int(round(self.shard_param_frac * len(groups)))
-        chunks = []
-        for cid, idxs in enumerate(groups):
-            c = Chunk(id=cid, size=size, dtype=dtype, world=world, rank=rank,
-                      sharded=world > 1 and cid < n_shard)
-            off = 0
-            for i in idxs:
-                name, p = named[i]
-                c.infos.append(TensorInfo(name=name, param=p, offset=off, numel=p.numel(), shape=p.shape))
-                off += p.numel()
-            chunks.append(c)
-        stack = TierStack.build(device, self.device_memory_limit, self.nvme_offload_dir)
-        pair = min_working_set_bytes(chunks)
-        if stack.compute.capacity < pair:
-            raise ValueError(
-                f"GeminiPlugin(device_memory_limit={self.device_memory_limit}): the compute tier must hold at least "
-                f"the largest chunk pair being computed with its gradient ({pair} bytes, chunk size {size} elements); raise "
-                "device_memory_limit or lower chunk_size_mb")
-        cfg = PlacementConfig(policy=self.placement_policy, offload_optim_frac=self.offload_optim_frac,
-                              offload_param_frac=self.offload_param_frac, nvme_offload_frac=self.nvme_offload_frac,
-                              max_prefetch=self.max_prefetch)
-        plan_homes(chunks, stack, cfg)  # raises before any memory is touched
-        # ---- work starts here --------------------------------------------------------------
-        if stack.compute.device.type == "cpu" and self.device_memory_limit is not None:
-            bound_host_heap()  # RSS must follow the compute tier's accounting (see gemini/hostmem.py)
-        nvme = NVMeStore(self.nvme_offload_dir, direct=self.nvme_direct_io) if self.nvme_offload_dir is not None else None
-        telemetry_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mgr = ChunkManager(chunks, stack, cfg, device, group=self.dp_group, nvme=nvme,
-                           pin_memory=self.pin_memory, telemetry_rank=telemetry_rank)
-        source = ParamSource(model)  # meta (lazy_init) parameters are materialised chunk by chunk
-        mgr.materialize(source)
-        source.finish(torch.device("cpu"))
-        for m in model.modules():  # buffers go to the compute device; parameters went into chunks
-            for bname, b in list(m._buffers.items()):
-                if b is not None:
-                    m._buffers[bname] = b.to(device)
-        self._managers.append(mgr)
-        spec = PackSpec(order=self.pack_order, shard_param_frac=self.shard_param_frac,
-                        search_max=None if self.chunk_size_mb is not None else self._max_chunk_elems(elem))
-        gmodel = GeminiModel(model, mgr, pack=spec)  # re-packs in execution order at the first training forward
-        goptim = GeminiOptimizer(optimizer, mgr, precision, group=self.dp_group) if optimizer is not None else None
-        mgr.snapshot()
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "precision"}
+        gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
+                                        group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
+        self._managers.append(manager)
         return gmodel, goptim, criterion, dataloader, lr_scheduler
 
-    def _max_chunk_elems(self, elem: int) -> int:
-        """Largest chunk the size search may pick: under ``device_memory_limit`` the run-time working
-        set (chunks in compute and in flight, fp32 gradient buffers, an optimizer window) must stay an
-        eighth of the budget, or everything spills and the limit is hit by the working set alone."""
-        default = 32 << 20
-        if self.device_memory_limit is None:
-            return default
-        per_elem = max((2 + self.max_prefetch) * elem + 8, 3 * (16 + elem) + 2 * elem)  # see working_set_bytes
-        return max(1, min(default, self.device_memory_limit // (8 * per_elem)))
-
     def get_checkpoint_io(self):
-        from ..gemini.checkpoint import GeminiCheckpointIO
-
         return GeminiCheckpointIO(self.dp_group)
 
     def close(self) -> None:
