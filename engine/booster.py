@@ -112,25 +112,18 @@ class Booster:
             if device.type != "cpu":  # batches arrive where the model computes
                 out = (*out[:3], DeviceDataLoader(out[3], device), out[4])
         boosted_opt, boosted_sched = out[1], out[4]
-        inner = getattr(boosted_opt, "optim", None)
-        if boosted_sched is not None and inner is not None and getattr(boosted_sched, "optimizer", None) is optimizer \
-                and inner is not optimizer:
+        if boosted_opt is not None and boosted_sched is not None \
+                and getattr(boosted_sched, "optimizer", None) is optimizer and boosted_opt.optim is not optimizer:
             # the plugin rebuilt the optimizer (sharded params / ZeRO): the scheduler must drive
             # the new param groups (which carry over lr and initial_lr)
-            _retarget_scheduler(boosted_sched, inner)
+            _retarget_scheduler(boosted_sched, boosted_opt.optim)
         self._boosted = True
-        self._meter = None
-        if boosted_opt is not None and not hasattr(boosted_opt, "_emit"):
-            # Gemini / hybrid optimizers don't emit StepMetrics themselves (OptimizerWrapper does)
-            from .step_metrics import StepMeter
-
-            self._meter = StepMeter(out[0], boosted_opt)
         return out
 
     # ---- the training step ---------------------------------------------------------------
     def backward(self, loss, optimizer) -> None:
-        if getattr(self, "_meter", None) is not None:
-            self._meter.record_loss(loss)
+        """``optimizer.backward(loss)``: loss scaling, the loss StepMetrics reports, and whatever
+        the plugin's backward needs."""
         self.plugin.backward(loss, optimizer)
 
     def no_sync(self, model: nn.Module = None, optimizer=None) -> contextlib.AbstractContextManager:
@@ -142,18 +135,8 @@ class Booster:
 
     def execute_pipeline(self, data_iter: Iterator, model, criterion, optimizer=None,
                          return_loss: bool = True, return_outputs: bool = False) -> dict:
-        meter = getattr(self, "_meter", None)
-        if meter is None:
-            return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer,
-                                                return_loss=return_loss, return_outputs=return_outputs)
-        meter.in_pipeline = True  # count the batches drawn, not the stages' forwards
-        try:
-            out = self.plugin.execute_pipeline(meter.count_batches(data_iter), model, criterion, optimizer,
-                                               return_loss=return_loss, return_outputs=return_outputs)
-        finally:
-            meter.in_pipeline = False
-        meter.record_loss(out.get("loss") if isinstance(out, dict) else None)
-        return out
+        return self.plugin.execute_pipeline(data_iter, model, criterion, optimizer,
+                                            return_loss=return_loss, return_outputs=return_outputs)
 
     def prepare_dataloader(self, dataset: Dataset, batch_size: int, shuffle: bool = False, seed: int = 1024,
                            drop_last: bool = False, pin_memory: bool = False, num_workers: int = 0,

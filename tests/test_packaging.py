@@ -144,12 +144,6 @@ def _float8():
     return hasattr(torch, "float8_e4m3fn")
 
 
-def _pre_hook_kwargs():
-    import torch
-
-    return _sig_has(torch.nn.Module.register_forward_pre_hook, "with_kwargs")
-
-
 def _zero_redundancy():
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
 
@@ -173,7 +167,6 @@ TORCH_APIS = [
     ((2, 4), "tensor.parallel parallelize_module / ColwiseParallel / RowwiseParallel", "engine/tensor_parallel.py", "parallelize_module", _tp_plans),
     ((2, 1), "Tensor.register_post_accumulate_grad_hook", "engine/gemini/zero_model.py", "register_post_accumulate_grad_hook(", _post_accumulate_hook),
     ((2, 1), "torch.float8_e4m3fn", "engine/mixed_precision/fp8.py", "torch.float8_e4m3fn", _float8),
-    ((2, 0), "Module.register_forward_pre_hook(with_kwargs=)", "engine/step_metrics.py", "with_kwargs=True", _pre_hook_kwargs),
     ((1, 8), "torch.distributed.optim.ZeroRedundancyOptimizer", "engine/plugins/low_level_zero.py", "ZeroRedundancyOptimizer", _zero_redundancy),
 ]
 
