@@ -54,6 +54,8 @@ class StageSpan:
     ``kind`` is one of ``F``, ``B`` (input grad), ``W`` (weight grad), ``send``, ``recv``,
     ``optim``; ``start``/``end`` are wall-clock seconds on that rank (``time.time()``), measured,
     never simulated. ``microbatch`` is -1 for actions that belong to the whole step (optim).
+    ``dp``/``tp`` are the rank's data- and tensor-parallel coordinates, so ranks that share a
+    stage stay apart (the timeline draws a row per rank: ``stage s · dp d · tp t``).
     """
 
     rank: int
@@ -63,6 +65,8 @@ class StageSpan:
     kind: str
     start: float
     end: float
+    dp: int = 0
+    tp: int = 0
 
     def __post_init__(self):
         if self.kind not in SPAN_KINDS:
@@ -75,13 +79,22 @@ class StageSpan:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock)."""
+    """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock).
+
+    Optional detail where the tier has it (0 / ``None`` when not measured): ``peak``, the
+    most bytes in use since the sampler started (``torch.cuda.max_memory_allocated`` on a
+    GPU); ``reserved``, bytes the tier holds beyond ``used`` (torch's caching allocator);
+    ``util``, the device's compute utilisation in percent (NVML).
+    """
 
     rank: int
     time: float
     tier: str
     used: int
     capacity: int
+    peak: int = 0
+    reserved: int = 0
+    util: Optional[float] = None
 
     def __post_init__(self):
         if self.tier not in TIERS:
@@ -111,7 +124,8 @@ _NAMES = {name: (cls, frozenset(_FIELDS[cls])) for name, cls in EVENT_TYPES.item
 # fields left out of ``to_dict`` while they hold their default: the engine never sets them
 # (only the relay does), so a JSONL trace of the engine's own events carries only the keys
 # every reader of these traces knows
-_OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),)}
+_OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),), StageSpan: (("dp", 0), ("tp", 0)),
+                    MemorySample: (("peak", 0), ("reserved", 0), ("util", None))}
 
 
 def to_dict(event: Event) -> dict:
