@@ -103,10 +103,6 @@ class Chunk:
     def trainable(self) -> List[TensorInfo]:
         return [i for i in self.infos if i.param.requires_grad]
 
-    @property
-    def used_numel(self) -> int:
-        return self.infos[-1].end if self.infos else 0
-
     def names(self) -> Tuple[str, ...]:
         return tuple(i.name for i in self.infos)
 

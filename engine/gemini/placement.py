@@ -145,13 +145,3 @@ def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> N
             c.param_home = placed
         else:
             c.optim_home = placed
-
-
-def planned_bytes(chunks: List[Chunk], tier: str, stack: TierStack = None) -> int:
-    total = 0
-    for c in chunks:
-        if c.param_home == tier:
-            total += c.shard_bytes
-        if c.optim_home == tier:
-            total += optim_cost(c, tier, stack) if stack is not None else optim_block_bytes(c)
-    return total

@@ -63,9 +63,6 @@ class TierStack:
             return None
         raise KeyError(name)
 
-    def index(self, name: str) -> int:
-        return [t.name for t in self.tiers].index(name)
-
     @classmethod
     def build(cls, device: torch.device, device_memory_limit: Optional[int],
               nvme_dir: Optional[str]) -> "TierStack":

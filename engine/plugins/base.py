@@ -9,7 +9,6 @@ is touched) and raise ``ValueError`` naming the argument and a valid choice.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Tuple
 
 import torch
@@ -21,8 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 if TYPE_CHECKING:  # pragma: no cover
     from ..checkpoint_io import CheckpointIO
 
-from ..device import default_device  # noqa: F401  (re-exported: plugins place models with it)
-from ..mixed_precision import PRECISIONS  # noqa: F401  (re-exported: plugins validate against it)
+from ..device import default_device
 
 
 class Plugin:
@@ -82,11 +80,8 @@ class Plugin:
         raise NotImplementedError(f"{type(self).__name__}.configure")
 
     def backward(self, loss: torch.Tensor, optimizer) -> None:
-        """Backward through the (wrapped) optimizer so loss scaling / grad hooks apply."""
-        if hasattr(optimizer, "backward"):
-            optimizer.backward(loss)
-        else:
-            loss.backward()
+        """Backward through the boosted optimizer (an ``OptimizerWrapper``: loss scaling, StepMetrics)."""
+        optimizer.backward(loss)
 
     def no_sync(self, model: nn.Module, optimizer=None) -> ContextManager:
         """Skip gradient synchronisation inside the block (gradient accumulation)."""
@@ -128,8 +123,3 @@ class Plugin:
         from ..checkpoint_io import GeneralCheckpointIO
 
         return GeneralCheckpointIO(self.dp_group)
-
-
-@contextlib.contextmanager
-def nullcontext_sync() -> Iterator[None]:
-    yield

@@ -66,9 +66,6 @@ class Int8Linear(nn.Module):
         q, s = quantize_weight(linear.weight)
         return cls.from_quantized(q, s, linear.bias)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight_int8.float() * self.scale[:, None]
-
     _plan = None  # colossal_lab.kernels.int8_linear_cpu.Plan for the current buffers, once built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,11 +104,6 @@ class Int8Embedding(nn.Module):
         self.out_dtype = out_dtype  # the dtype the rest of the model computes in
         self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale)
-
-    @classmethod
-    def from_embedding(cls, emb: nn.Embedding) -> "Int8Embedding":
-        q, s = quantize_weight(emb.weight)
-        return cls(q, s, emb.padding_idx)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # int8 rows × fp32 scales promotes to fp32 in the multiply itself (no separate cast)
