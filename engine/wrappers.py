@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
-from . import telemetry
+from . import comm, telemetry
 from .checkpoint_io.checkpoint_io_base import unwrap_model
 from .device import default_device, module_device, to_device
 from .mixed_precision import DynamicLossScaler, autocast_dtype, needs_loss_scaling
@@ -221,7 +221,7 @@ class OptimizerWrapper:
             tokens, self.model.tokens = self.model.tokens, 0
         if telemetry.has_subscribers():
             loss = float(self._last_loss) if self._last_loss is not None else None
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = dist.get_rank() if comm.initialized() else 0
             telemetry.emit(telemetry.StepMetrics(rank=rank, step=self.step_count, loss=loss,
                                                  tokens=int(tokens), seconds=now - start))
         self._last_loss = None

@@ -93,12 +93,6 @@ def commit_dir(tmp: PathLike, path: PathLike) -> None:
             os.unlink(old)
 
 
-def _group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
                collective: bool = False) -> Iterator[Path]:
@@ -110,7 +104,7 @@ def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    multi = collective and _group_size(group) > 1
+    multi = collective and comm.initialized() and dist.get_world_size(group) > 1
     lead = (not multi) or dist.get_rank(group) == 0
     name = [str(_usual_mode(Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)), True))] \
         if lead else [None]

@@ -33,13 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .. import comm
 from .atomic import atomic_dir, atomic_file, recover
 from .checkpoint_io_base import CheckpointIO, PathLike, unwrap_model, unwrap_optimizer
 from .safetensors_shards import _prepare, load_state_dict_shards, save_state_dict_shards
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 class GeneralCheckpointIO(CheckpointIO):
@@ -49,7 +46,11 @@ class GeneralCheckpointIO(CheckpointIO):
         self.group = group
 
     def _is_writer(self) -> bool:
-        return not _dist() or dist.get_rank(self.group) == 0
+        return not comm.initialized() or dist.get_rank(self.group) == 0
+
+    def _barrier(self) -> None:
+        if comm.initialized():
+            dist.barrier(self.group)
 
     # ---- model ---------------------------------------------------------------------------
     def full_model_state_dict(self, model) -> dict:
@@ -69,8 +70,7 @@ class GeneralCheckpointIO(CheckpointIO):
             else:
                 with atomic_dir(path) as tmp:
                     save_state_dict_shards(sd, tmp, size_per_shard=size_per_shard, shard=shard)
-        if _dist():
-            dist.barrier(self.group)
+        self._barrier()
 
     def load_model(self, model, path: PathLike, strict: bool = True) -> None:
         module = unwrap_model(model)
@@ -103,7 +103,7 @@ class GeneralCheckpointIO(CheckpointIO):
         if scaler is not None:  # fp16: resume with the scale reached, not 2**16 again
             state["loss_scaler"] = {k: torch.tensor(float(v)) for k, v in scaler.state_dict().items()}
         with atomic_dir(path, group=self.group, collective=True) as tmp:
-            if _dist():
+            if comm.initialized():
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
             else:
                 with warnings.catch_warnings():  # "assuming single process": that is the intent
@@ -113,8 +113,7 @@ class GeneralCheckpointIO(CheckpointIO):
     def load_optimizer(self, optimizer, path: PathLike, model=None) -> None:
         optim, module = self._targets(optimizer, model)
         path = recover(path) if self._is_writer() else Path(path)
-        if _dist():
-            dist.barrier(self.group)
+        self._barrier()
         if hasattr(optimizer, "sync_param_groups"):
             optimizer.sync_param_groups()
         # The template initialises empty state (a zero-lr step) so DCP knows shapes and keys.
@@ -132,7 +131,7 @@ class GeneralCheckpointIO(CheckpointIO):
         scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None and "loss_scaler.scale" in saved:
             state["loss_scaler"] = {k: torch.tensor(0.0) for k in scaler.state_dict()}
-        if _dist():
+        if comm.initialized():
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         else:
             with warnings.catch_warnings():
@@ -149,8 +148,7 @@ class GeneralCheckpointIO(CheckpointIO):
         if self._is_writer():
             with atomic_file(path) as tmp:
                 torch.save(lr_scheduler.state_dict(), tmp)
-        if _dist():
-            dist.barrier(self.group)
+        self._barrier()
 
     def load_lr_scheduler(self, lr_scheduler, path: PathLike) -> None:
         lr_scheduler.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))

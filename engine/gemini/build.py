@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from .. import comm
 from ..device import default_device
 from ..mixed_precision import TORCH_DTYPE_MAP
 from .chunk import TensorInfo, pack_chunks, search_chunk_size
@@ -91,7 +92,7 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
         bound_host_heap()  # RSS must follow the compute tier's accounting (see hostmem.py)
     nvme = NVMeStore(nvme_offload_dir, direct=nvme_direct_io) if nvme_offload_dir is not None else None
     mgr = ChunkManager(chunks, stack, cfg, device, group=group, nvme=nvme, pin_memory=pin_memory,
-                       telemetry_rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+                       telemetry_rank=dist.get_rank() if comm.initialized() else 0)
     source = ParamSource(model)  # meta (lazy_init) parameters are materialised chunk by chunk
     mgr.materialize(source)
     source.finish(torch.device("cpu"))

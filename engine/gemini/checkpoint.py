@@ -23,17 +23,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-import torch
-import torch.distributed as dist
 
-from ..checkpoint_io import CheckpointIO, atomic_dir, atomic_file, load_state_dict_shards, save_state_dict_shards
-from ..checkpoint_io.atomic import recover
+from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover, save_state_dict_shards
 from .zero_model import GeminiModel
 from .zero_optim import GeminiOptimizer
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _groups_json(optim: GeminiOptimizer) -> str:
@@ -44,18 +37,9 @@ def _groups_json(optim: GeminiOptimizer) -> str:
     return json.dumps({"param_groups": groups, "loss_scaler": scaler}, indent=2)
 
 
-class GeminiCheckpointIO(CheckpointIO):
-    """``Booster.save_*``/``load_*`` for Gemini-boosted models and optimizers (collective calls)."""
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def _writer(self) -> bool:
-        return not _dist() or dist.get_rank(self.group) == 0
-
-    def _barrier(self):
-        if _dist():
-            dist.barrier(self.group)
+class GeminiCheckpointIO(GeneralCheckpointIO):
+    """``Booster.save_*``/``load_*`` for Gemini-boosted models and optimizers (collective calls);
+    the LR scheduler's file, the writer rank and the barrier are the general IO's."""
 
     @staticmethod
     def _gemini(model) -> GeminiModel:
@@ -81,13 +65,13 @@ class GeminiCheckpointIO(CheckpointIO):
 
     def save_model(self, model, path, shard: bool = True, size_per_shard: float = 1024) -> None:
         sd = self._gemini(model).state_dict()
-        if self._writer():
+        if self._is_writer():
             with atomic_dir(path) as tmp:
                 save_state_dict_shards(sd, tmp, size_per_shard=size_per_shard, shard=shard)
         self._barrier()
 
     def load_model(self, model, path, strict: bool = True) -> None:
-        if self._writer():
+        if self._is_writer():
             recover(path)
         self._barrier()
         self._gemini(model).load_state_dict(load_state_dict_shards(path), strict=strict)
@@ -95,7 +79,7 @@ class GeminiCheckpointIO(CheckpointIO):
     def save_optimizer(self, optimizer, path, model=None, size_per_shard: float = 1024) -> None:
         opt = self._gopt(optimizer)
         sd = opt.state_dict()
-        if self._writer():
+        if self._is_writer():
             with atomic_dir(path) as tmp:
                 save_state_dict_shards(sd, tmp, size_per_shard=size_per_shard, prefix="optimizer")
                 (Path(tmp) / "param_groups.json").write_text(_groups_json(opt))
@@ -103,7 +87,7 @@ class GeminiCheckpointIO(CheckpointIO):
 
     def load_optimizer(self, optimizer, path, model=None) -> None:
         opt = self._gopt(optimizer)
-        if self._writer():
+        if self._is_writer():
             recover(path)
         self._barrier()
         opt.load_state_dict(load_state_dict_shards(path, prefix="optimizer"))
@@ -113,12 +97,3 @@ class GeminiCheckpointIO(CheckpointIO):
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
         if opt.loss_scaler is not None:  # older checkpoints kept the scale alone
             opt.loss_scaler.load_state_dict(meta.get("loss_scaler") or {"scale": meta.get("loss_scale", opt.scale)})
-
-    def save_lr_scheduler(self, lr_scheduler, path) -> None:
-        if self._writer():
-            with atomic_file(path) as tmp:
-                torch.save(lr_scheduler.state_dict(), tmp)
-        self._barrier()
-
-    def load_lr_scheduler(self, lr_scheduler, path) -> None:
-        lr_scheduler.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))

@@ -141,7 +141,7 @@ def trace_order(module: nn.Module, params: List[nn.Parameter], args, kwargs) -> 
 
 def _vote(mgr: ChunkManager, values: List[int]) -> bool:
     """True when every rank holds the same ``values`` (a MIN and a MAX all-reduce)."""
-    if mgr.world <= 1 or not (dist.is_available() and dist.is_initialized()):
+    if mgr.world <= 1 or not comm.initialized():
         return True
     t = torch.tensor(values, dtype=torch.int64, device=mgr.device)
     lo, hi = t.clone(), t.clone()

@@ -33,11 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from .. import comm
 from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _targets(optimizer, model):
@@ -97,7 +94,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
                     t.copy_(distribute_tensor(src.to(t.device), t.device_mesh, t.placements))
                 else:
                     t.copy_(src)
-        if _dist():
+        if comm.initialized():
             dist.barrier()
 
     # ---- optimizer ---------------------------------------------------------------------
@@ -117,14 +114,14 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         if scaler is not None:
             sd.update({f"loss_scaler.{k}": torch.tensor(float(v)) for k, v in scaler.state_dict().items()})
         with atomic_dir(path, group=None, collective=True) as tmp:
-            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not _dist())
+            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not comm.initialized())
 
     def load_optimizer(self, optimizer, path, model=None) -> None:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         optim, model = _targets(optimizer, model)
-        path = recover(path) if not _dist() or dist.get_rank() == 0 else Path(path)
-        if _dist():
+        path = recover(path) if not comm.initialized() or dist.get_rank() == 0 else Path(path)
+        if comm.initialized():
             dist.barrier()
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         local, names = _local(optim), _names(model)
@@ -162,7 +159,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
                 else:
                     want[key] = v
         # every rank learns of any rank's error before the collective load (else peers would hang)
-        if _dist():
+        if comm.initialized():
             errors = [None] * dist.get_world_size()
             dist.all_gather_object(errors, error)
             error = next((e for e in errors if e), None)
@@ -171,7 +168,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None and "loss_scaler.scale" in saved:
             want.update({k: torch.tensor(0.0) for k in saved if k.startswith("loss_scaler.")})
-        dcp.load(want, checkpoint_id=str(path), no_dist=not _dist())
+        dcp.load(want, checkpoint_id=str(path), no_dist=not comm.initialized())
         # tensors were loaded in place into the live state; non-tensor leaves come back new
         for p in (p for g in local.param_groups for p in g["params"]):
             st = local.state.get(p, {})

@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import comm
 from ..wrappers import ModelWrapper, OptimizerWrapper
 from .base import Plugin, default_device
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -44,7 +39,7 @@ class DDPPlugin(Plugin):
     supported_precisions = ("fp32", "fp16", "bf16", "fp8")
 
     def _wrap_module(self, module: nn.Module) -> nn.Module:
-        if not _dist() or self.dp_size == 1:
+        if not comm.initialized() or self.dp_size == 1:
             return module
         dev = default_device()
         # broadcast_buffers is passed only when changed: torch 2.13 warns that it is deprecated
