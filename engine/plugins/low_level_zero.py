@@ -21,6 +21,7 @@ is an error at construction time, pointing to stage 2. Stage 3 is Gemini's job.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..wrappers import ModelWrapper, OptimizerWrapper, constructor_kwargs, rebuild_optimizer
+from .. import comm
+from ..wrappers import ModelWrapper, OptimizerWrapper, rebuild_optimizer
 from .base import Plugin, default_device
 from .ddp import prepare_module
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 @dataclass
@@ -60,12 +58,13 @@ class LowLevelZeroPlugin(Plugin):
 
         dev = default_device()
         module = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
-                     process_group=self.dp_group) if _dist() else model
+                     process_group=self.dp_group) if comm.initialized() else model
         if optimizer is None:
             return module, None, None
         names = {id(p): n for n, p in model.named_parameters()}
-        zero = rebuild_optimizer(optimizer, names, dict(model.named_parameters()),
-                                 optimizer_class=_zero_factory(type(optimizer), self.dp_group))
+        zero_class = functools.partial(ZeroRedundancyOptimizer, optimizer_class=type(optimizer),
+                                       process_group=self.dp_group)
+        zero = rebuild_optimizer(optimizer, names, dict(model.named_parameters()), optimizer_class=zero_class)
         return module, zero, zero.optim  # zero.optim: the local shard's torch optimizer
 
     # ---- stage 2 -------------------------------------------------------------------------
@@ -75,7 +74,7 @@ class LowLevelZeroPlugin(Plugin):
 
         from ..mixed_precision import autocast_dtype
 
-        if not _dist():  # one process: nothing to shard
+        if not comm.initialized():  # one process: nothing to shard
             return model, optimizer, optimizer
         dev = default_device().type
         mesh = (init_device_mesh(dev, (dist.get_world_size(),)) if self.dp_group is None
@@ -115,23 +114,6 @@ class LowLevelZeroPlugin(Plugin):
         if hasattr(inner, "set_requires_gradient_sync"):
             return _fsdp_no_sync(inner)
         return contextlib.nullcontext()
-
-
-def _zero_factory(optimizer_class, group):
-    """A constructor with the ``cls(groups, **defaults)`` shape ``rebuild_optimizer`` calls."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    def make(groups, **defaults):
-        # ZeroRedundancyOptimizer takes the first group at construction, the rest via add_param_group
-        first = {**defaults, **constructor_kwargs(optimizer_class, groups[0])}
-        zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=optimizer_class,
-                                       process_group=group, **first)
-        zero.param_groups[0].update({k: v for k, v in groups[0].items() if k != "params"})  # e.g. initial_lr
-        for g in groups[1:]:
-            zero.add_param_group(g)
-        return zero
-
-    return make
 
 
 def _blocks(model: nn.Module):
