@@ -74,11 +74,7 @@ def save_state_dict_shards(state_dict: Mapping[str, torch.Tensor], path: PathLik
     path.mkdir(parents=True, exist_ok=True)
     sd = _prepare(state_dict)
     meta = {"format": "pt", **(metadata or {})}
-    if not shard:
-        name = SINGLE_FILE.format(prefix=prefix)
-        save_file(sd, str(path / name), metadata=meta)
-        return [name]
-    plan = shard_plan(sd, int(size_per_shard * 1024 * 1024))
+    plan = shard_plan(sd, int(size_per_shard * 1024 * 1024)) if shard else [list(sd)]
     if len(plan) == 1:
         name = SINGLE_FILE.format(prefix=prefix)
         save_file(sd, str(path / name), metadata=meta)

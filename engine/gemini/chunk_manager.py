@@ -43,7 +43,7 @@ from .chunk import Chunk, TensorInfo, TensorState
 from .materialize import ParamSource, bind
 from .memstats import AccessTrace, NonModelMemory, storage_key
 from .nvme import NVMeStore
-from .placement import PlacementConfig, optim_block_bytes
+from .placement import PlacementConfig, optim_block_bytes, shares_master
 from .tiers import Tier, TierStack
 
 
@@ -198,10 +198,8 @@ class ChunkManager:
         self.nonmodel.chunk_storages = {storage_key(c.full) for c in self.chunks}
 
     def shares_master(self, c: Chunk) -> bool:
-        """fp32 chunk whose parameter shard and optimizer state share a RAM home: the parameter
-        shard is the master's own memory (4 bytes/parameter saved; torch's 16 bytes/parameter)."""
-        return c.dtype == torch.float32 and c.param_home == c.optim_home and c.param_home != "nvme" \
-            and self.stack.get(c.param_home).device == self.device
+        """The parameter shard is the fp32 master's own memory (``placement.shares_master``)."""
+        return shares_master(c, c.param_home, c.optim_home, self.stack)
 
     # ---- gather / release ------------------------------------------------------------------------
     def access(self, c: Chunk, infos: List[TensorInfo], state: TensorState) -> None:
@@ -644,7 +642,8 @@ class ChunkManager:
 
 
 class OptimWindow:
-    """One chunk's optimizer state + gradient, resident for the duration of its update.
+    """One chunk's optimizer state + gradient, resident for the duration of its update;
+    ``master``, ``exp_avg`` and ``exp_avg_sq`` are the rows of its state block.
 
     For NVMe homes the reads start at construction (read-ahead) and ``wait()`` joins them.
     """
@@ -665,24 +664,10 @@ class OptimWindow:
         else:
             self.state = mgr._optim_state[c.id]
             self.grad = mgr._grad_shard.get(c.id)
+        self.master, self.exp_avg, self.exp_avg_sq = self.state.view(3, n)
 
     def wait(self) -> "OptimWindow":
         for f in self._futs:
             f.result()
         self._futs = []
         return self
-
-    @property
-    def master(self) -> torch.Tensor:
-        n = self.chunk.shard_size
-        return self.state[:n]
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        n = self.chunk.shard_size
-        return self.state[n:2 * n]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        n = self.chunk.shard_size
-        return self.state[2 * n:]

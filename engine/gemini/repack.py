@@ -353,7 +353,7 @@ class _Mover:
         block = self._empty(c.optim_home if home_state else self.host, 3 * n, zero=True)
         for oc in self.contrib[k]:
             self._move(k, c, oc, block)
-        self.steps[k] = max([self._steps_of(oc) for oc in self.contrib[k] if oc.trainable] or [0])
+        self.steps[k] = max([self.mgr.steps.get(oc.id, 0) for oc in self.contrib[k] if oc.trainable] or [0])
         if spill:
             self.take("nvme", 12 * n)
             if not self.dry:
@@ -366,9 +366,6 @@ class _Mover:
             self.left[oc.id].discard(c.id)
             if not self.left[oc.id]:
                 self._release(oc)
-
-    def _steps_of(self, oc: Chunk) -> int:
-        return self.mgr.steps.get(oc.id, 0)
 
     def _move(self, k: int, c: Chunk, oc: Chunk, block: Optional[torch.Tensor]) -> None:
         """Copy into ``block`` (new chunk ``c``'s shard, rows master|exp_avg|exp_avg_sq) what old

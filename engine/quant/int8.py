@@ -120,11 +120,6 @@ def check_mode(mode: str) -> None:
                          "(weight-only, symmetric, per output channel)")
 
 
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -195,7 +190,7 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
             new = Int8Linear.from_quantized(q, s, m.bias)
         else:
             new = Int8Embedding(q, s, m.padding_idx)
-        _set_submodule(model, n, new)
+        model.set_submodule(n, new)
     if dtype is not None:
         cast_unquantized(model, dtype)
     return model

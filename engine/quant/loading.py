@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_names
-from .int8 import Int8Embedding, Int8Linear, _set_submodule, cast_unquantized, check_dtype, check_mode, quantize_weight
+from .int8 import Int8Embedding, Int8Linear, cast_unquantized, check_dtype, check_mode, quantize_weight
 
 PathLike = Union[str, os.PathLike]
 
@@ -139,7 +139,7 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
                 new = Int8Linear.from_quantized(q, s, bias)
         else:
             new = Int8Embedding(q, s, module.padding_idx)
-        _set_submodule(model, name, new.to(device))
+        model.set_submodule(name, new.to(device))
     left = meta_names(model)
     if left:
         raise ValueError(f"load_quantized: tensors left unloaded: {left[:5]}")

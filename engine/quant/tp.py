@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm
-from .int8 import Int8Linear, _set_submodule
+from .int8 import Int8Linear
 
 
 class RowParallelInt8Linear(Int8Linear):
@@ -101,5 +101,5 @@ def shard_int8_tp(model: nn.Module, group=None) -> nn.Module:
                              "with quantize(model, 'int8') first (and shard only once)")
         if mod.out_features * world == 0:
             continue
-        _set_submodule(model, name, slice_for_tp(mod.weight_int8, mod.scale, mod.bias, style, rank, world, group, name))
+        model.set_submodule(name, slice_for_tp(mod.weight_int8, mod.scale, mod.bias, style, rank, world, group, name))
     return model
