@@ -1,11 +1,7 @@
 """Gemini: chunk-based ZeRO-3 over a compute-device → host-RAM → NVMe tier stack.
 
-One idea per file: ``chunk`` (flat chunks, tensor states, packing, size search), ``tiers`` (the
-ordered stack and its capacities), ``nvme`` (async file IO), ``placement`` (policies → homes),
-``memstats`` (warm-up access trace, non-model memory), ``chunk_manager`` (gather/release,
-eviction, prefetch, gradient reduction, state blocks, telemetry), ``zero_model``/``zero_optim``
-(hooks and the chunked AdamW), ``repack`` (execution-order packing), ``checkpoint`` (files), and
-``build.build``, the one entry point. Users reach it through ``GeminiPlugin``; see docs/gemini.md.
+One idea per file (docs/gemini.md, "How it works"); ``build.build`` is the one entry point, which
+users reach through ``GeminiPlugin``.
 """
 
 from .chunk import Chunk, TensorInfo, TensorState, search_chunk_size

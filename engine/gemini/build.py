@@ -1,10 +1,8 @@
 """Gemini's one entry point: a model and its optimizer in, the boosted pair and their manager out.
 
-Everything that can fail is checked before any memory is touched: the optimizer, the chunk size,
-the compute tier against the largest chunk pair, and every chunk's home (``plan_homes`` raises
-when nothing fits). Only then are the NVMe store and the manager made and the chunks filled, one
-chunk at a time (a ``lazy_init`` model is materialised chunk by chunk). ``GeminiPlugin.configure``
-calls it; ``repack.py`` packs with the same ``chunk.pack_chunks``.
+Everything that can fail (the optimizer, the chunk size, the compute tier against the largest chunk
+pair, every chunk's home) is checked before any memory is touched; only then are the NVMe store and
+the manager made and the chunks filled, one at a time. ``GeminiPlugin.configure`` calls it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Gemini checkpoints: full, name-keyed tensors in HF-style safetensors, whatever the placement.
 
-Built on the engine's ``checkpoint_io`` pieces (``save_state_dict_shards``/
-``load_state_dict_shards`` and ``atomic_dir``): a chunk's bytes may sit in the compute tier,
-host RAM or an NVMe file, and be a 1/world shard, so we gather chunk by chunk (one chunk of
-memory at a time), read NVMe-resident shards through the store, and write one checkpoint
-that a plain ``GPT`` (``load_state_dict``) or a Gemini run on any number of ranks reads back.
-
-* model: ``model*.safetensors`` of the fp32 master weights (exact for fp32 runs; for bf16/fp16
-  runs the master is what training continues from);
-* optimizer: ``optimizer*.safetensors`` with ``state.<param>.exp_avg``/``exp_avg_sq``/``step``
-  plus ``param_groups.json`` (hyper-parameters, so LR schedules resume, and the fp16 loss
-  scaler's state).
-
 The gathering and loading are ``GeminiModel``'s and ``GeminiOptimizer``'s ``state_dict`` /
-``load_state_dict``; this file only writes and reads the files.
-
-Saving is atomic (temporary directory + rename): a failure, including a full disk, leaves the
-previous checkpoint intact.
+``load_state_dict``; this file only writes and reads the files (``model*.safetensors``,
+``optimizer*.safetensors`` + ``param_groups.json``), atomically. See docs/gemini.md, ``checkpoint.py`` row.
 """
 
 from __future__ import annotations

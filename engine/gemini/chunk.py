@@ -1,16 +1,8 @@
 """A chunk: parameters packed into one flat, fixed-size buffer, plus per-tensor states.
 
-Why chunks (Colossal-AI's Gemini, PatrickStar): moving, gathering and reducing one large flat
-buffer is far cheaper than doing it per tensor, and a chunk is the unit the placement policy
-reasons about. With ``world > 1`` ranks a sharded chunk keeps only ``1/world`` of its payload
-per rank (ZeRO-3); the full payload exists only while it is gathered.
-
-Storage trick (from FSDP2's unsharded parameters): every parameter's ``.data`` is a view into
-``chunk.full``. Releasing the chunk resizes ``full``'s storage to 0 bytes; gathering resizes it
-back and fills it. The parameters — and any copies autograd saved for backward — keep pointing
-at the same storage, so nothing is re-bound between forward and backward. Each parameter keeps
-a version counter of its own (``materialize.bind``), so refilling ``full`` with the values it
-had is not an in-place change in autograd's eyes.
+Every parameter is a view into ``chunk.full``, whose storage is resized to 0 bytes when released
+and back when gathered (FSDP2's trick), so nothing is re-bound between forward and backward.
+Why chunks, and the version-counter rule: docs/gemini.md, ``chunk.py`` row.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """The chunk manager: gathers, releases, moves and prefetches chunks over the tier stack.
 
-One algorithm for every stack (``cuda→cpu→nvme`` or ``cpu→nvme``):
-
-* every chunk has a home tier for its parameter shard and one for its optimizer state
-  (``placement.py``);
-* to compute, a chunk's full payload must be in the compute tier: it is read from its home
-  (NVMe read by the IO pool, host→device copy on a side stream on GPU) and all-gathered over
-  the data-parallel group when sharded;
-* the compute tier's bytes are accounted against its capacity (``device_memory_limit``);
-  when a chunk needs room, chunks not in use are dropped from the compute tier — under
-  ``auto`` the one whose next use (from the warm-up trace) is furthest, else the least
-  recently used. Parameters only change in the optimizer step, so dropping is free: the
-  home copy is still valid;
-* after a chunk is used, the next ``max_prefetch`` chunks of the trace are loaded in the
-  background when they fit without evicting anything needed sooner. With several ranks the
-  prefetch issues the all-gather asynchronously (``async_op=True``); every prefetch decision
-  depends only on the warm-up trace and byte counts that are equal on every rank (the warm-up's
-  activation peak is all-reduced), so every rank issues the same collectives in the same order.
-  An NVMe-homed sharded chunk is read at one access and all-gathered at the next;
-* gradients are copied into a full fp32 chunk buffer as each parameter's gradient is
-  accumulated, and when the chunk's last gradient arrives it is reduce-scattered (sharded
-  chunk) or all-reduced (replicated chunk) and handed to the optimizer state's home.
-
-Every change of a chunk's tier is a ``ChunkEvent``; ``snapshot()`` emits one per chunk and a
-``MemorySample`` per tier.
+One algorithm for every stack (``cuda→cpu→nvme`` or ``cpu→nvme``): a chunk computes from the
+compute tier, loaded from its homes (``placement.py``) and all-gathered when sharded; the compute
+tier's bytes are accounted against ``device_memory_limit``; eviction, prefetch (identical on every
+rank), gradient reduction and telemetry are described in docs/gemini.md (``chunk_manager.py`` row).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Parameter values for chunks, produced one chunk at a time — so a lazy model never exists in RAM.
 
-``booster.boost`` accepts a model built under ``engine.lazy.lazy_init()`` (every parameter on
-the meta device). ``ParamSource.value(info)`` hands the chunk manager one parameter's values as
-its chunk is packed: a meta parameter's owning module is materialised on CPU then (with
-``engine.lazy.materialize_module`` — the module's own ``reset_parameters``/``_init_weights``
-rules, or a ``state_dict_loader``), its values are kept only until their chunk is written to its
-home tier, and the module keeps pointing at the *original* ``nn.Parameter`` object. ``bind``
-then turns that object into a view of the chunk with ``torch.utils.swap_tensors`` (a meta
-tensor cannot take ``.data = cpu_tensor``), so the user's optimizer ``param_groups`` and any
-other reference stay valid. At most one chunk plus one module's parameters are alive at once.
-
-Random init order matches ``engine.lazy.materialize(model)`` (modules in ``named_modules``
-order, which is the order their parameters reach chunks), so a lazily built model boosted by
-Gemini starts from exactly the weights the same lazy model materialised eagerly would have.
-With tied weights the value comes from the first module that owns the parameter.
+``ParamSource.value(info)`` materialises a meta parameter's owning module on demand (the
+module's own init rules, ``engine.lazy.materialize_module``) and keeps its values only until the
+chunk is written to its home; ``bind`` makes the original ``nn.Parameter`` a view of its chunk, so
+the user's optimizer stays valid. See docs/gemini.md, ``materialize.py`` row.
 """
 
 from __future__ import annotations

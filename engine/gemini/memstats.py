@@ -1,18 +1,9 @@
 """Warm-up statistics for the ``auto`` policy: chunk access order and non-model memory.
 
-During the first training step we record the order in which chunks are touched (forward
-pre-hooks, then backward pre-hooks) and, at every touch (every operator that owns parameters),
-the bytes autograd holds for backward that are not chunk memory (activations: the "non-model
-memory" Colossal-AI's memstats collector measures per operator). Saved tensors are counted when
-autograd packs them and uncounted when backward unpacks them (autograd frees a saved tensor
-once its node has run), so the curve rises through forward and falls through backward.
-Later steps replay the access order to find, for any chunk, how far away its next use is — the
-key for furthest-next-use (Belady) eviction and for prefetching — and how much non-model memory
-the rest of the step will still need (``nonmodel_ahead``), which bounds how many gathered chunks
-``auto`` may keep cached at that point.
-
-Built on ``torch.autograd.graph.saved_tensors_hooks`` (counts what backward keeps alive on
-any device) rather than allocator statistics, so the same code measures CPU and CUDA runs.
+The first training step records the order chunks are touched and, at each touch, the bytes
+autograd holds for backward outside chunks (counted through ``saved_tensors_hooks``, so CPU and
+CUDA alike); later steps replay the order for furthest-next-use eviction, prefetch and
+``nonmodel_ahead``. See docs/gemini.md, ``memstats.py`` row.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Placement policies: which tier is each chunk's *home* for its parameters and its optimizer state.
 
-A home is where the authoritative copy lives between uses; the compute tier additionally
-caches gathered chunks while they are in use (and, under ``auto``, for as long as the budget
-allows — see ``chunk_manager.py``). Policies (Colossal-AI's names, same meaning):
-
-* ``cuda``   — everything on the compute device (fastest; needs the memory).
-* ``cpu``    — parameters and optimizer state in host RAM; chunks visit the device to compute
-  (ZeRO-Offload-like: least device memory, most host↔device traffic).
-* ``static`` — the last ``offload_param_frac`` of parameter chunks and ``offload_optim_frac``
-  of optimizer states live in host RAM, the rest on the device; fixed for the whole run.
-* ``auto``   — fill the compute tier greedily (leaving a working-set reserve), then host RAM,
-  then NVMe; at run time the compute tier is a cache with furthest-next-use eviction learned
-  from the warm-up step.
-
-For every policy, ``nvme_offload_frac`` of the optimizer states (the last chunks) goes to NVMe,
-and any block that does not fit its preferred tier spills down the stack; nothing fitting
-anywhere is an error raised before any memory is touched.
+Colossal-AI's policy names and meanings (``cuda``, ``cpu``, ``static``, ``auto``; docs/gemini.md,
+``placement_policy`` and the ``placement.py`` row). A block that does not fit its preferred tier
+spills down the stack; nothing fitting anywhere is an error raised before any memory is touched.
 """
 
 from __future__ import annotations

@@ -1,56 +1,11 @@
 """Chunks in execution order: learn the order at the first training forward, then re-pack.
 
-Why: a chunk is the unit Gemini gathers, moves and prefetches. ``boost`` has to pack before any
-forward has run, so it packs in registration order (``named_parameters()``); when modules are
-registered in another order than they run (a head tied to the embedding, modules registered
-in reverse, a parent that owns a parameter used last...), one forward then touches chunks out
-of order and a chunk can be gathered for one tensor, evicted, and gathered again. Packing in
-first-use order makes a forward walk the chunks front to back, which is what eviction
-(furthest next use) and prefetch (the next chunks) are best at.
-
-How, and what it builds on:
-
-* **Order** (``trace_order``): at the first training forward ``GeminiModel`` runs the wrapped
-  module once more on the meta device — ``torch.func.functional_call`` with meta stand-ins for
-  every parameter, buffer and tensor argument, so it costs no memory and no data — with
-  temporary forward pre-hooks on the modules that own parameters (the very points where
-  ``zero_model.py`` gathers chunks), recording each parameter's first use (a tied parameter
-  counts at its first use). The RNG state is forked around it, so dropout masks of the real
-  step do not change. A forward that needs data (``.item()``, data-dependent control flow)
-  cannot run on meta: the order then stays as it is, with one warning per process.
-* **Agreement**: with several ranks every rank traces; a vote (``all_reduce`` MIN/MAX of
-  ``[ok, order...]``) keeps the current packing unless all ranks traced the same order, and the
-  same vote is taken on the move schedule below, so every rank issues the same collectives.
-* **New layout**: ``chunk.pack`` over the new order (the chunk-size search redone when the size
-  was searched, with the plugin's cap), ``placement.plan_homes`` for the new chunks. If the new
-  plan does not fit, the old packing is kept.
-* **Moving, one chunk at a time** (``_Mover``): a chunk's parameter shard is by construction its
-  fp32 master cast to the compute dtype (``ChunkManager.materialize``, ``write_params`` and the
-  model load all keep it so), so what moves is each chunk's ``master|exp_avg|exp_avg_sq`` block
-  plus its per-chunk step count; the new parameter shard is cast from the moved master. New
-  chunks are built one at a time into a block that is already their home (RAM) or a staging
-  buffer written to NVMe; from each old chunk only the ranges the new chunk takes are copied
-  (RAM) or read at their offsets (NVMe ``.state`` files: no whole-file staging). A sharded old
-  chunk is all-gathered row by row in ``world`` pieces of a row, only the pieces that hold
-  something the new chunk takes — ``ChunkManager.read_state``/``gather_full`` (what checkpoints
-  use) at a fraction of their memory: the transient is a new block plus ``~1/world`` of an old row.
-  An old chunk's homes (RAM, NVMe files) are freed as soon as every parameter in it has moved.
-* **Budgets**: old and new homes coexist for a while, so the schedule is first played *dry*
-  against copies of the tier counters (homes, the new block, the gather pieces, staging for
-  NVMe IO, the NVMe disk's free bytes at boost): new chunks are taken in order, skipping
-  ones that do not fit yet (they fit once the old chunks they wait for are freed); when none
-  fits, the first is *spilled* to a temporary NVMe file and installed at the end. If no
-  schedule fits (no NVMe tier to spill to), the old packing is kept. The real run replays the
-  schedule, so no tier is ever over its capacity during the move.
-* **Same objects**: parameters stay the same ``nn.Parameter`` objects (``materialize.bind`` makes
-  them views of the new chunks), so the user's optimizer ``param_groups`` stay valid; the
-  manager's chunk list, state blocks, per-chunk step counts (``ChunkManager.adopt``), NVMe files
-  (written under temporary names, renamed to ``c<id>.*`` once the old files are gone), access
-  trace and ``GeminiModel``'s hooks are rebuilt, and a telemetry snapshot is emitted.
-
-The whole thing runs before the first real forward (and so also after a ``load_model`` /
-``load_optimizer`` resume), when no gradient is pending; it costs one read and one write of
-every chunk's optimizer state, once.
+``boost`` packs in registration order; a model whose modules run in another order then touches
+chunks out of order (gathered, evicted, gathered again). ``trace_order`` learns each parameter's
+first use from one forward on the meta device, ``_new_layout``/``_plan`` pack the new chunks and
+find a move schedule the tiers can hold (dry-run first, ranks voting), and ``_Mover`` moves each
+chunk's ``master|exp_avg|exp_avg_sq`` block one new chunk at a time. The how and why of each step:
+docs/gemini.md, "Re-packing in execution order".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The ordered tier stack: compute device → host RAM → NVMe, each with a byte capacity.
 
-On a GPU machine the stack is ``cuda, cpu, nvme``; on a CPU-only machine it is ``cpu, nvme``
-and ``device_memory_limit`` is the compute tier's budget. One placement/eviction algorithm
-(``chunk_manager.py``) runs over either stack; a tier only knows its device, capacity and how
-many bytes Gemini has put in it, so the telemetry's ``MemorySample(used, capacity)`` reads
-straight from here.
+``cuda, cpu, nvme`` on a GPU machine, ``cpu, nvme`` on a CPU-only one (``device_memory_limit`` is
+then the compute tier's budget); one placement/eviction algorithm runs over either.
 """
 
 from __future__ import annotations

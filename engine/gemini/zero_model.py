@@ -1,24 +1,10 @@
 """The Gemini model wrapper: gather a module's chunks before it runs, release them after.
 
-Hooks, modelled on FSDP2 (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py`` and
-``_fsdp_param_group.py``): a forward pre-hook gathers ("unshards") the chunks of the module's
-own parameters; the forward hook marks them HOLD and, while autograd is recording, registers
-a hook on the module's output tensors that re-gathers them before the module's backward
-(FSDP2's pre-backward hook); ``Tensor.register_post_accumulate_grad_hook`` on every parameter
-moves its finished gradient into the chunk's gradient buffer (FSDP2 reduce-scatters per
-parameter group in its post-backward; we do it per chunk, when the chunk's last gradient
-lands), and a callback queued on the autograd engine at the first pre-backward hook finishes
-the backward (chunks with unused parameters) in the same order on every rank — what
-Colossal-AI users hit as "synchronization of gradients doesn't exit properly".
-
-Hooks sit on modules that own parameters directly, so a chunk is gathered only for the
-modules that use it, whatever the model's structure. At the first training forward (the
-warm-up) the chunks are re-packed in the order those hooks fire (``repack.py``) before the
-real forward runs; the hooks are then re-installed for the new chunks.
-
-As every boosted model (``wrappers.ModelWrapper``, its base), it moves the forward's inputs to
-its compute device and counts their tokens for ``StepMetrics``; it runs no autocast: the
-parameters already are in the chunks' compute dtype.
+Hooks modelled on FSDP2's, on the modules that own parameters (gather before forward, re-gather
+before backward, gradients into the chunk, one end-of-backward callback on every rank), re-installed
+after the warm-up's re-pack (``repack.py``); see docs/gemini.md, ``zero_model.py`` row. Being a
+``wrappers.ModelWrapper`` it moves inputs to the compute device and counts tokens; it runs no
+autocast: the parameters already are in the chunks' compute dtype.
 """
 
 from __future__ import annotations

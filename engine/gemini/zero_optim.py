@@ -1,23 +1,10 @@
-"""The Gemini optimizer: AdamW on fp32 master shards that live beside each chunk's home.
+"""The Gemini optimizer: Adam/AdamW on fp32 master shards that live beside each chunk's home.
 
-Why not the user's optimizer object as is: after ``boost`` the parameters are views into
-chunks (possibly on NVMe, possibly a 1/world shard), so the update runs per chunk on this
-rank's shard: gradient and state are loaded from the chunk's optimizer home (RAM, or NVMe with
-read-ahead of the next chunk while this one updates and write-behind of the last), the update
-is torch's own functional AdamW (``torch.optim.adam.adam`` with ``fused=True`` where the
-device supports it — the fused CPU kernel on host/NVMe chunks), and the new fp32 master is cast
-into the chunk's compute-dtype parameter shard. Hyper-parameters are read from the user's
-optimizer's ``param_groups`` every step, so LR schedulers keep working unchanged.
-
-fp16 uses the engine's one ``DynamicLossScaler`` through ``OptimizerWrapper``'s step policy:
-gradients live in chunk shards, not ``p.grad``, so ``_unscale`` only votes (over ``group``) on
-whether any rank's shards hold inf/nan, and the update folds 1/scale into its gradient scale.
-
-``clip_grad_by_norm`` (what ``Booster.clip_grad_by_norm`` calls) computes the global norm from
-the gradient shards where they are (RAM, or the norms taken as NVMe-bound gradients were
-written, so clipping adds no disk reads for p = 2 or inf), all-reduced over ranks (replicated
-chunks counted once), and folds the clip coefficient into the update's gradient scale instead
-of rewriting the gradients.
+The base ``OptimizerWrapper``'s step policy (loss scale, overflow vote, StepMetrics) with hooks that
+work on chunk shards: gradients never are ``p.grad``, so ``_unscale`` only votes on inf/nan, 1/scale
+and the clip coefficient are folded into the update, and ``_apply_step`` runs torch's functional
+Adam per chunk with read-ahead/write-behind of NVMe homes. Hyper-parameters are read from the
+user's ``param_groups`` every step (LR schedulers work). See docs/gemini.md, ``zero_optim.py`` row.
 """
 
 from __future__ import annotations

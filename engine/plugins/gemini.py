@@ -1,46 +1,9 @@
 """``GeminiPlugin``: chunk-based ZeRO-3 with heterogeneous memory (device / host RAM / NVMe).
 
-Colossal-AI's argument names and order. Arguments and the trade-off each makes:
-
-* ``placement_policy`` — ``"cuda"``: everything on the compute device (fastest, most device
-  memory); ``"cpu"``: parameters and optimizer state in host RAM, chunks visit the device to
-  compute (least device memory, most traffic); ``"static"``: fixed fractions below;
-  ``"auto"``: fill the device, spill to host then NVMe, and at run time keep gathered chunks
-  cached on the device, evicting the one used furthest in the future (learned in warm-up).
-* ``shard_param_frac`` — fraction of chunks sharded over data-parallel ranks (ZeRO-3); the rest
-  are replicated (no all-gather, but ``world``× their memory).
-* ``offload_optim_frac`` / ``offload_param_frac`` — ``static`` only: fraction of optimizer
-  states / parameter chunks homed in host RAM instead of the device.
-* ``nvme_offload_dir`` / ``nvme_offload_frac`` — directory for the NVMe tier and the fraction of
-  optimizer states kept there (slowest tier, nearly unlimited). With a directory, anything that
-  does not fit the tiers above spills to it as well.
-* ``nvme_direct_io`` — ``O_DIRECT`` file IO for the NVMe tier (bypasses the page cache: bandwidth
-  is the disk's, no RAM is used behind the process's back; needs a local file system such as
-  ext4/xfs). The default, buffered IO, lets the kernel cache recently written chunks in free RAM.
-* ``device_memory_limit`` — bytes Gemini may use on the compute device (emulates a smaller
-  card; on a CPU-only machine the budget of the RAM compute tier, and glibc's mmap threshold is
-  fixed process-wide so freed chunk buffers return to the OS). It also caps the searched chunk size.
-* ``chunk_size_mb`` — chunk payload size; ``None`` searches the size that wastes least padding.
-  Bigger chunks mean fewer, larger transfers but a larger working set.
-* ``max_prefetch`` — chunks loaded ahead of use (overlap vs. memory held for them).
-* ``precision`` — compute dtype of parameters: ``bf16`` (default), ``fp16`` (dynamic loss
-  scale) or ``fp32``; master weights and Adam states are always fp32. A ``Booster``
-  ``mixed_precision``, when given, takes precedence (``mixed_precision.resolve_precision``).
-* ``pin_memory`` — page-locked host buffers for faster host↔device copies (CUDA only).
-* ``pack_order`` — ``"execution"`` (default): at the first training forward the model is run once
-  on the meta device to learn the order parameters are first used, and the chunks are re-packed
-  in that order before the real forward (a forward then walks chunks front to back, which is
-  what eviction and prefetch are best at); costs one read and one write of every chunk's
-  optimizer state, once, and falls back to registration order (with a warning) when the forward
-  cannot run on meta (``.item()``, data-dependent control flow). ``"registration"``: keep
-  ``named_parameters()`` order (no trace, no move).
-
-Models built under ``engine.lazy.lazy_init()`` (meta parameters) are accepted: each parameter is
-materialised straight into its chunk as the chunk is packed and the chunk goes to its home tier
-(RAM or an NVMe file) before the next is built, so the full model never exists in RAM; with a CPU
-``device_memory_limit`` peak RSS is that limit plus a fixed margin, independent of model size.
-
-Call ``plugin.close()`` (or let the process exit) to remove the NVMe files.
+Colossal-AI's argument names and order; what each argument does and the trade-off it makes is
+in docs/gemini.md ("Arguments and their trade-offs"), lazily built models ("Models larger than
+RAM") included. The plugin validates its arguments before any work and hands the boost to
+``gemini.build.build``. Call ``plugin.close()`` (or let the process exit) to remove the NVMe files.
 """
 
 from __future__ import annotations
