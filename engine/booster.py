@@ -1,18 +1,11 @@
 """``Booster``: the one entry point that turns a model/optimizer/dataloader into a trained one.
 
-Colossal-AI's shape on purpose (same names, same argument order) so its users feel at home:
-
-    booster = Booster(plugin=LowLevelZeroPlugin(stage=2), mixed_precision="bf16")
-    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(model, optimizer, ...)
-    booster.backward(loss, optimizer); optimizer.step(); optimizer.zero_grad()
-
-Everything is validated in ``__init__``/at the top of ``boost`` — before a process group,
-a device or a byte of memory is touched. The Booster itself holds no parallelism: it forwards
-to its plugin (``plugin=None`` runs the model in this process, wrapped the same way, so a
-notebook can switch between one process and many without changing the loop). Where we differ
-from Colossal-AI: mixed precision keeps fp32 parameters as the master copy and computes under
-autocast (see ``colossal_lab.engine.mixed_precision``); ``save_optimizer`` always writes a
-resharding-friendly torch.distributed.checkpoint directory.
+Colossal-AI's shape on purpose (same names, same argument order); everything is validated before
+a process group, a device or a byte of memory is touched, and the plugin does the rest
+(``plugin=None``: this process, wrapped the same way). Where we differ from Colossal-AI: mixed
+precision keeps fp32 parameters as the master copy and computes under autocast (see
+``colossal_lab.engine.mixed_precision``); ``save_optimizer`` always writes a resharding-friendly
+torch.distributed.checkpoint directory.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Collectives on the device their process group reduces on: the engine's one route to them.
 
-A process group's backend decides which tensors it takes: NCCL reduces CUDA tensors only
-(a CPU tensor fails with "No backend type associated with device type cpu"), Gloo and MPI
-reduce host tensors (Gloo takes CUDA ones too), and a device-typed group such as
-``"cpu:gloo,cuda:nccl"`` takes either. Engine code that makes a small tensor for a vote (an
-fp16 overflow flag, a gradient norm, a "did any rank fail" flag) would otherwise make it on
-the default device, the CPU, which breaks on NCCL the first time it runs on a GPU.
-
-So every tensor collective in the engine goes through this module: the tensor is used as is
-where the backend takes its device, and otherwise travels to :func:`comm_device` and back
-(in place, so callers keep their tensor). The tests wrap ``torch.distributed`` to check that
-no engine module calls a tensor collective around it. Object collectives
-(``all_gather_object``, ``broadcast_object_list``) pick their device inside torch and need
-nothing from here.
+NCCL reduces CUDA tensors only, Gloo host (and CUDA) ones, so every tensor collective in the engine
+goes through here: a tensor is used as is where the group's backend takes its device, and otherwise
+travels to :func:`comm_device` and back, in place (docs/engine.md, "Collectives and their devices").
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
-"""Where a boosted model computes, and moving the user's batches there.
-
-``DistributedDataParallel(device_ids=[i])`` moves a module's tensor inputs to its device, so a
-user can build batches on the CPU (a DataLoader, ``torch.randint``) and call the model. Every
-boosted model here does the same (:func:`to_device` on its forward inputs), and the dataloader
-``Booster.boost`` returns yields batches already there (:class:`DeviceDataLoader`), so a loop
-written on a laptop runs unchanged on a GPU machine.
-"""
+"""Where a boosted model computes, and moving the user's batches there (docs/engine.md, "Where batches go")."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """What ``Booster.boost`` hands back: a model wrapper and an optimizer wrapper.
 
-``ModelWrapper`` moves the forward's tensor inputs to the model's device (as DDP with
-``device_ids`` does), runs it under the precision's autocast and counts the tokens it is fed
-(for ``StepMetrics``); attribute lookups it does not know fall through to the user's model,
-so ``model.cfg`` or ``model.generate`` keep working. ``OptimizerWrapper`` owns the per-step
-policy every plugin shares: loss scaling (fp16), unscale-before-clip, skipping a step whose
-gradients overflowed on any rank, and emitting one ``StepMetrics`` per ``step()``. Every
-plugin's optimizer is one (the hybrid and Gemini ones are subclasses); they differ in the inner
-objects (DDP/FSDP module, plain/ZeRO optimizer) and in the hooks their subclass overrides.
+``ModelWrapper`` moves the forward's tensor inputs to the model's device, runs it under the
+precision's autocast and counts its tokens; attributes it does not know fall through to the user's
+model. ``OptimizerWrapper`` is the one step contract: every plugin's optimizer is one or subclasses
+it (docs/engine.md, "The plugin contract").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Atomic checkpoint writes: build the checkpoint under a temporary name, then rename.
 
-Why: a save that dies midway (killed job, full disk, preempted node) must leave the previous
-checkpoint readable. Files and directories are written into a temporary sibling of the target
-(same filesystem, so ``os.rename`` is atomic) and swapped in only after every byte is flushed.
-
-A directory cannot be replaced atomically by ``os.replace`` when the target exists, so the swap
-is two renames: ``target -> .target.old-XXXX`` then ``tmp -> target``. A kill between the two
-leaves the old directory under its ``.old-`` name; :func:`recover` (called by every loader)
-renames it back. Multi-rank writes (torch.distributed.checkpoint) share one temporary
-directory chosen by rank 0; the swap happens only when every rank reports success.
+A save that dies midway must leave the previous checkpoint readable. A directory is swapped in by
+two renames (``target -> .target.old-XXXX``, ``tmp -> target``); :func:`recover`, called by every
+loader, undoes a kill between them. Multi-rank writes share one temporary directory chosen by
+rank 0 and swap only when every rank succeeded (docs/engine.md, "Checkpoints").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """The default checkpoint IO: full model in safetensors shards, optimizer through DCP.
 
-Built on torch.distributed.checkpoint's state-dict helpers (``get_model_state_dict`` &co.),
-which already know plain modules, DDP and FSDP2 (fully_shard) and turn DTensor shards into
-full tensors, so one code path serves no plugin, DDP, ZeRO-1 and ZeRO-2:
-
-* model: gathered to a full CPU state dict (a collective for sharded models), written only by
-  rank 0 of the group as HF-style safetensors, atomically. Every rank reads the files on load
-  (single node / shared filesystem) and the helper scatters into local shards.
-* optimizer: FQN-keyed and flattened (``state.<param>.exp_avg``), saved with
-  ``torch.distributed.checkpoint`` by every rank into one atomic directory. Flattened keys are
-  what make N -> M resharding work, including ZeRO-1 where each rank holds the state of a
-  different subset of parameters: DCP writes each key once and loads each rank exactly the
-  keys (and, for DTensor, the slices) it needs.
-* LR scheduler: a small ``torch.save`` file, read back with ``weights_only=True``.
+torch.distributed.checkpoint's state-dict helpers already know plain modules, DDP and FSDP2 and
+make DTensor shards whole, so one code path serves no plugin, DDP, ZeRO-1 and ZeRO-2. The files,
+and why flattened optimizer keys reshard N -> M: docs/engine.md, "Checkpoints".
 """
 
 from __future__ import annotations

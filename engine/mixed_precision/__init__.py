@@ -1,12 +1,8 @@
 """Mixed precision: the precision names, autocast policy, dynamic loss scaling, fp8 checks.
 
-Design (the torch.amp recipe, shared by every plugin): the model's parameters stay fp32 — they
-*are* the fp32 master weights the optimizer updates — and the forward/backward math runs in
-fp16/bf16 under ``torch.autocast``. fp16 adds :class:`DynamicLossScaler` (growth/backoff, a step
-with an inf/nan gradient on *any* rank is skipped on *every* rank). What this does not do is
-halve parameter memory: Gemini (chunked fp16/bf16 params with fp32 master chunks) is the plugin
-for that. We did not take ``torch.amp.GradScaler`` as is because its inf check is per process:
-with ZeRO-2 each rank sees only its gradient shard, so the check must be all-reduced.
+The torch.amp recipe, shared by every plugin: fp32 parameters are the master weights, the math runs
+in fp16/bf16 under ``torch.autocast``, fp16 adds :class:`DynamicLossScaler` (docs/engine.md, "Mixed
+precision").
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """fp8 (e4m3) matmuls for ``mixed_precision="fp8"`` — only where the hardware has them.
 
-What exists: ``torch._scaled_mm`` runs fp8 GEMMs on CUDA devices of compute capability >= 8.9
-(Ada, Hopper and later). torchao / Transformer Engine are not dependencies, so we build the
-smallest honest piece on ``_scaled_mm``: :class:`Fp8Linear` quantises the input and the weight
-to ``float8_e4m3fn`` with dynamic per-tensor scales (amax / 448) in the forward and computes the
-backward in bf16 from the saved high-precision tensors. Everything else runs under bf16
-autocast and the fp32 parameters stay the master weights. Linear layers whose sizes are not
-multiples of 16 (a ``_scaled_mm`` requirement) stay bf16. Not done: fp8 gradients, delayed
-scaling, fp8 all-gather. Elsewhere (CPU, older GPUs) asking for fp8 is a clear error.
+:class:`Fp8Linear` quantises input and weight with dynamic per-tensor scales for
+``torch._scaled_mm`` (CUDA, compute capability >= 8.9) and runs the backward in bf16; elsewhere
+asking for fp8 is a clear error. What is and is not done: docs/engine.md, "Mixed precision".
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The plugin contract: what ``Booster`` asks of a parallelism strategy.
+"""The plugin contract: what ``Booster`` asks of a parallelism strategy (docs/engine.md).
 
-Colossal-AI's shape (``configure`` returns the five boosted objects; the plugin owns
-checkpoint IO, no_sync and the dataloader), kept small: a plugin is a typed config plus the
-methods below. Defaults here serve the single-process case so a plugin overrides only what it
-changes. Plugins validate their arguments in ``__init__`` (before any process group or memory
-is touched) and raise ``ValueError`` naming the argument and a valid choice.
+Defaults here serve the single-process case, so a plugin overrides only what it changes. A plugin
+validates its arguments in ``__init__`` (before any process group or memory is touched) and raises
+``ValueError`` naming the argument and a valid choice.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``DDPPlugin``: plain data parallelism on ``torch.nn.parallel.DistributedDataParallel``.
 
-Nothing hand-written: DDP already buckets and overlaps the gradient all-reduce with the
-backward. The plugin adds the Booster's shared pieces (autocast + loss scaling + telemetry
-through :mod:`colossal_lab.engine.wrappers`) and the default checkpoint IO. Without an
-initialised process group, or with a data-parallel group of one rank, the model runs unwrapped:
-there is nothing to synchronise, and DDP on one rank would still copy every gradient into its
-buckets and all-reduce them, step time spent for nothing (``bench/engine.py --baseline ddp``
-compares the two).
+DDP already buckets and overlaps the gradient all-reduce with the backward; the plugin adds the
+Booster's wrappers and the default checkpoint IO, and leaves a one-rank model unwrapped
+(docs/engine.md, "Plugins").
 """
 
 from __future__ import annotations

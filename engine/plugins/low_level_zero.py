@@ -1,21 +1,9 @@
 """``LowLevelZeroPlugin``: ZeRO stage 1 and 2 over the data-parallel ranks, on torch's parts.
 
-* stage 1 (optimizer states sharded): DDP for the gradient all-reduce plus
-  ``torch.distributed.optim.ZeroRedundancyOptimizer``, which gives each rank the optimizer
-  state of a subset of parameters, steps only those and broadcasts the updated parameters.
-* stage 2 (gradients sharded too): ``fully_shard`` (FSDP2) on every block and the root with
-  ``reshard_after_forward=False``. Gradients are reduce-scattered, so each rank keeps only its
-  shard of gradients and optimizer state (the parameters are DTensor shards between steps and
-  stay gathered from forward to the end of backward). Under bf16/fp16 FSDP2's
-  ``MixedPrecisionPolicy`` gathers 16-bit parameters and reduce-scatters fp32 gradients.
-  FSDP2 runs on CPU with gloo and follows the single-process loss curve
-  (``tests/test_zero_ddp_parity.py``), so nothing here is hand-written.
-
-``cpu_offload=True`` keeps optimizer states (and, at stage 2, the sharded fp32 master
-parameters and gradients) in host memory: FSDP2's ``CPUOffloadPolicy`` at stage 2. On a
-CPU-only machine everything is in host memory already, so it changes nothing there. At stage 1
-on CUDA it is not implemented (ZeroRedundancyOptimizer steps where the parameters are): that
-is an error at construction time, pointing to stage 2. Stage 3 is Gemini's job.
+Stage 1: DDP plus ``torch.distributed.optim.ZeroRedundancyOptimizer``; stage 2: FSDP2's
+``fully_shard`` on every block and the root with ``reshard_after_forward=False``. Nothing here is
+hand-written; stage 3 is Gemini's job. What each stage shards, mixed precision and
+``cpu_offload``: docs/engine.md, "Plugins".
 """
 
 from __future__ import annotations
