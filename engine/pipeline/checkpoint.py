@@ -1,27 +1,10 @@
 """Checkpoints of a hybrid-parallel model and optimizer under the *unsplit* model's names.
 
-Model: save gathers the whole model (DTensor shards made whole with ``full_tensor``; each
-pipeline stage contributes its own parameters) and world rank 0 alone writes HF-style
-safetensors shards through the shared :class:`GeneralCheckpointIO` (atomically, via
-``atomic_dir``/``atomic_file``), so a checkpoint from ``pp=2 × tp=2`` loads into a plain ``GPT``
-and back into any other layout. Load reads the full state dict and copies each rank's slice in
-(``distribute_tensor`` for DTensor parameters).
-
-Optimizer: torch.distributed.checkpoint (DCP), as in the base class, but keyed by hand. The
-base class asks torch's ``get_optimizer_state_dict`` for FQNs of the module it is given, and
-here that module is the wrapper: every pipeline rank calls its own stage
-``stage_modules.0.inner...``, so two stages' states would collide under one key. We key each
-state tensor by the *unsplit model's* parameter name instead::
-
-    state.<param name>.<state key>     (exp_avg, exp_avg_sq, step, momentum_buffer, ...)
-    param_groups.<param name>          (that parameter's group hyper-parameters: lr, betas, ...)
-    loss_scaler.scale / .good_steps / .skipped_steps   (fp16)
-
-DCP then does the rest: a key held by several ranks (data-parallel replicas) is written once,
-DTensor states (tensor parallel) are written as shards, each rank writes its own file into one
-atomic directory, and on load each rank reads exactly the keys — and DTensor slices — of the
-parameters it now holds. That makes the optimizer checkpoint layout-free: pp=2 → tp=2, or a
-ZeRO-1 run (each rank owns the state of a subset of parameters) → any other layout.
+Model: gathered whole (DTensor shards made whole, each stage its own parameters) and written by
+world rank 0 through :class:`GeneralCheckpointIO`; loaded by copying each rank's slice in. Optimizer:
+DCP, keyed by hand by the unsplit model's parameter names (torch's helper would key by each rank's
+stage wrapper, so stages would collide), which makes it load into any layout. Key scheme and
+guarantees: docs/hybrid.md, "Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Which torch pipeline schedule runs, and the checks that reject a bad one up front.
 
-Built on ``torch.distributed.pipelining``: every style maps to one of its schedule classes, so
-the action order is torch's (the same one its visualiser draws). What we add is validation
-*before* any process group exists, with errors that name the argument and a valid choice —
-torch only raises deep inside ``__init__`` of a schedule, after the mesh was built.
-
-Styles (``pp_style``):
-
-* ``gpipe``        — ``ScheduleGPipe``: all forwards, then all backwards (fill-drain).
-* ``1f1b``         — ``Schedule1F1B``: one forward, one backward in steady state.
-* ``interleaved``  — ``ScheduleInterleaved1F1B``: ``num_model_chunks`` virtual stages per rank
-  (looped placement: stage ``s`` lives on rank ``s % pp_size``).
-* ``zb``           — ``ScheduleInterleavedZeroBubble`` (ZB1P): backward split into input-grad
-  (``B``) and weight-grad (``W``); W fills the bubbles. Looped placement.
-* ``zbv``          — ``ScheduleZBVZeroBubble``: exactly two chunks per rank in a V
-  (rank ``r`` holds stages ``r`` and ``2p-1-r``), B/W split.
+Every ``pp_style`` is one of ``torch.distributed.pipelining``'s schedule classes (docs/hybrid.md,
+``pp_style``), so the action order is torch's. What we add is validation *before* any process group
+exists, with errors that name the argument and a valid choice (torch raises deep inside a
+schedule's ``__init__``, after the mesh was built).
 """
 
 from __future__ import annotations

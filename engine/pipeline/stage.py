@@ -1,15 +1,8 @@
 """Cut a model into pipeline stage modules and wrap them as torch ``PipelineStage``s.
 
-Two kinds of model are understood:
-
-* one with the model contract's ``num_layers()`` and ``pipeline_stage(i, n)``
-  (:mod:`colossal_lab.engine.models.protocol`): stage ``i``'s part, under the full model's names;
-* an ``nn.Sequential`` (the user's own split): its children are divided evenly among stages
-  (``seq[lo:hi]`` keeps the original child names).
-
-torch's stages want a module that returns tensors, while a model may return a tuple (GPT:
-``(logits_or_hidden, loss)``); :class:`StageModule` keeps the first item and, when asked, runs
-the stage under autocast (mixed precision) — the rest of the forward is the user's module.
+A model is cut by the model contract's ``num_layers()``/``pipeline_stage(i, n)``, or, as an
+``nn.Sequential``, evenly by its children (docs/hybrid.md). :class:`StageModule` keeps the first item
+of a tuple output (torch's stages want tensors) and runs the stage under autocast when asked.
 """
 
 from __future__ import annotations
