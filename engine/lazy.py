@@ -1,21 +1,9 @@
 """Lazy init: build a model with no memory, then materialise it piece by piece.
 
-Built on torch's meta device: ``with lazy_init(): model = GPT(cfg)`` runs the model's own
-constructor under ``torch.device("meta")``, so every parameter and buffer has a shape and
-dtype but no storage. :func:`materialize` then gives storage to one module (or one
-parameter) at a time — on any device — and fills it either from a ``state_dict_loader``
-(``name -> tensor``, e.g. one tensor read from a safetensors shard) or by re-running the
-module's own initialisation. Gemini calls it as a parameter enters its chunk; quantized
-loading calls it module by module, so no process ever holds the whole full-precision model.
-
-Why not ``nn.Module.to_empty``: it materialises everything at once and breaks tied weights
-when applied module by module; here a memo keeps one storage per meta tensor, so a tied
-``lm_head.weight is tok_emb.weight`` stays tied.
-
-Re-running init: meta construction runs the constructor but the values are lost, so each
-module is re-initialised by the model's own ``init_module(name, module)`` (the model contract,
-:mod:`colossal_lab.engine.models.protocol`), or else by torch's default, the module's
-``reset_parameters()``. Pass ``init_fn(name, module)`` to take over.
+``with lazy_init(): model = GPT(cfg)`` runs the constructor on the meta device; :func:`materialize`
+then gives storage to one module at a time, on any device, from a ``state_dict_loader`` or by
+re-running the model's own init (``init_module``, else ``reset_parameters()``). A memo keeps one
+storage per meta tensor, so tied weights stay tied (docs/kernels.md, "Lazy init").
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Weight-only int8: symmetric, one scale per output channel, layers swapped in place.
 
-``quantize(model, "int8")`` replaces every ``nn.Linear`` by :class:`Int8Linear` (int8
-weights + fp32 scales; activations stay in the model's dtype) and, by default, every
-``nn.Embedding`` by :class:`Int8Embedding` (one scale per row). Weight-only int8 keeps
-accuracy without calibration data (activations are never quantised) and is what makes
-decode fast: a decode step reads every weight once, so it is bound by weight bytes.
-The matmul runs through ``colossal_lab.kernels.int8_linear`` (Triton on CUDA; on CPU our C
-kernel for fp32 decode, which ``Int8Linear`` calls directly with its weights checked once,
-and torch's ``aten._weight_int8pack_mm`` for bf16/fp16 activations). Tied weights (``lm_head.weight is tok_emb.weight``)
-stay one int8 tensor: the embedding's per-row scales are the head's per-output scales.
-
-Built by hand because torch's own ``torch.ao.quantization`` int8 paths quantise activations
-too (dynamic quant), and torchao is not a dependency; the swap itself is a few lines.
+``quantize(model, "int8")`` replaces every ``nn.Linear`` by :class:`Int8Linear` and, by default,
+every ``nn.Embedding`` by :class:`Int8Embedding`; tied weights stay one int8 tensor. Why weight-only
+and hand-built, and which matmul runs where: docs/kernels.md, "Int8 inference".
 """
 
 from __future__ import annotations

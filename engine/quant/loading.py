@@ -1,14 +1,8 @@
 """Load a full-precision safetensors checkpoint straight into an int8 model, tensor by tensor.
 
-The model is built on the meta device (:mod:`colossal_lab.engine.lazy`), then each module is
-materialised in turn: a linear's fp32 weight is read with ``safetensors.safe_open`` (one
-tensor at a time, the file opened and unmapped around each read), quantised, and only the
-int8 copy is kept; other tensors are loaded as they are. Peak host memory therefore stays
-near the int8 model plus one full-precision tensor — never the whole fp32 model. With
-``tp_group`` each rank also keeps only its tensor-parallel shard of every sharded linear.
-
-Checkpoints: Hugging Face layout (``model.safetensors`` or ``model-0000i-of-0000N.safetensors``
-+ ``model.safetensors.index.json``), as ``colossal_lab.engine.checkpoint_io`` writes.
+The model is built on the meta device and materialised module by module, each linear's weight
+quantised as it is read, so peak host memory stays near the int8 model plus one full-precision
+tensor (docs/kernels.md, "Int8 inference").
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Tensor-parallel int8 serving: each rank keeps a column or row slice of every quantised linear.
 
-The model's own ``tp_plan()`` (the model contract; the plan the training TP plugin feeds to
-DTensor) says which linears are column-parallel (split output channels, and their
-per-channel scales with them) and which row-parallel (split input channels, scales stay
-whole, one all-reduce sums the partial outputs); its ``check_tp(size)``, if any, rejects group
-sizes the model cannot be split over. The reference GPT infers its local head count from the
-local width, so a sharded block runs unchanged and ``GPT.generate`` with its KV cache works as
-is: logits are replicated after the last all-reduce, so every rank samples the same token
-(seed all ranks alike when sampling).
-
-Plain ``torch.distributed`` collectives rather than DTensor: DTensor has no sharding rule
-for ``aten._weight_int8pack_mm`` or our Triton int8 kernel.
+The model's ``tp_plan()`` (the model contract) names the column-parallel linears (output channels
+and their scales split) and the row-parallel ones (input channels split, outputs all-reduced), with
+plain ``torch.distributed`` collectives: DTensor has no sharding rule for the int8 matmuls
+(docs/kernels.md, "Int8 inference").
 """
 
 from __future__ import annotations
