@@ -7,9 +7,12 @@ What it adds, and why:
   criterion is ``criterion(outputs, batch) -> loss``. torch's loss function only sees
   ``(output, target_tensor)``, so we hand torch ``target = arange(m)`` (split into one index
   per microbatch) and look the microbatch's own dict up by that index.
-* timing (:mod:`.timing`) around the schedule, and the step's bubble fraction per stage from
-  the spans of the whole pipeline group (gathered once per step; on one machine the ranks
-  share a wall clock).
+* timing (:mod:`.timing`) around the schedule, and the step's bubble fraction per rank and per
+  stage (the mean over the stage's ranks), over every rank of the job: each rank reduces its
+  own spans to a ``telemetry.RankBusy`` (first start, last end, busy seconds) and one small
+  all-gather per step shares them, so with data or tensor parallelism the ranks that share a
+  stage are measured apart, against the window of the whole step (on one machine the ranks
+  share a wall clock). The arithmetic is ``telemetry``'s, the same the timeline widget uses.
 * ``pp_size == 1`` runs the same microbatch loop by hand (forward+loss = ``F``, backward =
   ``B``), so tensor/data-parallel-only runs use the same API and timeline.
 """
@@ -17,13 +20,14 @@ What it adds, and why:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..device import to_device
-from ..telemetry import bubble_fractions
+from ..telemetry import RankBusy, fractions_from_busy, rank_busy, stage_means
 from .schedules import ScheduleSpec
 from .timing import SpanRecorder
 
@@ -48,10 +52,15 @@ def split_batch(batch: Dict[str, Any], m: int) -> List[Dict[str, Any]]:
 
 
 class PipelineRuntime:
-    """One rank's side of the pipeline: its stages, torch's schedule, and its recorder."""
+    """One rank's side of the pipeline: its stages, torch's schedule, and its recorder.
+
+    ``rank`` is the global rank; ``pp_rank``, ``dp_rank`` and ``tp_rank`` its coordinates in the
+    job's (dp, pp, tp) mesh, which its spans carry. Every rank of the job runs each step (the
+    step's bubbles are gathered over all of them)."""
 
     def __init__(self, spec: ScheduleSpec, modules, stages, *, device: torch.device, rank: int, pp_rank: int,
-                 pp_group, input_key: str = "idx", loss_scale: Callable[[], float] = lambda: 1.0):
+                 pp_group, dp_rank: int = 0, tp_rank: int = 0, input_key: str = "idx",
+                 loss_scale: Callable[[], float] = lambda: 1.0):
         self.spec = spec
         self.device = device
         self.modules = modules
@@ -60,7 +69,7 @@ class PipelineRuntime:
         self.pp_group = pp_group
         self.input_key = input_key
         self.loss_scale = loss_scale
-        self.recorder = SpanRecorder(rank=rank, stage=pp_rank)
+        self.recorder = SpanRecorder(rank=rank, stage=pp_rank, dp=dp_rank, tp=tp_rank)
         for st in stages:
             self.recorder.instrument(st)
         self.holds_first = any(s.is_first for s in stages) if stages else True
@@ -69,7 +78,8 @@ class PipelineRuntime:
         self._mbs: List[dict] = []
         self._criterion: Optional[Callable] = None
         self.step_index = 0
-        self.last_bubble: Dict[int, float] = {}
+        self.last_bubble: Dict[int, float] = {}       # {stage: mean bubble over its ranks}
+        self.last_rank_bubble: Dict[int, float] = {}  # {rank: bubble}, every rank of the job
 
     # ---- torch-facing loss -------------------------------------------------------------
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -104,16 +114,20 @@ class PipelineRuntime:
             sched = self._schedule(m)
             args = (batch[self.input_key],) if self.holds_first else ()
             target = torch.arange(m)
-            with self.recorder.timing_p2p():
-                out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs)
+            try:
+                with self.recorder.timing_p2p():
+                    out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs)
+            finally:
+                self.recorder.flush()  # a last-stage F whose loss never came
             if self.holds_last and return_outputs:
                 outputs = out
         loss = None
         if self.holds_last and losses:
             loss = torch.stack([l.detach().float() for l in losses]).mean() / self.loss_scale()
-        self.last_bubble = self._bubble()
+        self.last_rank_bubble, self.last_bubble = self._bubble()
         self.step_index += 1
-        return {"loss": loss, "outputs": outputs, "bubble": self.last_bubble}
+        return {"loss": loss, "outputs": outputs, "bubble": self.last_bubble,
+                "rank_bubble": self.last_rank_bubble}
 
     def _run_local(self, m: int, losses: list, return_outputs: bool):
         (module,) = self.modules
@@ -129,13 +143,25 @@ class PipelineRuntime:
                 outs.append(out.detach())
         return torch.cat(outs) if return_outputs else None
 
-    def _bubble(self) -> Dict[int, float]:
-        """This step's bubble fraction per physical stage, over the whole pipeline group."""
-        mine = self.recorder.step_spans(self.step_index)
-        if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:
-            gathered: List[Any] = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(gathered, mine, group=self.pp_group)
-            spans = [s for part in gathered for s in part]
+    def _bubble(self) -> Tuple[Dict[int, float], Dict[int, float]]:
+        """This step's ``({rank: bubble}, {stage: mean bubble of its ranks})`` over every rank.
+
+        Each rank sends one row (stage, dp, tp, first start, last end, busy seconds) rather
+        than its spans, so the gather stays a few numbers per rank however many microbatches
+        ran. float64 carries the ``time.time()`` values exactly."""
+        mine = rank_busy(self.recorder.step_spans(self.step_index)).get(self.step_index, {})
+        rank = self.recorder.rank
+        if not comm.initialized() or dist.get_world_size() == 1:
+            ranks = mine
         else:
-            spans = mine
-        return bubble_fractions(spans).get(self.step_index, {})
+            b = mine.get(rank)
+            row = [1.0, *map(float, b)] if b is not None else [0.0] * (1 + len(RankBusy._fields))
+            t = torch.tensor(row, dtype=torch.float64, device=comm.comm_device())
+            parts = comm.all_gather([torch.empty_like(t) for _ in range(dist.get_world_size())], t)
+            ranks = {}
+            for r, part in enumerate(parts):
+                has, stage, dp, tp, start, end, busy = part.tolist()
+                if has:  # a rank with no span this step has nothing to measure
+                    ranks[r] = RankBusy(int(stage), int(dp), int(tp), start, end, busy)
+        fractions = fractions_from_busy(ranks)
+        return fractions, stage_means(fractions, ranks)

@@ -18,7 +18,14 @@ we time the real calls at the seams torch already has, without copying a schedul
 
 Spans carry ``stage`` = the rank's position in the pipeline (its *physical* stage): with
 several chunks per rank (interleaved, zero-bubble) the chunks share one track, because a bubble
-is a device standing idle, not a virtual stage. Times are ``time.time()`` on the rank.
+is a device standing idle, not a virtual stage. ``dp``/``tp`` are the rank's data- and
+tensor-parallel coordinates, so the ranks that share a stage stay apart on the timeline. Times
+are ``time.time()`` on the rank.
+
+A span goes out on the telemetry bus as it closes. The one exception is the last stage's ``F``:
+the loss computed right after it belongs to it, so it is held back until the loss is done (or
+the next span opens, or the step ends) and emitted once, with its final end; what listeners see
+is what the recorder keeps.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 from ..telemetry import StageSpan, emit, has_subscribers
 
@@ -41,30 +48,53 @@ class _TaggedWorks(list):
 
 
 class SpanRecorder:
-    """Collects :class:`StageSpan` for one rank and emits each as it closes."""
+    """Collects :class:`StageSpan` for one rank and emits each as it closes.
 
-    def __init__(self, rank: int, stage: int):
+    ``rank`` is the global rank, ``stage`` its pipeline position, ``dp``/``tp`` its data- and
+    tensor-parallel coordinates (0 where that dimension is 1)."""
+
+    def __init__(self, rank: int, stage: int, dp: int = 0, tp: int = 0):
+        for name, v in (("rank", rank), ("stage", stage), ("dp", dp), ("tp", tp)):
+            if not (isinstance(v, int) and v >= 0):
+                raise ValueError(f"SpanRecorder({name}={v!r}): expected an int >= 0")
         self.rank = rank
         self.stage = stage
+        self.dp = dp
+        self.tp = tp
         self.step = 0
         self.spans: List[StageSpan] = []
+        self._held: Optional[int] = None  # index in ``spans`` of a last-stage F awaiting its loss
 
     # ---- recording ---------------------------------------------------------------------
-    def add(self, kind: str, microbatch: int, start: float, end: float) -> StageSpan:
+    def add(self, kind: str, microbatch: int, start: float, end: float, hold: bool = False) -> StageSpan:
+        """Record a span and emit it, or with ``hold`` keep it back until :meth:`flush` (the
+        last stage's ``F``, which :meth:`extend_last_forward` still stretches)."""
+        self.flush()
         span = StageSpan(rank=self.rank, stage=self.stage, step=self.step, microbatch=microbatch,
-                         kind=kind, start=start, end=end)
+                         kind=kind, start=start, end=end, dp=self.dp, tp=self.tp)
         self.spans.append(span)
-        if has_subscribers():
+        if hold:
+            self._held = len(self.spans) - 1
+        elif has_subscribers():
             emit(span)
         return span
 
+    def flush(self) -> None:
+        """Emit the span held back by ``add(..., hold=True)``, if any."""
+        if self._held is not None:
+            span, self._held = self.spans[self._held], None
+            if has_subscribers():
+                emit(span)
+
     def extend_last_forward(self, end: float) -> None:
-        """Stretch the latest ``F`` span to ``end`` (the loss computed after it belongs to it)."""
+        """Stretch the latest ``F`` span to ``end`` (the loss computed after it belongs to it)
+        and emit it if it was held back for this."""
         for i in range(len(self.spans) - 1, -1, -1):
             s = self.spans[i]
             if s.kind == "F" and s.step == self.step:
                 self.spans[i] = dataclasses.replace(s, end=max(s.end, end))
-                return
+                break
+        self.flush()
 
     def step_spans(self, step: int) -> List[StageSpan]:
         return [s for s in self.spans if s.step == step]
@@ -82,14 +112,14 @@ class SpanRecorder:
         """Wrap one ``PipelineStage``'s compute calls and tag the P2P ops it hands out."""
         rec = self
 
-        def timed_call(fn, kind):
+        def timed_call(fn, kind, hold=False):
             @functools.wraps(fn)
             def wrapper(chunk_id, *args, **kwargs):
                 t0 = _now()
                 try:
                     return fn(chunk_id, *args, **kwargs)
                 finally:
-                    rec.add(kind, int(chunk_id), t0, _now())
+                    rec.add(kind, int(chunk_id), t0, _now(), hold=hold)
             return wrapper
 
         def tagged(fn, kind):
@@ -101,7 +131,8 @@ class SpanRecorder:
                 return ops
             return wrapper
 
-        stage.forward_one_chunk = timed_call(stage.forward_one_chunk, "F")
+        # the loss is computed right after the last stage's forward: hold that F until then
+        stage.forward_one_chunk = timed_call(stage.forward_one_chunk, "F", hold=bool(stage.is_last))
         stage.backward_one_chunk = timed_call(stage.backward_one_chunk, "B")
         stage.backward_weight_one_chunk = timed_call(stage.backward_weight_one_chunk, "W")
         stage.get_fwd_recv_ops = tagged(stage.get_fwd_recv_ops, "recv")

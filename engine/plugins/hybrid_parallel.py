@@ -348,7 +348,9 @@ class HybridParallelPlugin(Plugin):
         else:
             modules, stages = [StageModule(prepare(model), autocast).to(device)], []
         runtime = PipelineRuntime(spec, modules, stages, device=device, rank=dist.get_rank(), pp_rank=pp_rank,
-                                  pp_group=pp_group if self.pp_size > 1 else None, input_key=self.input_key,
+                                  pp_group=pp_group if self.pp_size > 1 else None,
+                                  dp_rank=self.mesh["dp"].get_local_rank(), tp_rank=tp_mesh.get_local_rank(),
+                                  input_key=self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
         self._model = hp_model

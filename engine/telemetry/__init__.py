@@ -25,10 +25,21 @@ from .events import (
     to_row,
 )
 from .trace import read_trace, record, write_trace
-from .analysis import bubble_fractions, dedupe, to_chrome_trace
+from .analysis import (
+    RankBusy,
+    bubble_fractions,
+    bubble_fractions_by_rank,
+    dedupe,
+    fractions_from_busy,
+    rank_busy,
+    rank_label,
+    stage_means,
+    to_chrome_trace,
+)
 
 __all__ = [
     "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",
     "SPAN_KINDS", "emit", "subscribe", "has_subscribers", "record", "read_trace", "write_trace",
     "to_dict", "from_dict", "to_row", "from_row", "ROW_TYPES", "bubble_fractions", "dedupe", "to_chrome_trace",
+    "bubble_fractions_by_rank", "rank_busy", "RankBusy", "fractions_from_busy", "stage_means", "rank_label",
 ]
