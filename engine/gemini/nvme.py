@@ -44,6 +44,8 @@ from typing import Dict
 
 import torch
 
+from ..telemetry.memory import register_nvme_dir, unregister_nvme_dir
+
 _LIVE: "weakref.WeakSet[NVMeStore]" = weakref.WeakSet()
 _ALIGN = 4096                # O_DIRECT alignment (logical block size of any common disk divides it)
 _BOUNCE = 8 << 20            # bytes per IO thread's bounce buffer in direct mode
@@ -163,6 +165,7 @@ class NVMeStore:
         self._closed = False
         _LIVE.add(self)
         _install_sigterm()
+        register_nvme_dir(self.dir)  # the rank's memory sampler reports this directory's bytes
 
     def path(self, key: str) -> str:
         return os.path.join(self.dir, key)
@@ -327,6 +330,7 @@ class NVMeStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        unregister_nvme_dir(self.dir)
         shutil.rmtree(self.dir, ignore_errors=True)
         _LIVE.discard(self)
 

@@ -1,34 +1,88 @@
 """Measure a rank's memory per tier and emit it as ``MemorySample`` events.
 
-Built on what already measures these things: ``torch.cuda.memory_allocated`` and
-``torch.cuda.mem_get_info`` for the GPU, ``psutil`` for host RSS and available RAM, and
-``os.scandir`` + ``shutil.disk_usage`` for an NVMe offload directory. What this file adds is
-only the mapping onto the telemetry contract:
+Built on what already measures these things: torch's caching-allocator counters for the GPU,
+NVML (through ``torch.cuda.utilization``, only where ``nvidia-ml-py`` is importable) for GPU
+utilisation, ``psutil``/``resource`` for host RSS, and ``os.scandir`` + ``shutil.disk_usage``
+for NVMe offload directories. What this file adds is only the mapping onto the telemetry
+contract:
 
 * ``cuda``: used = bytes allocated by torch's caching allocator on the device; capacity = the
-  device's total memory;
+  device's total memory; ``peak`` = ``torch.cuda.max_memory_allocated`` (since the process
+  started or since whoever last called ``reset_peak_memory_stats``: the sampler never resets
+  it, which would corrupt the peaks the engine and the user measure); ``reserved`` = bytes
+  the allocator has reserved *beyond* ``used`` (``memory_reserved - memory_allocated``: cached
+  blocks it holds but no tensor uses); ``util`` = NVML's percent of time a kernel ran;
 * ``cpu``: used = this process's RSS; capacity = RSS + the host's available memory (what
   this rank could still grow to, not the whole machine's RAM, which ranks share);
-* ``nvme``: used = bytes of the files under the offload directory; capacity = used + free
-  bytes on its file system.
+  ``peak`` = the process's peak RSS (``getrusage``'s ``ru_maxrss``);
+* ``nvme``: used = bytes of the files under the offload directories; capacity = used + free
+  bytes on their file systems.
+
+NVMe directories: a caller names them (``nvme_dir``), or an offload store registers the
+directory it writes with :func:`register_nvme_dir` and unregisters it when it is closed
+(Gemini's ``NVMeStore`` does), so a sampler with ``registered_nvme=True`` reports the NVMe
+tier of whatever offloads in this process without being told where.
 
 Engine-side and Jupyter-free: the engine (or a user) calls :func:`sample_memory` /
-:func:`emit_memory` at step boundaries, or runs a :class:`MemorySampler` thread.
+:func:`emit_memory` at step boundaries, or runs a :class:`MemorySampler` thread (the relay
+starts one on every rank it attaches to).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .bus import emit, has_subscribers
+from .bus import emit, has_subscribers, subscribe
 from .events import MemorySample
 
+PathArg = Union[str, "os.PathLike[str]"]
 
+
+# ---------------------------------------------------------------- NVMe directories in use
+_nvme_lock = threading.Lock()
+_nvme_dirs: Dict[str, int] = {}  # absolute path -> registrations (a store may be opened twice)
+
+
+def register_nvme_dir(path: PathArg) -> str:
+    """Count ``path`` (an existing directory) as NVMe offload storage of this process, so a
+    :class:`MemorySampler` with ``registered_nvme=True`` reports its bytes. Returns the
+    absolute path registered. Pair every call with :func:`unregister_nvme_dir`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"register_nvme_dir(path={path!r}): expected a directory path (str)")
+    p = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(p):
+        raise FileNotFoundError(f"register_nvme_dir(path={p!r}): not a directory; create it first")
+    with _nvme_lock:
+        _nvme_dirs[p] = _nvme_dirs.get(p, 0) + 1
+    return p
+
+
+def unregister_nvme_dir(path: PathArg) -> None:
+    """Undo one :func:`register_nvme_dir` of ``path`` (a path never registered is ignored, so
+    a store's idempotent close may call it unconditionally)."""
+    p = os.path.abspath(os.fspath(path))
+    with _nvme_lock:
+        n = _nvme_dirs.get(p, 0)
+        if n <= 1:
+            _nvme_dirs.pop(p, None)
+        else:
+            _nvme_dirs[p] = n - 1
+
+
+def registered_nvme_dirs() -> List[str]:
+    """The NVMe offload directories registered in this process now, sorted."""
+    with _nvme_lock:
+        return sorted(_nvme_dirs)
+
+
+# ---------------------------------------------------------------- measurements per tier
 def _dir_bytes(path: str) -> int:
     total, stack = 0, [path]
     while stack:
@@ -47,98 +101,279 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def sample_memory(rank: int, nvme_dir: Optional[str] = None, device=None,
-                  cuda: Optional[bool] = None) -> List[MemorySample]:
-    """One ``MemorySample`` per tier present on this rank, measured now.
+def _nvme_sample(rank: int, now: float, dirs: Iterable[str], strict: bool) -> Optional[MemorySample]:
+    """One ``nvme`` sample over ``dirs`` (free bytes counted once per file system); ``None``
+    when none of them exists. ``strict``: a missing directory is an error (a directory the
+    caller named), else skipped (a registered store closing while we sample)."""
+    used, free, devices, found = 0, 0, set(), False
+    for d in dirs:
+        try:
+            dev = os.stat(d).st_dev
+            disk_free = shutil.disk_usage(d).free
+        except FileNotFoundError:
+            if strict:
+                raise FileNotFoundError(f"sample_memory(nvme_dir={d!r}): not a directory; pass the "
+                                        "GeminiPlugin's nvme_offload_dir after it is created") from None
+            continue
+        found = True
+        used += _dir_bytes(d)
+        if dev not in devices:
+            devices.add(dev)
+            free += disk_free
+    if not found:
+        return None
+    return MemorySample(rank, now, "nvme", used, used + free)
 
-    ``cuda=None`` samples the GPU tier when torch sees a CUDA device; ``nvme_dir`` (an
-    existing directory) adds the NVMe tier.
-    """
-    if nvme_dir is not None and not os.path.isdir(nvme_dir):
-        raise FileNotFoundError(f"sample_memory(nvme_dir={nvme_dir!r}): not a directory; "
-                                "pass the GeminiPlugin's nvme_offload_dir after it is created")
+
+_nvml_ok: Optional[bool] = None  # None: not tried yet; False: NVML unusable in this process
+
+
+def _gpu_util(dev) -> Optional[float]:
+    """NVML's GPU utilisation in percent, or ``None`` where NVML is not usable: ``nvidia-ml-py``
+    not installed, no driver, no permission in a container, a MIG slice. Tried once; after a
+    failure it is not asked again (every call would fail the same way)."""
+    global _nvml_ok
+    if _nvml_ok is False:
+        return None
+    if _nvml_ok is None:
+        _nvml_ok = importlib.util.find_spec("pynvml") is not None
+        if not _nvml_ok:
+            return None
+    import torch
+
+    try:
+        return float(torch.cuda.utilization(dev))
+    except Exception:  # pynvml.NVMLError and torch's wrappers of it: no utilisation here
+        _nvml_ok = False
+        return None
+
+
+def _cuda_sample(rank: int, now: float, device, cuda: Optional[bool]) -> Optional[MemorySample]:
+    try:
+        import torch
+    except ImportError:
+        if cuda:
+            raise
+        return None
+    if not torch.cuda.is_available():
+        if cuda:
+            raise RuntimeError("sample_memory(cuda=True): torch sees no CUDA device")
+        return None
+    if cuda is None and not torch.cuda.is_initialized():
+        # a process that has not touched its GPU holds none of its memory, and measuring
+        # would create a CUDA context, which itself takes hundreds of MiB of device memory
+        return None
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"sample_memory(device={device!r}): expected a CUDA device such as 'cuda:0'")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    allocated = int(torch.cuda.memory_allocated(dev))
+    reserved = int(torch.cuda.memory_reserved(dev))
+    return MemorySample(rank, now, "cuda", allocated,
+                        int(torch.cuda.get_device_properties(dev).total_memory),
+                        peak=int(torch.cuda.max_memory_allocated(dev)),
+                        reserved=max(0, reserved - allocated), util=_gpu_util(dev))
+
+
+def _peak_rss(process) -> int:
+    try:
+        import resource
+    except ImportError:  # Windows: psutil has the peak working set there
+        return int(getattr(process.memory_info(), "peak_wset", 0))
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # bytes on macOS, KiB on Linux
+
+
+def _cpu_sample(rank: int, now: float, process=None) -> MemorySample:
     import psutil
 
+    process = process or psutil.Process()
+    rss = process.memory_info().rss
+    return MemorySample(rank, now, "cpu", int(rss), int(rss + psutil.virtual_memory().available),
+                        peak=max(int(rss), _peak_rss(process)))
+
+
+def _as_dirs(nvme_dir, what: str) -> List[str]:
+    if nvme_dir is None:
+        return []
+    items = [nvme_dir] if isinstance(nvme_dir, (str, os.PathLike)) else list(nvme_dir)
+    for d in items:
+        if not isinstance(d, (str, os.PathLike)):
+            raise TypeError(f"{what}(nvme_dir={nvme_dir!r}): expected a directory path or a list of them")
+        if not os.path.isdir(d):
+            raise FileNotFoundError(f"{what}(nvme_dir={os.fspath(d)!r}): not a directory; pass the "
+                                    "GeminiPlugin's nvme_offload_dir after it is created")
+    return [os.path.abspath(os.fspath(d)) for d in items]
+
+
+def _measure(rank: int, nvme_dirs: Sequence[str], registered: Sequence[str], device,
+             cuda: Optional[bool], skip: FrozenSet[str] = frozenset(), process=None) -> List[MemorySample]:
     now = time.time()
     out: List[MemorySample] = []
-    if cuda is None or cuda:
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-                _, total = torch.cuda.mem_get_info(dev)
-                out.append(MemorySample(rank, now, "cuda", int(torch.cuda.memory_allocated(dev)),
-                                        int(total)))
-            elif cuda:
-                raise RuntimeError("sample_memory(cuda=True): torch sees no CUDA device")
-        except ImportError:
-            if cuda:
-                raise
-    rss = psutil.Process().memory_info().rss
-    out.append(MemorySample(rank, now, "cpu", int(rss), int(rss + psutil.virtual_memory().available)))
-    if nvme_dir is not None:
-        used = _dir_bytes(nvme_dir)
-        out.append(MemorySample(rank, now, "nvme", used, used + shutil.disk_usage(nvme_dir).free))
+    if "cuda" not in skip and cuda is not False:
+        s = _cuda_sample(rank, now, device, cuda)
+        if s is not None:
+            out.append(s)
+    if "cpu" not in skip:
+        out.append(_cpu_sample(rank, now, process))
+    if "nvme" not in skip and (nvme_dirs or registered):
+        named = set(nvme_dirs)
+        s = _nvme_sample(rank, now, list(nvme_dirs) + [d for d in registered if d not in named],
+                         strict=False)
+        if s is not None:
+            out.append(s)
     return out
 
 
-def emit_memory(rank: int, nvme_dir: Optional[str] = None, device=None,
-                cuda: Optional[bool] = None) -> List[MemorySample]:
+def sample_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None, device=None,
+                  cuda: Optional[bool] = None, registered_nvme: bool = False) -> List[MemorySample]:
+    """One ``MemorySample`` per tier present on this rank, measured now.
+
+    ``cuda=None`` samples the GPU tier when this process has initialised CUDA (it never
+    creates a context just to measure one); ``True`` requires a GPU, ``False`` skips it.
+    ``device`` picks the GPU (default: this thread's current device). ``nvme_dir`` (an
+    existing directory, or a list of them) adds the NVMe tier; ``registered_nvme`` adds the
+    directories registered with :func:`register_nvme_dir` too.
+    """
+    dirs = _as_dirs(nvme_dir, "sample_memory")
+    return _measure(rank, dirs, registered_nvme_dirs() if registered_nvme else [], device, cuda)
+
+
+def emit_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None, device=None,
+                cuda: Optional[bool] = None, registered_nvme: bool = False) -> List[MemorySample]:
     """Sample and emit on this process's bus (skipped, returning [], when nobody listens)."""
     if not has_subscribers():
         return []
-    samples = sample_memory(rank, nvme_dir=nvme_dir, device=device, cuda=cuda)
+    samples = sample_memory(rank, nvme_dir=nvme_dir, device=device, cuda=cuda,
+                            registered_nvme=registered_nvme)
     for s in samples:
         emit(s)
     return samples
 
 
+# ---------------------------------------------------------------- the sampler thread
 @dataclass
 class MemorySamplerConfig:
+    """What a :class:`MemorySampler` measures and how often.
+
+    ``defer``: leave a tier to another source while that source reports it. Two sources of
+    one ``(rank, tier)`` would make a gauge alternate between two meanings of "used" (Gemini's
+    chunk manager reports its own placement: bytes it put in a tier against its budget for
+    it, which the ChunkMap compares with its chunks). With ``defer`` the sampler watches the
+    bus for this rank's ``MemorySample``s emitted by any other thread and skips a tier while
+    they keep coming: for ``defer_s`` seconds after the last one, or three times the gap
+    between the last two if that is longer (a slow step is not a silent source). The watch is
+    a bus subscriber, so use ``defer`` next to a sink that listens anyway (the relay does).
+    """
+
     rank: int
     interval: float = 0.5  # seconds between samples: memory changes slowly, and each sample is an event
-    nvme_dir: Optional[str] = None
+    nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None
     cuda: Optional[bool] = None
+    device: Union[None, int, str] = None  # the GPU to sample; None: the starting thread's device
+    registered_nvme: bool = False          # also report the directories of register_nvme_dir
+    defer: bool = False
+    defer_s: float = 10.0
 
 
 class MemorySampler:
-    """A daemon thread emitting this rank's memory every ``interval`` seconds.
+    """A daemon thread (named ``colossal-memory``) emitting this rank's memory every
+    ``interval`` seconds.
 
         with MemorySampler(MemorySamplerConfig(rank=dist.get_rank(), nvme_dir=d)):
             train()
     """
 
+    THREAD_NAME = "colossal-memory"
+
     def __init__(self, config: MemorySamplerConfig):
-        if not config.interval > 0:
+        if not isinstance(config, MemorySamplerConfig):
+            raise TypeError(f"MemorySampler(config={config!r}): expected a MemorySamplerConfig")
+        if not (isinstance(config.interval, (int, float)) and config.interval > 0):
             raise ValueError(f"MemorySamplerConfig.interval={config.interval!r}: must be > 0 seconds")
-        if config.nvme_dir is not None and not os.path.isdir(config.nvme_dir):
-            raise FileNotFoundError(f"MemorySamplerConfig.nvme_dir={config.nvme_dir!r}: not a directory")
+        if not (isinstance(config.defer_s, (int, float)) and config.defer_s > 0):
+            raise ValueError(f"MemorySamplerConfig.defer_s={config.defer_s!r}: must be > 0 seconds")
+        if config.cuda not in (None, True, False):
+            raise TypeError(f"MemorySamplerConfig.cuda={config.cuda!r}: expected None, True or False")
+        self._dirs = _as_dirs(config.nvme_dir, "MemorySamplerConfig")
         self.config = config
-        self.samples = 0
+        self.samples = 0    # events emitted
+        self.deferred = 0   # tier samples left to another source (``defer``)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._tid: Optional[int] = None
+        self._device = config.device
+        self._others: Dict[str, Tuple[float, float]] = {}  # tier -> (last seen, gap before it)
+        self._unsubscribe = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> "MemorySampler":
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="colossal-memory", daemon=True)
+            if self._device is None and self.config.cuda is not False:
+                # the CUDA current device is per thread: take the starting thread's (a rank's
+                # set_device), never the new thread's default device 0
+                try:
+                    import torch
+
+                    if torch.cuda.is_available() and torch.cuda.is_initialized():
+                        self._device = torch.cuda.current_device()
+                except ImportError:
+                    pass
+            self._stop.clear()
+            if self.config.defer:
+                self._unsubscribe = subscribe(self._watch)
+            self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME, daemon=True)
             self._thread.start()
         return self
 
+    def _watch(self, e) -> None:
+        # on the emitting thread (the training step): one type test for every other event
+        if e.__class__ is MemorySample and e.rank == self.config.rank and threading.get_ident() != self._tid:
+            now = time.monotonic()
+            prev = self._others.get(e.tier)
+            self._others[e.tier] = (now, now - prev[0] if prev else 0.0)
+
+    def _deferred_tiers(self) -> FrozenSet[str]:
+        if not self._others:
+            return frozenset()
+        now, hold = time.monotonic(), self.config.defer_s
+        return frozenset(t for t, (last, gap) in list(self._others.items())
+                         if now - last < max(hold, 3 * gap))
+
     def _loop(self) -> None:
-        c = self.config
+        import psutil
+
+        self._tid = threading.get_ident()
+        c, process = self.config, psutil.Process()
         while not self._stop.is_set():
-            try:
-                self.samples += len(emit_memory(c.rank, nvme_dir=c.nvme_dir, cuda=c.cuda))
-            except (OSError, RuntimeError):  # offload dir removed at teardown: stop quietly
-                return
+            if has_subscribers():
+                skip = self._deferred_tiers()
+                try:
+                    samples = _measure(c.rank, self._dirs,
+                                       registered_nvme_dirs() if c.registered_nvme else [],
+                                       self._device, c.cuda, skip, process)
+                except (OSError, RuntimeError):  # a named offload dir removed at teardown: stop quietly
+                    return
+                self.deferred += len(skip)
+                for s in samples:
+                    emit(s)
+                self.samples += len(samples)
             self._stop.wait(c.interval)
 
     def stop(self) -> None:
         self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=5)
             self._thread = None
+        self._others.clear()
 
     def __enter__(self) -> "MemorySampler":
         return self.start()
@@ -146,3 +381,7 @@ class MemorySampler:
     def __exit__(self, *exc) -> bool:
         self.stop()
         return False
+
+
+__all__ = ["MemorySampler", "MemorySamplerConfig", "sample_memory", "emit_memory",
+           "register_nvme_dir", "unregister_nvme_dir", "registered_nvme_dirs"]
