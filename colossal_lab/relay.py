@@ -41,9 +41,20 @@ cluster's ``master_addr`` (the address ranks already use to reach the rendezvous
 this kernel hosts: ``127.0.0.1`` for local ranks, this host's address for ``ssh``/``slurm``
 launches), else ``127.0.0.1``. Pass ``attach(cluster, host="10.0.0.5")`` to override.
 
-Lifetime: ``attach`` is idempotent per cluster and re-installs the rank subscribers each time
-(ranks replaced by ``cluster.restart()`` get one again); after ``cluster.stop()`` the
-receiver notices within a second and closes its socket; ``detach()`` does both explicitly.
+Memory: attaching also starts a :class:`~colossal_lab.engine.telemetry.memory.MemorySampler`
+on every rank (every ``memory_interval`` seconds, 0.5 by default; ``memory_interval=None``
+starts none), so ``MemoryGauges`` fill under any plugin with no code in the training cell:
+the rank's RSS (and peak RSS), ``torch.cuda`` allocated / reserved / peak bytes on the rank's
+device once it uses one, NVML utilisation where ``nvidia-ml-py`` is installed, and the bytes
+of the NVMe offload directories registered on that rank (Gemini's store registers its own).
+A tier the engine reports itself (Gemini's placement accounting) is left to the engine while
+it does (``MemorySamplerConfig.defer``), so a gauge never alternates between two meanings.
+
+Lifetime: ``attach`` is idempotent per cluster and re-installs the rank subscribers and
+samplers each time, never starting a second one on a rank; ``cluster.restart()`` re-installs
+them on the new ranks (a restart hook); after ``cluster.stop()`` the ranks, and their
+samplers, are gone and the receiver notices within a second and closes its socket;
+``detach()`` removes both from the ranks and closes the socket explicitly.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -71,6 +83,7 @@ class RelayConfig:
     rcvhwm: int = 100_000
     interval: float = 0.2    # seconds between a rank's batches
     coalesce: bool = True    # fold what a batch holds to what the widgets draw
+    memory_interval: Optional[float] = 0.5  # seconds between a rank's memory samples; None: no sampler
 
 
 # ---------------------------------------------------------------- the wire (both sides)
@@ -163,6 +176,7 @@ _rank_lock = threading.Lock()
 # (cheaper than a ``threading.local`` attribute lookup, which is slow when it misses)
 _receiver_threads: set = set()
 _rank_sink: Optional["_RankSink"] = None
+_rank_sampler = None  # this rank's MemorySampler while a relay is attached (at most one)
 
 
 class _RankSink:
@@ -248,21 +262,48 @@ class _RankSink:
 
     def stats(self) -> Dict[str, Any]:
         self.flush()
+        sampler = _rank_sampler
         return {"address": self.address, "sent": self.sent, "rows": self.rows,
                 "messages": self.messages, "cpu_s": self.cpu_s, "interval": self.interval,
                 "coalesce": self.coalesce,
-                "dropped": max(0, self.enqueued - self.sent - len(self._q))}
+                "dropped": max(0, self.enqueued - self.sent - len(self._q)),
+                "memory_samples": None if sampler is None else sampler.samples,
+                "memory_deferred": None if sampler is None else sampler.deferred}
 
 
-def _install(address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = True) -> Dict[str, Any]:
-    """Run on each rank: (re)point this process's relay sink at ``address``."""
+def _ensure_sampler(memory_interval: Optional[float]) -> Optional[int]:
+    """(Re)start this rank's memory sampler at ``memory_interval`` (``None``: stop it); at most
+    one per process. Returns the samples it has emitted (``None`` without a sampler)."""
+    global _rank_sampler
+    from colossal_lab.engine.telemetry.memory import MemorySampler, MemorySamplerConfig
+
+    s = _rank_sampler
+    if s is not None and (memory_interval is None or s.config.interval != memory_interval
+                          or not s.running):
+        s.stop()
+        s = _rank_sampler = None
+    if s is None and memory_interval is not None:
+        device = os.environ.get("COLOSSAL_DEVICE", "")  # set by the rank's setup (_rank.setup)
+        s = _rank_sampler = MemorySampler(MemorySamplerConfig(
+            rank=int(os.environ.get("RANK", "0")), interval=memory_interval,
+            device=device if device.startswith("cuda") else None,
+            registered_nvme=True, defer=True)).start()
+    return None if s is None else s.samples
+
+
+def _install(address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = True,
+             memory_interval: Optional[float] = None) -> Dict[str, Any]:
+    """Run on each rank: (re)point this process's relay sink at ``address`` and keep one
+    memory sampler running at ``memory_interval`` (``None``: none)."""
     global _rank_sink
     with _rank_lock:
-        if _rank_sink is not None:
-            if (_rank_sink.address, _rank_sink.interval, _rank_sink.coalesce) == (address, interval, coalesce):
-                return _rank_sink.stats()
+        if _rank_sink is not None and \
+                (_rank_sink.address, _rank_sink.interval, _rank_sink.coalesce) != (address, interval, coalesce):
             _rank_sink.close()
-        _rank_sink = _RankSink(address, sndhwm, interval, coalesce)
+            _rank_sink = None
+        if _rank_sink is None:
+            _rank_sink = _RankSink(address, sndhwm, interval, coalesce)
+        _ensure_sampler(memory_interval)
         return _rank_sink.stats()
 
 
@@ -271,6 +312,7 @@ def _uninstall(address: str) -> Optional[Dict[str, Any]]:
     with _rank_lock:
         if _rank_sink is None or _rank_sink.address != address:
             return None
+        _ensure_sampler(None)
         stats, _rank_sink = _rank_sink.close(), None
         return stats
 
@@ -368,15 +410,32 @@ class Relay:
 
     def _close_after_stop(self) -> None:
         self.attached = False
+        self._unhook()
         self._stop.set()
         self._sock.close(linger=0)
         _relays.pop(id(self.cluster), None)
 
     def _install_on_ranks(self) -> List[Dict[str, Any]]:
         out = self.cluster.run(_install, self.address, self.config.sndhwm, self.config.interval,
-                               self.config.coalesce)
+                               self.config.coalesce, self.config.memory_interval)
         self.attached = True
         return out
+
+    def _on_restart(self, cluster) -> None:
+        """Restart hook: the new ranks get the sink and the memory sampler again."""
+        if self.active:
+            self._install_on_ranks()
+
+    def _hook(self) -> None:
+        hooks = getattr(self.cluster, "restart_hooks", None)
+        if hooks is not None and self._on_restart not in hooks:
+            hooks.append(self._on_restart)
+
+    def _unhook(self) -> None:
+        hooks = getattr(self.cluster, "restart_hooks", None)
+        if hooks is not None:
+            while self._on_restart in hooks:
+                hooks.remove(self._on_restart)
 
     def rank_stats(self) -> List[Optional[Dict[str, Any]]]:
         """Per rank: events sent to the notebook and events dropped because it lagged."""
@@ -397,6 +456,7 @@ class Relay:
             pass  # a stopped cluster has no subscribers left to remove
         finally:
             self.attached = False
+            self._unhook()
             self._stop.set()
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=2)
@@ -413,7 +473,8 @@ _relays_lock = threading.Lock()
 
 
 def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
-           rcvhwm: int = 100_000, interval: float = 0.2, coalesce: bool = True) -> Relay:
+           rcvhwm: int = 100_000, interval: float = 0.2, coalesce: bool = True,
+           memory_interval: Optional[float] = 0.5) -> Relay:
     """Carry telemetry from every rank of ``cluster`` to this process's bus (idempotent).
 
     ``cluster`` is a :class:`colossal_lab.Cluster` (anything with ``run(fn, *args)`` that runs
@@ -424,6 +485,9 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
     fastest; each message costs both sides a thread wake-up). ``coalesce``: fold each
     batch to what the widgets draw (see :func:`coalesced_rows`); ``False`` re-emits every
     event here as the rank emitted it (e.g. to record a complete trace in the kernel).
+    ``memory_interval``: seconds between each rank's memory samples (one sampler thread per
+    rank, see the module docstring); ``None`` starts none (and stops one a previous attach
+    started).
     """
     if cluster is None or not callable(getattr(cluster, "run", None)):
         raise TypeError(f"attach(cluster={cluster!r}): expected a running colossal_lab.Cluster "
@@ -437,6 +501,11 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
                          "rank's messages, e.g. 0.2")
     if not isinstance(coalesce, bool):
         raise TypeError(f"attach(coalesce={coalesce!r}): must be True or False")
+    if memory_interval is not None and not (isinstance(memory_interval, (int, float))
+                                            and not isinstance(memory_interval, bool)
+                                            and 0 < memory_interval <= 3600):
+        raise ValueError(f"attach(memory_interval={memory_interval!r}): must be seconds in "
+                         "(0, 3600] between a rank's memory samples, e.g. 0.5, or None for no sampler")
     if getattr(cluster, "running", True) is False:
         raise RuntimeError(f"attach(cluster={cluster!r}): the cluster is stopped; launch one with "
                            "cl.launch(n=...)")
@@ -446,8 +515,10 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
         relay = _relays.get(id(cluster))
         if relay is None or relay.cluster is not cluster or not relay.active:
             relay = Relay(cluster, RelayConfig(host=host, sndhwm=sndhwm, rcvhwm=rcvhwm,
-                                               interval=interval, coalesce=coalesce))
+                                               interval=interval, coalesce=coalesce,
+                                               memory_interval=memory_interval))
         relay.config.interval, relay.config.coalesce = interval, coalesce
+        relay.config.memory_interval = memory_interval
         try:
             # (re)install every time: cheap and idempotent on a rank, and it covers ranks that
             # were replaced by cluster.restart() since the last attach
@@ -455,6 +526,7 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
         except BaseException:
             relay.detach()
             raise
+        relay._hook()
         _relays[id(cluster)] = relay
         return relay
 

@@ -18,6 +18,10 @@ from colossal_lab import relay as relay_mod
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import Dashboard
 
+# these tests count what the relay carries exactly: no memory sampler on the ranks (attach
+# starts one by default; tests/test_memory_autosample.py covers it)
+QUIET = {"memory_interval": None}
+
 
 def _emit_then_sleep(n_events, sleep_s):
     import time
@@ -65,9 +69,9 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster):
 
     unsub = T.subscribe(sink)
     dash = Dashboard(live=False, max_hz=10)
-    relay = relay_mod.attach(cluster)
+    relay = relay_mod.attach(cluster, **QUIET)
     try:
-        assert relay_mod.attach(cluster) is relay  # idempotent per cluster
+        assert relay_mod.attach(cluster, **QUIET) is relay  # idempotent per cluster
         done = threading.Event()
         results = {}
 
@@ -114,7 +118,7 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster):
 def test_a_notebook_that_does_not_read_never_blocks_training(cluster):
     # a relay whose receiver is stopped (like a kernel that is too busy to read): ranks keep
     # emitting at full speed and drop what the bounded queue cannot hold
-    relay = relay_mod.attach(cluster, sndhwm=100, rcvhwm=100)
+    relay = relay_mod.attach(cluster, sndhwm=100, rcvhwm=100, **QUIET)
     try:
         relay._stop.set()
         relay._thread.join(timeout=5)
@@ -189,7 +193,7 @@ def test_coalesced_relay_draws_what_each_rank_emitted_with_far_fewer_events(clus
 
     steps, chunks = 6, 5
     unsub = T.subscribe(sink)
-    relay = relay_mod.attach(cluster)  # coalescing is the default
+    relay = relay_mod.attach(cluster, **QUIET)  # coalescing is the default
     try:
         results = cluster.run(_emit_chunk_moves, steps, chunks, 0)
         stats = relay.rank_stats()  # flushes what the ranks still hold
@@ -228,7 +232,7 @@ def test_without_coalescing_every_event_arrives_as_emitted(cluster):
             got.append(e)
 
     unsub = T.subscribe(sink)
-    relay = relay_mod.attach(cluster, coalesce=False, interval=0.05)
+    relay = relay_mod.attach(cluster, coalesce=False, interval=0.05, **QUIET)
     try:
         results = cluster.run(_emit_chunk_moves, 3, 4, 1)
         stats = relay.rank_stats()
@@ -256,7 +260,7 @@ def test_kernel_does_not_decode_while_nobody_here_listens(cluster):
     # a view another test left open in this process would count as a listener: set the bus's
     # subscriber list aside for this test (restored below)
     saved, bus._subscribers = bus._subscribers, []
-    relay = relay_mod.attach(cluster)
+    relay = relay_mod.attach(cluster, **QUIET)
     try:
         results = cluster.run(_emit_chunk_moves, 2, 3, 2)
         n = sum(r[0] for r in results)
@@ -302,7 +306,7 @@ def test_events_the_receiver_re_emits_are_not_sent_again_from_the_same_process()
     here = _ThisProcess()
     got = []
     unsub = T.subscribe(got.append)
-    relay = relay_mod.attach(here, interval=0.02)
+    relay = relay_mod.attach(here, interval=0.02, **QUIET)
     try:
         for i in range(50):
             T.emit(T.StepMetrics(rank=0, step=i, loss=1.0, tokens=1, seconds=0.1))
@@ -337,7 +341,7 @@ def test_the_kernel_wakes_once_per_interval_for_all_ranks(cluster):
     # each rank sends one message per interval; the receiver wakes once per interval and
     # takes both ranks' messages, instead of waking for each message
     unsub = T.subscribe(lambda e: None)
-    relay = relay_mod.attach(cluster, interval=0.2)
+    relay = relay_mod.attach(cluster, interval=0.2, **QUIET)
     try:
         d0, m0 = relay.drains, relay.messages
         n = cluster.run(_emit_steadily, 3.0, 0.01)
