@@ -110,7 +110,7 @@ def test_timeline_bars_and_bubbles():
     assert len(f.x) == 4
     # bars start at ms since the step's first span, length = measured duration
     bars = sorted(zip(f.y, f.base, f.x))
-    assert bars[0][0].startswith("stage 0 (rank 0)")
+    assert bars[0][0].startswith("stage 0 · dp 0 · tp 0 · rank 0")
     assert bars[0][1] == pytest.approx(0.0, abs=1e-6) and bars[0][2] == pytest.approx(100.0)
     assert sorted(_trace_by_name(tl.figure, "B").text) == ["0", "0", "1", "1"]
     assert _trace_by_name(tl.figure, "optim").text == ("", "")

@@ -14,8 +14,9 @@ ranks over a lossy relay and can be replayed:
   coalesced carry ``ChunkEvent.moves``, the chunk's tier changes at that step so far: it
   orders them within a step (a smaller count than the one held is stale) and the increase
   over the count held is recorded as that many moves.
-* ``TimelineState``: a set of ``StageSpan`` (exact duplicates collapse); bubbles come from
-  ``telemetry.bubble_fractions`` so the widget and the pipeline runtime report one number.
+* ``TimelineState``: a set of ``StageSpan`` (exact duplicates collapse); a row per rank, in
+  (stage, dp, tp) order; bubbles per rank and per stage (the mean over its ranks) come from
+  ``telemetry``'s bubble functions, so the widget and the pipeline runtime report one number.
 * ``MemoryState``: latest ``MemorySample`` per ``(rank, tier)`` by its own ``time``.
 * ``MetricsState``: one ``StepMetrics`` per ``(rank, step)``.
 """
@@ -32,7 +33,9 @@ from colossal_lab.engine.telemetry import (
     MemorySample,
     StageSpan,
     StepMetrics,
-    bubble_fractions,
+    fractions_from_busy,
+    rank_busy,
+    stage_means,
 )
 
 TIER_COLORS = {"cuda": "#76b900", "cpu": "#1f77b4", "nvme": "#ff7f0e"}
@@ -128,6 +131,16 @@ class ChunkState:
         return max((e.step for e in self.chunks.values()), default=None)
 
 
+class TimelineRow(NamedTuple):
+    """One rank's row on the timeline: its place in the job and its bubble fraction."""
+
+    rank: int
+    stage: int
+    dp: int
+    tp: int
+    bubble: float
+
+
 @dataclass
 class TimelineState:
     spans: Set[StageSpan] = field(default_factory=set)
@@ -162,13 +175,25 @@ class TimelineState:
         return sorted(self._by_step)
 
     def spans_of(self, step: int) -> List[StageSpan]:
-        return sorted(self._by_step.get(step, ()), key=lambda s: (s.stage, s.start))
+        """``step``'s spans in row order (stage, dp, tp, rank), then by start."""
+        return sorted(self._by_step.get(step, ()), key=lambda s: (s.stage, s.dp, s.tp, s.rank, s.start))
+
+    def rows(self, step: int) -> List[TimelineRow]:
+        """A row per rank of ``step``, ordered by stage, then dp, then tp (then rank), each with
+        its bubble fraction (``telemetry.bubble_fractions_by_rank``)."""
+        ranks = rank_busy(self.spans_of(step)).get(step, {})
+        fractions = fractions_from_busy(ranks)
+        rows = [TimelineRow(r, b.stage, b.dp, b.tp, fractions[r]) for r, b in ranks.items()]
+        return sorted(rows, key=lambda row: (row.stage, row.dp, row.tp, row.rank))
+
+    def rank_bubbles(self, step: int) -> Dict[int, float]:
+        """``{rank: bubble fraction}`` of ``step``."""
+        return fractions_from_busy(rank_busy(self.spans_of(step)).get(step, {}))
 
     def bubbles(self, step: int) -> Dict[int, float]:
-        return bubble_fractions(self.spans_of(step)).get(step, {})
-
-    def stage_ranks(self, step: int) -> Dict[int, int]:
-        return {s.stage: s.rank for s in self.spans_of(step)}
+        """``{stage: bubble fraction}`` of ``step``: the mean over the stage's ranks."""
+        ranks = rank_busy(self.spans_of(step)).get(step, {})
+        return stage_means(fractions_from_busy(ranks), ranks)
 
 
 @dataclass
