@@ -4,7 +4,8 @@ then with a 2-stage pipeline; while the cells run, the page must show chunks on 
 one tier, pipeline bars, and values that change. Screenshots go to ``artifacts/``.
 
 Every event drawn comes from a real engine component on a rank (Gemini's chunk manager,
-the pipeline runtime's timers, the boosted optimizer's StepMetrics) through the relay.
+the pipeline runtime's timers, the boosted optimizer's StepMetrics, the memory sampler the
+relay starts on each rank) through the relay; no cell starts anything for the gauges.
 """
 
 import pytest
@@ -46,7 +47,6 @@ import os, tempfile, time, torch, torch.distributed as dist
 from colossal_lab.engine import Booster
 from colossal_lab.engine.plugins import GeminiPlugin
 from colossal_lab.engine.models import GPT, GPTConfig
-from colossal_lab.engine.telemetry.memory import MemorySampler, MemorySamplerConfig
 rank = dist.get_rank()
 torch.manual_seed(0)
 nvme = tempfile.mkdtemp(prefix=f"nv{rank}_")
@@ -57,13 +57,12 @@ booster = Booster(plugin=plugin, mixed_precision="fp32")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 gm, gopt, *_ = booster.boost(model, opt)
 g = torch.Generator().manual_seed(rank)
-with MemorySampler(MemorySamplerConfig(rank=rank, interval=0.3, cuda=False)):
-    for step in range(STEPS):
-        x = torch.randint(0, 256, (2, 32), generator=g)
-        _, loss = gm(x, x.roll(-1, 1))
-        booster.backward(loss, gopt)
-        gopt.step(); gopt.zero_grad()
-        time.sleep(PAUSE)
+for step in range(STEPS):
+    x = torch.randint(0, 256, (2, 32), generator=g)
+    _, loss = gm(x, x.roll(-1, 1))
+    booster.backward(loss, gopt)
+    gopt.step(); gopt.zero_grad()
+    time.sleep(PAUSE)
 plugin.close()
 print("gemini done", rank, float(loss.detach()))"""
 
@@ -100,7 +99,8 @@ JS_STATE = """() => {
       legend: Array.from(g.querySelectorAll('.legendtext')).map(e => e.textContent),
       ticks: Array.from(g.querySelectorAll('.ytick text')).map(e => e.textContent),
       data: (g.data || []).map(d => ({name: d.name, type: d.type,
-        n: (d.x || []).length, y: d.y, value: d.value}))};
+        n: (d.x || []).length, y: d.y, value: d.value,
+        title: d.type === 'indicator' && d.title ? String(d.title.text) : undefined}))};
   }
   const prompts = Array.from(document.querySelectorAll('.jp-InputArea-prompt')).map(e => e.innerText);
   return {plots: out, prompts: prompts, frames: globalThis.__colossalFrames || 0};
@@ -289,6 +289,12 @@ def test_dashboard_live_in_jupyterlab(lab):
     assert bars and max(bars) > 0, bars
     assert any("bubble" in t for s in pp for t in s["plots"]["PipelineTimeline"]["ticks"]), \
         "no bubble fraction on the timeline rows"
+    # memory gauges filled with no sampler in any cell: the relay's sampler on each rank reports
+    # its RSS (with its peak, which only the sampler measures) next to Gemini's own accounting
+    rss = {d["name"] for s in samples if "MemoryGauges" in s["plots"]
+           for d in s["plots"]["MemoryGauges"]["data"]
+           if d["type"] == "indicator" and (d["value"] or 0) > 0 and "peak" in (d.get("title") or "")}
+    assert {"rank 0 cpu", "rank 1 cpu"} <= rss, rss
     # after a reload every plot is drawn again from the kernel's latest state
     assert set(before) >= {"Training", "ChunkMap", "PipelineTimeline", "MemoryGauges"}, before.keys()
     for k in before:
