@@ -31,16 +31,49 @@ def _trace_by_name(fig, name):
 
 
 def _chunk_points(fig):
-    """{(rank, chunk_id): (tier, colour, symbol, outline width)} read back from the figure."""
+    """{(rank, chunk_id): (tier, colour, shade)} read back from the ChunkMap's strip: each
+    heatmap cell's code through the figure's own colour scale, the colour matched against
+    every (tier, shade) colour."""
+    from colossal_lab.widgets.chunk_map import FILLS, fill_colour
+
+    by_colour = {fill_colour(t, f): (t, f) for t in T.TIERS for f in FILLS}
+    (h,) = [t for t in fig.data if t.type == "heatmap"]
+    scale = [(float(p), c) for p, c in h.colorscale]
     out = {}
-    for t in fig.data:
-        if t.type != "scatter":
-            continue
-        syms = t.marker.symbol if t.marker.symbol is not None else []
-        widths = t.marker.line.width if t.marker.line.width is not None else []
-        for i, (r, c) in enumerate(t.customdata or []):
-            out[(r, c)] = (t.name, t.marker.color, syms[i], widths[i])
+    for r, row in enumerate(h.z):
+        for c, k in enumerate(row):
+            if k is None:
+                continue
+            frac = (k - h.zmin) / (h.zmax - h.zmin)
+            (colour,) = {a[1] for a, b in zip(scale, scale[1:]) if a[0] <= frac <= b[0]}
+            rank, chunk = h.customdata[r][c]
+            out[(rank, chunk)] = (by_colour[colour][0], colour, by_colour[colour][1])
     return out
+
+
+def _chunk_marks(fig):
+    """{(rank, chunk_id): name of the move mark drawn on its cell} from the mark shapes (each
+    glyph a closed polygon, centred on its cell)."""
+    import re
+
+    (h,) = [t for t in fig.data if t.type == "heatmap"]
+    out = {}
+    for s in fig.layout.shapes:
+        for glyph in s.path.split("Z")[:-1]:
+            pts = [tuple(map(float, p)) for p in re.findall(r"(-?[\d.]+),(-?[\d.]+)", glyph)]
+            col = round(sum(x for x, _ in pts) / len(pts))
+            row = round(sum(y for _, y in pts) / len(pts))
+            rank, chunk = h.customdata[row][col]
+            assert (rank, chunk) not in out, "two marks on one chunk"
+            out[(rank, chunk)] = s.name
+    return out
+
+
+def _chunk_hover(fig, key):
+    (h,) = [t for t in fig.data if t.type == "heatmap"]
+    (text,) = [h.text[r][c] for r, row in enumerate(h.customdata) for c, k in enumerate(row)
+               if k is not None and tuple(k) == key]
+    return text
 
 
 def test_chunk_map_colours_by_tier_and_marks_moves():
@@ -49,15 +82,19 @@ def test_chunk_map_colours_by_tier_and_marks_moves():
            T.ChunkEvent(1, 1, 3, "cuda", "compute", 2 * MIB, ("layer3.w",))]
     ev += [T.MemorySample(0, 1.0, "cpu", 5 * MIB, 64 * MIB), T.MemorySample(1, 1.0, "cpu", 7 * MIB, 64 * MIB)]
     cm = ChunkMap.from_events(ev)
+    from colossal_lab.widgets.chunk_map import fill_colour
+
     pts = _chunk_points(cm.figure)
     assert len(pts) == 8
-    assert pts[(0, 2)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
-    assert pts[(1, 3)][:3] == ("cuda", TIER_COLORS["cuda"], "square-x")
-    assert pts[(0, 0)][:3] == ("cpu", TIER_COLORS["cpu"], "square")
-    # moved at the newest step -> thick outline; unmoved -> thin
-    assert pts[(0, 2)][3] == 3 and pts[(1, 3)][3] == 3 and pts[(0, 0)][3] < 1
-    hover = [h for t in cm.figure.data if t.name == "nvme" for h in t.hovertext][0]
-    assert "layer2.w" in hover and "1.000 MiB" in hover
+    assert pts[(0, 2)] == ("nvme", fill_colour("nvme", "freed"), "freed")
+    assert pts[(1, 3)] == ("cuda", TIER_COLORS["cuda"], "computing")  # computing: the tier's own colour
+    assert pts[(0, 0)] == ("cpu", fill_colour("cpu", "held"), "held")
+    # moved at the newest step -> a mark on the cell, by direction; unmoved -> none
+    marks = _chunk_marks(cm.figure)
+    assert marks.keys() == {(0, 2), (1, 3)}
+    assert "slower" in marks[(0, 2)] and "faster" in marks[(1, 3)]
+    hover = _chunk_hover(cm.figure, (0, 2))
+    assert "layer2.w" in hover and "1.00 MiB" in hover and "cpu→nvme" in hover
     chunks = _trace_by_name(cm.figure, "chunks")
     assert dict(zip(chunks.x, chunks.y)) == {"cuda": 2.0, "cpu": 6.0, "nvme": 1.0}
     cap = _trace_by_name(cm.figure, "capacity")
@@ -296,6 +333,7 @@ def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
     import ipywidgets as W  # noqa: F401
 
     from colossal_lab.widgets import chunk_map_dict
+    from colossal_lab.widgets.chunk_map import fill_colour
 
     ev = [T.ChunkEvent(r, 1, c, ("cpu", "nvme", "cuda")[c % 3], "hold", MIB, (f"p{c}",))
           for r in (0, 1) for c in range(5)] + [T.MemorySample(0, 1.0, "cpu", MIB, 8 * MIB)]
@@ -316,8 +354,8 @@ def test_live_bundle_is_the_plain_dict_and_figure_matches_it():
     assert cm.redraws == n + 1 and cm.widget().figure is not out
     # the hover texts cached between redraws are those of the newest events
     assert cm.figure_dict() == chunk_map_dict(cm.chunks, cm.memory)
-    assert any("state: free" in h for tr in cm.figure_dict()["data"] for h in tr.get("hovertext", []))
-    assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", TIER_COLORS["nvme"], "square-open")
+    assert "freed (free)" in _chunk_hover(cm.figure, (0, 0))
+    assert _chunk_points(cm.figure)[(0, 0)][:3] == ("nvme", fill_colour("nvme", "freed"), "freed")
 
 
 def _colossal_threads():
