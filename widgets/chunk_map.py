@@ -167,7 +167,8 @@ class _MoveIndex:
     stale and records nothing), so a chunk's newest kept move is its last move. New moves are
     found by walking the deque from the right to the newest move seen before (by identity);
     the deque only appends on the right and drops on the left, so the moves dropped are the
-    oldest ones this index mirrors. If the newest one seen was dropped too, it starts over."""
+    oldest ones this index mirrors (all of them when the newest one seen is gone too: the
+    walk then takes every move kept as new)."""
 
     def __init__(self) -> None:
         self.last: Dict[Key, Move] = {}
@@ -175,33 +176,23 @@ class _MoveIndex:
         self._mirror: Deque[Move] = deque()
 
     def update(self, moves: Deque[Move]) -> None:
-        mirror = self._mirror
-        if moves is not self._src:
-            return self._rebuild(moves)
-        if mirror:
-            tail, new = mirror[-1], []
-            for m in reversed(moves):
-                if m is tail:
-                    break
-                new.append(m)
-            else:
-                return self._rebuild(moves)
-            new.reverse()
-        else:
-            new = list(moves)
-        last = self.last
+        if moves is not self._src:  # another ChunkState
+            self._src, self._mirror, self.last = moves, deque(), {}
+        mirror, last = self._mirror, self.last
+        tail = mirror[-1] if mirror else None
+        new: List[Move] = []
+        for m in reversed(moves):
+            if m is tail:
+                break
+            new.append(m)
         for _ in range(len(mirror) + len(new) - len(moves)):  # dropped on the left
             old = mirror.popleft()
             key = (old.rank, old.chunk_id)
             if last.get(key) is old:
                 del last[key]
-        for m in new:
+        for m in reversed(new):
             mirror.append(m)
             last[(m.rank, m.chunk_id)] = m
-
-    def _rebuild(self, moves: Deque[Move]) -> None:
-        self._src, self._mirror = moves, deque(moves)
-        self.last = {(m.rank, m.chunk_id): m for m in moves}
 
 
 class StripCache:
