@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -73,23 +73,35 @@ class ModelWrapper(nn.Module):
             return getattr(inner, name)
 
 
-def rebuild_optimizer(optimizer: Optimizer, old_names: Dict[int, str], new_params: Dict[str, nn.Parameter],
-                      optimizer_class=None, **extra) -> Optimizer:
+def rebuild_optimizer(optimizer: Optimizer, old_names: Dict[int, Union[str, List[str]]],
+                      new_params: Dict[str, nn.Parameter], optimizer_class=None, partial: bool = False,
+                      **extra) -> Optimizer:
     """The same optimizer (class, hyper-parameters, param groups) over new parameter objects.
 
-    Sharding (fully_shard) replaces parameters with DTensor ones, so the user's optimizer must be
-    rebuilt; ``old_names`` maps ``id(old_param)`` to its name in the model.
+    Sharding (fully_shard, tensor parallelism) replaces parameters with DTensor ones, so the
+    user's optimizer must be rebuilt; ``old_names`` maps ``id(old_param)`` to its name in the
+    model (or its names: a tied weight has two). ``partial``: ``new_params`` holds only this
+    rank's part (a pipeline stage), so a parameter found under none of its names is left out,
+    and one found under two names is taken once.
     """
     if optimizer.state:
         raise ValueError("boost(optimizer=...): the optimizer has already stepped; boost it before "
                          "the first step and restore state with booster.load_optimizer()")
     groups = []
     for g in optimizer.param_groups:
-        try:
-            params = [new_params[old_names[id(p)]] for p in g["params"]]
-        except KeyError:
-            raise ValueError("boost(optimizer=...): the optimizer holds a parameter that is not in "
-                             "the model; build it from model.parameters()") from None
+        params, seen = [], set()
+        for p in g["params"]:
+            names = old_names.get(id(p))
+            if names is None:
+                raise ValueError("boost(optimizer=...): the optimizer holds a parameter that is not in "
+                                 "the model; build it from model.parameters()")
+            for n in [names] if isinstance(names, str) else names:
+                q = new_params.get(n)
+                if q is None and not partial:
+                    raise ValueError(f"boost(optimizer=...): parameter {n!r} is not in the boosted model")
+                if q is not None and id(q) not in seen:
+                    seen.add(id(q))
+                    params.append(q)
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
     cls = optimizer_class or type(optimizer)
     return cls(groups, **{**constructor_kwargs(type(optimizer), optimizer.defaults), **extra})

@@ -24,6 +24,7 @@ measured bubble fraction per stage.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -38,7 +39,7 @@ from .. import comm
 from ..device import default_device, to_device
 from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
-from ..wrappers import OptimizerWrapper, _count_tokens
+from ..wrappers import OptimizerWrapper, _count_tokens, rebuild_optimizer
 from .base import Plugin
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -369,37 +370,17 @@ class HybridParallelPlugin(Plugin):
         return hp_model, hp_optim, criterion, dataloader, lr_scheduler
 
     def _rebuild_optimizer(self, names_of: Dict[int, List[str]], optimizer: Optimizer,
-                           hp_model: HybridParallelModule):
-        mine = dict(hp_model.named_model_parameters())
-        groups = []
-        for g in optimizer.param_groups:
-            extra = {k: v for k, v in g.items() if k != "params"}
-            seen, params = set(), []
-            for p in g["params"]:
-                for n in names_of.get(id(p), []):
-                    q = mine.get(n)
-                    if q is not None and id(q) not in seen:
-                        seen.add(id(q))
-                        params.append(q)
-            groups.append({"params": params, **extra})
-        cls = type(optimizer)
-        import inspect
-
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        # every group already carries its own hyper-parameters; drop keys the constructor
-        # does not take (AdamW records 'decoupled_weight_decay' in defaults but rejects it)
-        groups = [{k: v for k, v in g.items() if k == "params" or k in accepted or k == "initial_lr"}
-                  for g in groups]
+                           hp_model: HybridParallelModule) -> Optimizer:
+        """The user's optimizer over this rank's (stage's, tensor-parallel) parameters; ZeRO-1
+        shards its state over the data-parallel group."""
+        cls = None
         if self.zero_stage == 1 and self.dp_size > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            zo = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, process_group=self._dp_group,
-                                         **{k: v for k, v in groups[0].items() if k in defaults})
-            for g in groups[1:]:
-                zo.add_param_group(g)
-            return zo
-        return cls(groups, **defaults)
+            cls = functools.partial(ZeroRedundancyOptimizer, optimizer_class=type(optimizer),
+                                    process_group=self._dp_group)
+        return rebuild_optimizer(optimizer, names_of, dict(hp_model.named_model_parameters()),
+                                 optimizer_class=cls, partial=True)
 
     # ---- gradient sync ------------------------------------------------------------------
     def _setup_tied(self, model: HybridParallelModule, tied: List[List[str]]) -> None:
