@@ -82,8 +82,8 @@ class MemorySample:
     """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock).
 
     Optional detail where the tier has it (0 / ``None`` when not measured): ``peak``, the
-    most bytes in use since the sampler started (``torch.cuda.max_memory_allocated`` on a
-    GPU); ``reserved``, bytes the tier holds beyond ``used`` (torch's caching allocator);
+    most bytes in use so far (``torch.cuda.max_memory_allocated`` on a GPU, peak RSS on
+    the host); ``reserved``, bytes the tier holds beyond ``used`` (torch's caching allocator);
     ``util``, the device's compute utilisation in percent (NVML).
     """
 
