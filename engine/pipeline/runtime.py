@@ -1,20 +1,11 @@
 """Run one training step of a pipeline: microbatches in, losses and a measured timeline out.
 
-The schedule itself is torch's (``torch.distributed.pipelining``); this module feeds it.
-What it adds, and why:
-
-* Colossal-AI's data contract: a batch is a dict (``{"idx": x, "targets": y}``) and the
-  criterion is ``criterion(outputs, batch) -> loss``. torch's loss function only sees
-  ``(output, target_tensor)``, so we hand torch ``target = arange(m)`` (split into one index
-  per microbatch) and look the microbatch's own dict up by that index.
-* timing (:mod:`.timing`) around the schedule, and the step's bubble fraction per rank and per
-  stage (the mean over the stage's ranks), over every rank of the job: each rank reduces its
-  own spans to a ``telemetry.RankBusy`` (first start, last end, busy seconds) and one small
-  all-gather per step shares them, so with data or tensor parallelism the ranks that share a
-  stage are measured apart, against the window of the whole step (on one machine the ranks
-  share a wall clock). The arithmetic is ``telemetry``'s, the same the timeline widget uses.
-* ``pp_size == 1`` runs the same microbatch loop by hand (forward+loss = ``F``, backward =
-  ``B``), so tensor/data-parallel-only runs use the same API and timeline.
+The schedule is torch's (``torch.distributed.pipelining``); this module feeds it Colossal-AI's
+data contract (a dict batch, ``criterion(outputs, batch) -> loss``: torch's loss function sees
+``(output, target)``, so it gets ``target = arange(m)``, one index per microbatch, and looks that
+microbatch's dict up), times the step (:mod:`.timing`) and gathers one ``telemetry.RankBusy``
+per rank for its bubbles per rank and per stage. ``pp_size == 1`` runs the same microbatch loop
+by hand (forward+loss = ``F``, backward = ``B``). Details: docs/hybrid.md, "Measured timelines".
 """
 
 from __future__ import annotations
@@ -144,11 +135,9 @@ class PipelineRuntime:
         return torch.cat(outs) if return_outputs else None
 
     def _bubble(self) -> Tuple[Dict[int, float], Dict[int, float]]:
-        """This step's ``({rank: bubble}, {stage: mean bubble of its ranks})`` over every rank.
-
-        Each rank sends one row (stage, dp, tp, first start, last end, busy seconds) rather
-        than its spans, so the gather stays a few numbers per rank however many microbatches
-        ran. float64 carries the ``time.time()`` values exactly."""
+        """This step's ``({rank: bubble}, {stage: mean bubble of its ranks})`` over every rank,
+        from one gathered row per rank (a few numbers however many microbatches ran; float64
+        carries the ``time.time()`` values exactly)."""
         mine = rank_busy(self.recorder.step_spans(self.step_index)).get(self.step_index, {})
         rank = self.recorder.rank
         if not comm.initialized() or dist.get_world_size() == 1:

@@ -1,31 +1,11 @@
 """Measured pipeline timelines: every F, B, W, send, recv and optim action of a rank, timed.
 
-torch's schedules give no timings (its visualiser draws *simulated* unit-time schedules), so
-we time the real calls at the seams torch already has, without copying a schedule:
-
-* compute: each ``PipelineStage``'s ``forward_one_chunk`` / ``backward_one_chunk`` /
-  ``backward_weight_one_chunk`` are wrapped on the instance (every schedule calls them through
-  the stage object). ``backward_one_chunk`` is ``B``: the full backward for GPipe/1F1B/
-  interleaved, the input-grad half for zero-bubble, whose weight-grad half is ``W``. The loss
-  computed right after the last stage's forward is counted into that ``F``.
-* communication: the ``P2POp`` lists a stage hands out are tagged (kind, microbatch), and while a
-  step runs the schedules module's ``_batch_p2p`` / ``_wait_batch_p2p`` helpers (which every
-  schedule uses to issue and wait on its sends and receives) are swapped for thin wrappers.
-  A ``send``/``recv`` span is the time the rank sat *blocked in the wait*: communication that
-  overlapped compute costs nothing and shows nothing, a stage starved of input shows a ``recv``.
-  A fused wait (1F1B sends one activation while receiving a gradient) is one span, named
-  ``recv`` when it contains a receive, since waiting for data is what blocks.
-
-Spans carry ``stage`` = the rank's position in the pipeline (its *physical* stage): with
-several chunks per rank (interleaved, zero-bubble) the chunks share one track, because a bubble
-is a device standing idle, not a virtual stage. ``dp``/``tp`` are the rank's data- and
-tensor-parallel coordinates, so the ranks that share a stage stay apart on the timeline. Times
-are ``time.time()`` on the rank.
-
-A span goes out on the telemetry bus as it closes. The one exception is the last stage's ``F``:
-the loss computed right after it belongs to it, so it is held back until the loss is done (or
-the next span opens, or the step ends) and emitted once, with its final end; what listeners see
-is what the recorder keeps.
+torch's schedules give no timings, so we time the real calls at the seams torch already has,
+without copying a schedule: each ``PipelineStage``'s ``*_one_chunk`` compute calls (wrapped on
+the instance) and the schedules module's ``_batch_p2p``/``_wait_batch_p2p`` (swapped while a step
+runs: a ``send``/``recv`` span is time blocked in the wait). Which seam gives which span, the
+rank's coordinates on a span, and why the last stage's ``F`` is emitted only once its loss is
+computed: docs/hybrid.md, "Measured timelines".
 """
 
 from __future__ import annotations

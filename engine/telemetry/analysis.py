@@ -1,22 +1,10 @@
 """Pure functions over stage spans: bubble fractions and Chrome/Perfetto trace export.
 
 Shared by the pipeline runtime (which logs bubbles per step) and the timeline widget, so both
-report the same number. A *rank* is one device: with data or tensor parallelism several ranks
-share a pipeline stage, and each of them can stand idle on its own, so bubbles are measured per
-rank and a stage's bubble is the mean over its ranks (a union over the stage's ranks would call
-two ranks that each idle half the time fully busy). Definitions:
-
-* a step's *window* is from the earliest span start to the latest span end over every rank of
-  that step (the wall time the whole job needed for the step: a replica that finished early and
-  waits for the others is idle, not done);
-* a rank's *busy* time is the union of its compute spans (``F``, ``B``, ``W``, ``optim``);
-  communication (``send``/``recv``) is not compute: a rank waiting on a recv is in a bubble;
-* a rank's bubble fraction = 1 - busy / window; a stage's = the mean over the ranks that
-  report that stage.
-
-Clocks: spans carry wall-clock times from each rank (``time.time()``); on one machine those
-share a clock. Across machines, skew shows up as a shift in the timeline, not in a rank's own
-busy time.
+report the same number. Bubbles are measured per *rank* (one device; with data or tensor
+parallelism several share a stage) against the window of the whole step, and a stage's bubble is
+the mean over its ranks; the definitions and why a union over a stage's ranks is wrong:
+docs/widgets.md, "Memory sampler and per-rank bubbles: details".
 """
 
 from __future__ import annotations
@@ -30,10 +18,9 @@ COMPUTE_KINDS = ("F", "B", "W", "optim")
 
 
 class RankBusy(NamedTuple):
-    """What one rank did in one step, reduced to what a bubble needs: its place in the job
-    (``stage``, ``dp``, ``tp``), its first span start and last span end (any kind), and its
-    busy seconds (the union of its compute spans). Small and plain, so the pipeline runtime can
-    gather it from every rank instead of every span."""
+    """One rank's step reduced to what a bubble needs: its place, its first span start and last
+    span end (any kind), its busy seconds (the union of its compute spans). The pipeline runtime
+    gathers these instead of every span."""
 
     stage: int
     dp: int
@@ -72,10 +59,8 @@ def dedupe(spans: Iterable[StageSpan]) -> List[StageSpan]:
 
 
 def rank_busy(spans: Iterable[StageSpan]) -> Dict[int, Dict[int, RankBusy]]:
-    """``{step: {rank: RankBusy}}`` from measured spans (duplicates ignored).
-
-    Raises ``ValueError`` when one rank's spans of one step disagree on its stage/dp/tp (a
-    device has one place in the job; spans of two different runs mixed into one step do not)."""
+    """``{step: {rank: RankBusy}}`` from measured spans (duplicates ignored); ``ValueError`` when
+    one rank's spans of one step disagree on its stage/dp/tp (spans of two runs mixed)."""
     by_key: Dict[Tuple[int, int], List[StageSpan]] = defaultdict(list)
     for s in _spans(spans, "rank_busy"):
         by_key[(s.step, s.rank)].append(s)
@@ -95,8 +80,7 @@ def rank_busy(spans: Iterable[StageSpan]) -> Dict[int, Dict[int, RankBusy]]:
 
 def fractions_from_busy(ranks: Mapping[int, RankBusy]) -> Dict[int, float]:
     """``{rank: bubble fraction}`` of one step from every rank's :class:`RankBusy` (the window
-    spans all of them). The runtime calls this on what it gathered, the widget on what it
-    reduced from spans, so both compute the same number the same way."""
+    spans all of them): the runtime's and the widget's one formula."""
     if not ranks:
         return {}
     window = max(b.end for b in ranks.values()) - min(b.start for b in ranks.values())
@@ -129,9 +113,8 @@ def rank_label(rank: int, stage: int, dp: int, tp: int) -> str:
 
 
 def to_chrome_trace(spans: Iterable[StageSpan]) -> dict:
-    """A Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev): one process per rank,
-    named ``stage s · dp d · tp t · rank r`` and sorted by stage, then dp, then tp, with one
-    track (thread) per stage it ran."""
+    """A Chrome/Perfetto trace: one process per rank, named by :func:`rank_label` and sorted by
+    stage, dp, tp, with one track (thread) per stage it ran."""
     spans = dedupe(_spans(spans, "to_chrome_trace"))
     events = []
     places: Dict[int, Tuple[int, int, int]] = {}

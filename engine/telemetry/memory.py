@@ -1,31 +1,11 @@
-"""Measure a rank's memory per tier and emit it as ``MemorySample`` events.
+"""Measure a rank's memory per tier (``cuda``, ``cpu``, ``nvme``) and emit it as ``MemorySample``s.
 
-Built on what already measures these things: torch's caching-allocator counters for the GPU,
-NVML (through ``torch.cuda.utilization``, only where ``nvidia-ml-py`` is importable) for GPU
-utilisation, ``psutil``/``resource`` for host RSS, and ``os.scandir`` + ``shutil.disk_usage``
-for NVMe offload directories. What this file adds is only the mapping onto the telemetry
-contract:
-
-* ``cuda``: used = bytes allocated by torch's caching allocator on the device; capacity = the
-  device's total memory; ``peak`` = ``torch.cuda.max_memory_allocated`` (since the process
-  started or since whoever last called ``reset_peak_memory_stats``: the sampler never resets
-  it, which would corrupt the peaks the engine and the user measure); ``reserved`` = bytes
-  the allocator has reserved *beyond* ``used`` (``memory_reserved - memory_allocated``: cached
-  blocks it holds but no tensor uses); ``util`` = NVML's percent of time a kernel ran;
-* ``cpu``: used = this process's RSS; capacity = RSS + the host's available memory (what
-  this rank could still grow to, not the whole machine's RAM, which ranks share);
-  ``peak`` = the process's peak RSS (``getrusage``'s ``ru_maxrss``);
-* ``nvme``: used = bytes of the files under the offload directories; capacity = used + free
-  bytes on their file systems.
-
-NVMe directories: a caller names them (``nvme_dir``), or an offload store registers the
-directory it writes with :func:`register_nvme_dir` and unregisters it when it is closed
-(Gemini's ``NVMeStore`` does), so a sampler with ``registered_nvme=True`` reports the NVMe
-tier of whatever offloads in this process without being told where.
-
-Engine-side and Jupyter-free: the engine (or a user) calls :func:`sample_memory` /
-:func:`emit_memory` at step boundaries, or runs a :class:`MemorySampler` thread (the relay
-starts one on every rank it attaches to).
+Built on what already measures these things: torch's caching-allocator counters, NVML (through
+``torch.cuda.utilization``, where ``nvidia-ml-py`` imports), ``psutil``/``resource`` for host
+RSS, and ``os.scandir`` + ``shutil.disk_usage`` for NVMe offload directories; this file only maps
+them onto the telemetry contract. What each tier's used/capacity/peak/reserved/util mean, the
+registry of NVMe directories and the sampler's ``defer``: docs/widgets.md, "Memory sampler and
+per-rank bubbles: details".
 """
 
 from __future__ import annotations
@@ -43,6 +23,7 @@ from .bus import emit, has_subscribers, subscribe
 from .events import MemorySample
 
 PathArg = Union[str, "os.PathLike[str]"]
+_NVME_FIX = "pass the GeminiPlugin's nvme_offload_dir after it is created"
 
 
 # ---------------------------------------------------------------- NVMe directories in use
@@ -54,11 +35,7 @@ def register_nvme_dir(path: PathArg) -> str:
     """Count ``path`` (an existing directory) as NVMe offload storage of this process, so a
     :class:`MemorySampler` with ``registered_nvme=True`` reports its bytes. Returns the
     absolute path registered. Pair every call with :func:`unregister_nvme_dir`."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"register_nvme_dir(path={path!r}): expected a directory path (str)")
-    p = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(p):
-        raise FileNotFoundError(f"register_nvme_dir(path={p!r}): not a directory; create it first")
+    p = _existing_dir(path, "register_nvme_dir(path", "create it first")
     with _nvme_lock:
         _nvme_dirs[p] = _nvme_dirs.get(p, 0) + 1
     return p
@@ -69,10 +46,8 @@ def unregister_nvme_dir(path: PathArg) -> None:
     a store's idempotent close may call it unconditionally)."""
     p = os.path.abspath(os.fspath(path))
     with _nvme_lock:
-        n = _nvme_dirs.get(p, 0)
-        if n <= 1:
-            _nvme_dirs.pop(p, None)
-        else:
+        n = _nvme_dirs.pop(p, 0)
+        if n > 1:
             _nvme_dirs[p] = n - 1
 
 
@@ -80,6 +55,24 @@ def registered_nvme_dirs() -> List[str]:
     """The NVMe offload directories registered in this process now, sorted."""
     with _nvme_lock:
         return sorted(_nvme_dirs)
+
+
+def _existing_dir(path, call: str, fix: str) -> str:
+    """``path`` made absolute; ``TypeError``/``FileNotFoundError`` naming ``call`` unless it is an
+    existing directory."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{call}={path!r}): expected a directory path (str)")
+    p = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(p):
+        raise FileNotFoundError(f"{call}={p!r}): not a directory; {fix}")
+    return p
+
+
+def _as_dirs(nvme_dir, what: str) -> List[str]:
+    if nvme_dir is None:
+        return []
+    items = [nvme_dir] if isinstance(nvme_dir, (str, os.PathLike)) else list(nvme_dir)
+    return [_existing_dir(d, f"{what}(nvme_dir", _NVME_FIX) for d in items]
 
 
 # ---------------------------------------------------------------- measurements per tier
@@ -101,26 +94,21 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _nvme_sample(rank: int, now: float, dirs: Iterable[str], strict: bool) -> Optional[MemorySample]:
-    """One ``nvme`` sample over ``dirs`` (free bytes counted once per file system); ``None``
-    when none of them exists. ``strict``: a missing directory is an error (a directory the
-    caller named), else skipped (a registered store closing while we sample)."""
-    used, free, devices, found = 0, 0, set(), False
+def _nvme_sample(rank: int, now: float, dirs: Iterable[str]) -> Optional[MemorySample]:
+    """One ``nvme`` sample over ``dirs`` (free bytes counted once per file system); a directory
+    gone meanwhile (a registered store closing) is skipped, and ``None`` when none is left."""
+    used, free, devices = 0, 0, set()
     for d in dirs:
         try:
             dev = os.stat(d).st_dev
             disk_free = shutil.disk_usage(d).free
         except FileNotFoundError:
-            if strict:
-                raise FileNotFoundError(f"sample_memory(nvme_dir={d!r}): not a directory; pass the "
-                                        "GeminiPlugin's nvme_offload_dir after it is created") from None
             continue
-        found = True
         used += _dir_bytes(d)
         if dev not in devices:
             devices.add(dev)
             free += disk_free
-    if not found:
+    if not devices:
         return None
     return MemorySample(rank, now, "nvme", used, used + free)
 
@@ -194,36 +182,20 @@ def _cpu_sample(rank: int, now: float, process=None) -> MemorySample:
                         peak=max(int(rss), _peak_rss(process)))
 
 
-def _as_dirs(nvme_dir, what: str) -> List[str]:
-    if nvme_dir is None:
-        return []
-    items = [nvme_dir] if isinstance(nvme_dir, (str, os.PathLike)) else list(nvme_dir)
-    for d in items:
-        if not isinstance(d, (str, os.PathLike)):
-            raise TypeError(f"{what}(nvme_dir={nvme_dir!r}): expected a directory path or a list of them")
-        if not os.path.isdir(d):
-            raise FileNotFoundError(f"{what}(nvme_dir={os.fspath(d)!r}): not a directory; pass the "
-                                    "GeminiPlugin's nvme_offload_dir after it is created")
-    return [os.path.abspath(os.fspath(d)) for d in items]
-
-
-def _measure(rank: int, nvme_dirs: Sequence[str], registered: Sequence[str], device,
-             cuda: Optional[bool], skip: FrozenSet[str] = frozenset(), process=None) -> List[MemorySample]:
+def _measure(rank: int, nvme_dirs: Sequence[str], registered: bool, device, cuda: Optional[bool],
+             skip: FrozenSet[str] = frozenset(), process=None) -> List[MemorySample]:
+    """This rank's samples now, but none of the tiers in ``skip``; ``registered`` adds the
+    directories of :func:`register_nvme_dir` to ``nvme_dirs``."""
     now = time.time()
-    out: List[MemorySample] = []
+    out: List[Optional[MemorySample]] = []
     if "cuda" not in skip and cuda is not False:
-        s = _cuda_sample(rank, now, device, cuda)
-        if s is not None:
-            out.append(s)
+        out.append(_cuda_sample(rank, now, device, cuda))
     if "cpu" not in skip:
         out.append(_cpu_sample(rank, now, process))
-    if "nvme" not in skip and (nvme_dirs or registered):
-        named = set(nvme_dirs)
-        s = _nvme_sample(rank, now, list(nvme_dirs) + [d for d in registered if d not in named],
-                         strict=False)
-        if s is not None:
-            out.append(s)
-    return out
+    if "nvme" not in skip:
+        extra = [d for d in registered_nvme_dirs() if d not in nvme_dirs] if registered else []
+        out.append(_nvme_sample(rank, now, [*nvme_dirs, *extra]))
+    return [s for s in out if s is not None]
 
 
 def sample_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None, device=None,
@@ -236,8 +208,7 @@ def sample_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] =
     existing directory, or a list of them) adds the NVMe tier; ``registered_nvme`` adds the
     directories registered with :func:`register_nvme_dir` too.
     """
-    dirs = _as_dirs(nvme_dir, "sample_memory")
-    return _measure(rank, dirs, registered_nvme_dirs() if registered_nvme else [], device, cuda)
+    return _measure(rank, _as_dirs(nvme_dir, "sample_memory"), registered_nvme, device, cuda)
 
 
 def emit_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None, device=None,
@@ -245,8 +216,7 @@ def emit_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = N
     """Sample and emit on this process's bus (skipped, returning [], when nobody listens)."""
     if not has_subscribers():
         return []
-    samples = sample_memory(rank, nvme_dir=nvme_dir, device=device, cuda=cuda,
-                            registered_nvme=registered_nvme)
+    samples = sample_memory(rank, nvme_dir, device, cuda, registered_nvme)
     for s in samples:
         emit(s)
     return samples
@@ -255,17 +225,11 @@ def emit_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = N
 # ---------------------------------------------------------------- the sampler thread
 @dataclass
 class MemorySamplerConfig:
-    """What a :class:`MemorySampler` measures and how often.
-
-    ``defer``: leave a tier to another source while that source reports it. Two sources of
-    one ``(rank, tier)`` would make a gauge alternate between two meanings of "used" (Gemini's
-    chunk manager reports its own placement: bytes it put in a tier against its budget for
-    it, which the ChunkMap compares with its chunks). With ``defer`` the sampler watches the
-    bus for this rank's ``MemorySample``s emitted by any other thread and skips a tier while
-    they keep coming: for ``defer_s`` seconds after the last one, or three times the gap
-    between the last two if that is longer (a slow step is not a silent source). The watch is
-    a bus subscriber, so use ``defer`` next to a sink that listens anyway (the relay does).
-    """
+    """What a :class:`MemorySampler` measures and how often. ``defer``: skip a tier while
+    another thread emits this rank's ``MemorySample``s of it (Gemini's own accounting), for
+    ``defer_s`` seconds after the last one or three times the gap between the last two if that
+    is longer; a bus subscriber, so use it next to a sink that listens anyway (the relay does).
+    Why: docs/widgets.md, "Memory sampler and per-rank bubbles: details"."""
 
     rank: int
     interval: float = 0.5  # seconds between samples: memory changes slowly, and each sample is an event
@@ -338,8 +302,6 @@ class MemorySampler:
             self._others[e.tier] = (now, now - prev[0] if prev else 0.0)
 
     def _deferred_tiers(self) -> FrozenSet[str]:
-        if not self._others:
-            return frozenset()
         now, hold = time.monotonic(), self.config.defer_s
         return frozenset(t for t, (last, gap) in list(self._others.items())
                          if now - last < max(hold, 3 * gap))
@@ -353,9 +315,7 @@ class MemorySampler:
             if has_subscribers():
                 skip = self._deferred_tiers()
                 try:
-                    samples = _measure(c.rank, self._dirs,
-                                       registered_nvme_dirs() if c.registered_nvme else [],
-                                       self._device, c.cuda, skip, process)
+                    samples = _measure(c.rank, self._dirs, c.registered_nvme, self._device, c.cuda, skip, process)
                 except (OSError, RuntimeError):  # a named offload dir removed at teardown: stop quietly
                     return
                 self.deferred += len(skip)
