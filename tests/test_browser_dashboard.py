@@ -95,6 +95,10 @@ JS_STATE = """() => {
     const key = String(t).split(' ')[0];
     out[key] = {title: String(t),
       svg_points: g.querySelectorAll('.scatterlayer .point').length,
+      // heatmap cells drawn with a value (the chunk map's strip: one cell per chunk)
+      cells: (g.data || []).filter(d => d.type === 'heatmap')
+        .reduce((n, d) => n + (d.z || []).flat().filter(v => v !== null && v !== undefined).length, 0),
+      heatmaps: g.querySelectorAll('.heatmaplayer image').length,
       svg_bars: g.querySelectorAll('.barlayer .point').length,
       legend: Array.from(g.querySelectorAll('.legendtext')).map(e => e.textContent),
       ticks: Array.from(g.querySelectorAll('.ytick text')).map(e => e.textContent),
@@ -229,7 +233,7 @@ def test_dashboard_live_in_jupyterlab(lab):
                 samples.append(s)
                 busy = [i for i, p in enumerate(s["prompts"]) if "*" in p]
                 cm = s["plots"].get("ChunkMap")
-                if busy and busy[0] == 3 and cm and cm["svg_points"]:
+                if busy and busy[0] == 3 and cm and cm["cells"]:
                     snapshot()  # the ranks are up: remember them for the leak check
                     n_gem = len([x for x in _during(samples, 3) if "ChunkMap" in x["plots"]])
                     if (gem_shots, n_gem) in ((0, 3), (1, 8)):
@@ -272,8 +276,9 @@ def test_dashboard_live_in_jupyterlab(lab):
 
     gem = [s for s in _during(samples, 3) if "ChunkMap" in s["plots"]]
     assert len(gem) >= 2, "the dashboard was not drawn while the Gemini cell ran"
-    # chunk cells are drawn in the SVG, on more than one tier (legend names the tiers)
-    assert max(s["plots"]["ChunkMap"]["svg_points"] for s in gem) >= 4
+    # chunk cells are drawn (the strip's heatmap image), on more than one tier (legend names them)
+    assert max(s["plots"]["ChunkMap"]["cells"] for s in gem) >= 4
+    assert max(s["plots"]["ChunkMap"]["heatmaps"] for s in gem) >= 1
     tiers = {d["name"] for s in gem for d in s["plots"]["ChunkMap"]["data"]
              if d["type"] == "scatter" and d["n"] > 0}
     assert {"cpu", "nvme"} <= tiers, tiers
