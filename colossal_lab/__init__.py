@@ -9,7 +9,18 @@ __version__ = "0.1.0"
 from .cluster import Cluster, LaunchConfig, current_cluster  # noqa: E402
 from .errors import RankError  # noqa: E402
 from .launch import launch  # noqa: E402
-from .plan import FitPlan, plan  # noqa: E402  (``colossal_lab.plan`` is then the function)
+
+
+def __getattr__(name: str):
+    """``cl.plan`` / ``cl.FitPlan``, loaded on first use (the planner imports torch; importing the
+    package must not). ``colossal_lab.plan`` is a callable module: ``cl.plan(...)`` runs the planner
+    and ``cl.plan.measure`` is its meter, however it was imported first."""
+    if name in ("plan", "FitPlan"):
+        import importlib
+
+        mod = importlib.import_module(f"{__name__}.plan")
+        return mod if name == "plan" else mod.FitPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython) -> None:

@@ -7,6 +7,9 @@
     plan                            # a table: rank group x tier x category, capacity, fits
     plan.to_dict()                  # plain data (what colossal_lab.widgets.FitPlan draws)
 
+``cl.plan`` is this module made callable (calling it calls :func:`plan`), so ``cl.plan.measure``
+works and ``import colossal_lab`` stays free of torch until the planner is first touched.
+
 What it is built on, and why:
 
 * **The model is never allocated.** A module's parameters and buffers are mapped to meta tensors
@@ -1606,3 +1609,18 @@ class measure:
         now = time.time()
         return [MemorySample(rank=rank, time=now, tier=t, used=int(v), capacity=0, peak=int(v))
                 for t, v in self.peak.items()]
+
+
+class _CallableModule(type(os)):
+    """This module, callable: ``cl.plan(...)`` is :func:`plan`, and ``cl.plan.measure`` /
+    ``cl.plan.FitPlan`` are this module's names, whichever way it was imported."""
+
+    def __call__(self, *args, **kwargs) -> FitPlan:
+        return plan(*args, **kwargs)
+
+
+import inspect as _inspect  # noqa: E402
+import sys as _sys  # noqa: E402
+
+__signature__ = _inspect.signature(plan)
+_sys.modules[__name__].__class__ = _CallableModule

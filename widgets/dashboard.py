@@ -2,7 +2,9 @@
 
 ``Dashboard.figure`` is its own picture (loss and per-rank tokens/s from ``StepMetrics``);
 the three other views are ``.chunk_map``, ``.timeline`` and ``.gauges``, each with its own
-``figure`` and state. One bus subscription and one redraw thread serve all four: each wake
+``figure`` and state. ``Dashboard(plan=cl.plan(...))`` adds a fifth, ``.fit_plan``: the predicted
+bytes per rank and tier as stacked bars, with each rank's measured peak (from ``MemorySample``
+events) marked on them once the run starts. One bus subscription and one redraw thread serve all four: each wake
 it routes the queued events by type to the views that draw them and redraws only the views
 whose state changed (one thread for all four keeps the wake-ups and GIL hand-offs down, and
 the emitting thread pays one queue append per event whatever the number of views).
@@ -19,6 +21,7 @@ from colossal_lab.engine.telemetry import StepMetrics
 
 from ._live import LiveView, columns_layout, template_json
 from .chunk_map import ChunkMap
+from .fit_plan import FitPlan
 from .gauges import MemoryGauges
 from .state import MetricsState, reduce_all
 from .timeline import PipelineTimeline
@@ -81,21 +84,31 @@ class Dashboard(LiveView):
     accepts = (StepMetrics,)
 
     def __init__(self, *, subscribe: bool = True, live: Optional[bool] = None,
-                 max_hz: float = 5.0):
+                 max_hz: float = 5.0, plan=None):
         kw = dict(subscribe=False, live=live, max_hz=max_hz)  # the parts: served by our thread
         self.chunk_map = ChunkMap(**kw)
         self.timeline = PipelineTimeline(**kw)
         self.gauges = MemoryGauges(**kw)
+        # the prediction (``cl.plan``'s FitPlan or its to_dict()), measured peaks laid over it
+        self.fit_plan = FitPlan(plan, **kw) if plan is not None else None
         self._box = None
         super().__init__(subscribe=subscribe, live=live, max_hz=max_hz)
 
+    def _parts(self) -> List[LiveView]:
+        """The views besides this one (the metrics), in display order."""
+        parts: List[LiveView] = [self.chunk_map, self.timeline, self.gauges]
+        return parts + ([self.fit_plan] if self.fit_plan is not None else [])
+
     def _served_views(self) -> List[LiveView]:
-        return [self, self.chunk_map, self.timeline, self.gauges]
+        return [self] + self._parts()
 
     @property
     def views(self) -> Dict[str, LiveView]:
-        return {"metrics": self, "chunk_map": self.chunk_map, "timeline": self.timeline,
-                "gauges": self.gauges}
+        out = {"metrics": self, "chunk_map": self.chunk_map, "timeline": self.timeline,
+               "gauges": self.gauges}
+        if self.fit_plan is not None:
+            out["fit_plan"] = self.fit_plan
+        return out
 
     @property
     def figures(self) -> Dict[str, go.Figure]:
@@ -119,12 +132,12 @@ class Dashboard(LiveView):
     def update(self, events: Iterable) -> None:
         events = list(events)
         super().update(events)
-        for v in (self.chunk_map, self.timeline, self.gauges):
-            v.update(events)
+        for v in self._parts():
+            v.update([e for e in events if isinstance(e, v.accepts)])
 
     def flush(self) -> None:
-        super().flush()  # the shared queue, into all four views
-        for v in (self.chunk_map, self.timeline, self.gauges):
+        super().flush()  # the shared queue, into every view
+        for v in self._parts():
             with v._lock:
                 v._take([])
             v.redraw()
@@ -137,8 +150,7 @@ class Dashboard(LiveView):
         if self._box is None:
             import ipywidgets as W
 
-            parts = [self._out, self.chunk_map.widget(), self.timeline.widget(),
-                     self.gauges.widget()]
+            parts = [self._out] + [v.widget() for v in self._parts()]
             if any(p is None for p in parts):
                 return None
             self._box = W.VBox(parts)
@@ -153,10 +165,9 @@ class Dashboard(LiveView):
         xs, ys = self.metrics.loss_curve()
         head = (f"Dashboard: step {xs[-1]}, loss {ys[-1]:.4f}" if xs
                 else "Dashboard: no StepMetrics yet")
-        return "\n".join([head, self.chunk_map.summary(), self.timeline.summary(),
-                          self.gauges.summary()])
+        return "\n".join([head] + [v.summary() for v in self._parts()])
 
     def close(self) -> None:
-        for v in (self.chunk_map, self.timeline, self.gauges):
+        for v in self._parts():
             v.close()
         super().close()
