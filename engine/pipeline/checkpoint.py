@@ -42,16 +42,6 @@ def _names(model) -> Dict[int, List[str]]:
     return out
 
 
-def _hyper(optim) -> Dict[int, dict]:
-    """Each parameter's group hyper-parameters, from the optimizer's global (non-ZeRO) view."""
-    out = {}
-    for g in optim.param_groups:
-        hp = {k: v for k, v in g.items() if k != "params"}
-        for p in g["params"]:
-            out[id(p)] = hp
-    return out
-
-
 class HybridCheckpointIO(GeneralCheckpointIO):
     def full_model_state_dict(self, model) -> dict:
         return model.full_state_dict()
@@ -83,10 +73,11 @@ class HybridCheckpointIO(GeneralCheckpointIO):
     # ---- optimizer ---------------------------------------------------------------------
     def save_optimizer(self, optimizer, path, model=None) -> None:
         optim, model = _targets(optimizer, model)
-        local, names, hyper = _local(optim), _names(model), _hyper(optim)
+        local, names = _local(optim), _names(model)
         sd: dict = {}
-        for p, hp in ((p, hyper[id(p)]) for g in optim.param_groups for p in g["params"]):
-            for n in names.get(id(p), []):
+        for g in optim.param_groups:  # the global (non-ZeRO) view of the hyper-parameters
+            hp = {k: v for k, v in g.items() if k != "params"}
+            for n in (n for p in g["params"] for n in names.get(id(p), [])):
                 for k, v in hp.items():  # one leaf per hyper-parameter (DCP pickles non-tensors)
                     sd[f"param_groups.{n}.{k}"] = v
         for p in (p for g in local.param_groups for p in g["params"]):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import comm
 from ..device import to_device
 from ..telemetry import RankBusy, fractions_from_busy, rank_busy, stage_means
-from .schedules import ScheduleSpec
+from .schedules import MULTI_STAGE_STYLES, ScheduleSpec
 from .timing import SpanRecorder
 
 
@@ -83,7 +83,7 @@ class PipelineRuntime:
     def _schedule(self, m: int):
         if m not in self._schedules:
             cls = self.spec.schedule_class()
-            arg = self.stages if self.spec.style in ("interleaved", "zb", "zbv") else self.stages[0]
+            arg = self.stages if self.spec.style in MULTI_STAGE_STYLES else self.stages[0]
             self._schedules[m] = cls(arg, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=True)
         return self._schedules[m]
 

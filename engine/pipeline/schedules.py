@@ -36,28 +36,15 @@ class ScheduleSpec:
             return [pp_rank, 2 * p - 1 - pp_rank]
         return [pp_rank + c * p for c in range(v)]
 
-    def stage_rank(self, stage: int) -> int:
-        """The pipeline rank that holds global stage ``stage``."""
-        p = self.pp_size
-        if self.style == "zbv":
-            return stage if stage < p else 2 * p - 1 - stage
-        return stage % p
-
     def schedule_class(self):
-        from torch.distributed.pipelining import (
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-            ScheduleZBVZeroBubble,
-        )
+        from torch.distributed import pipelining as P
 
         return {
-            "gpipe": ScheduleGPipe,
-            "1f1b": Schedule1F1B,
-            "interleaved": ScheduleInterleaved1F1B,
-            "zb": ScheduleInterleavedZeroBubble,
-            "zbv": ScheduleZBVZeroBubble,
+            "gpipe": P.ScheduleGPipe,
+            "1f1b": P.Schedule1F1B,
+            "interleaved": P.ScheduleInterleaved1F1B,
+            "zb": P.ScheduleInterleavedZeroBubble,
+            "zbv": P.ScheduleZBVZeroBubble,
         }[self.style]
 
 

@@ -15,12 +15,8 @@ import torch.nn as nn
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: the model part plus the bits a schedule needs around it.
-
-    ``inner`` keeps the model's own parameter names (``inner.blocks.3...``); use
-    :meth:`model_state_dict`-style name stripping (``inner.`` prefix) where names must match
-    the unsplit model.
-    """
+    """One pipeline stage: the model part (``inner``, whose parameter names are the unsplit
+    model's behind an ``inner.`` prefix) plus the bits a schedule needs around it."""
 
     def __init__(self, inner: nn.Module, autocast_dtype: Optional[torch.dtype] = None):
         super().__init__()

@@ -1,21 +1,11 @@
-"""``HybridParallelPlugin``: tensor × pipeline × data parallelism on one device mesh.
+"""``HybridParallelPlugin``: tensor × pipeline × data parallelism on one ``(dp, pp, tp)`` device mesh.
 
-Built on torch: ``init_device_mesh`` lays the world out as ``(dp, pp, tp)`` (tp innermost, so a
-tensor-parallel group is neighbouring ranks); pipelines are ``torch.distributed.pipelining``
-stages and schedules (:mod:`colossal_lab.engine.pipeline`); tensor parallelism is DTensor's
-``parallelize_module`` (:mod:`colossal_lab.engine.tensor_parallel`); ZeRO-1 is torch's
-``ZeroRedundancyOptimizer``. Written by hand, because torch has no piece for them:
-
-* gradient sync at ``optimizer.step()``: an all-reduce (mean) over the data-parallel group,
-  bucketed per dtype, and for a weight tied across stages (a parameter the model registers
-  under two names, e.g. embedding and head) a sum of the copies the split made, so every copy
-  takes identical steps;
-* mixed precision for a pipeline: autocast inside each stage (fp32 master weights), and for
-  fp16 a dynamic loss scale whose overflow check is agreed by *all* ranks (a stage that skips
-  a step alone would desynchronise the pipeline);
-* measured timelines (:mod:`colossal_lab.engine.pipeline.timing`) and bubble fractions.
-
-What it needs to know of a model it asks through the model contract (:mod:`..models.protocol`).
+Built on torch: pipelines are ``torch.distributed.pipelining`` (:mod:`..pipeline`), tensor
+parallelism is DTensor's ``parallelize_module`` (:mod:`..tensor_parallel`), ZeRO-1 is torch's
+``ZeroRedundancyOptimizer``. Written by hand, because torch has no piece for them: the gradient
+sync at ``optimizer.step()`` (dp mean bucketed per dtype; the copies a split made of a tied weight
+summed), the fp16 overflow vote over *all* ranks (a stage that skipped alone would desynchronise
+the pipeline), and measured timelines. Arguments, model contract and details: docs/hybrid.md.
 
 Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
 Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
@@ -42,7 +32,6 @@ from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from ..wrappers import OptimizerWrapper, _count_tokens, rebuild_optimizer
 from .base import Plugin
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
 _CKPT_INFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper adds it to parameter names
 
 
@@ -142,9 +131,6 @@ class HybridParallelOptimizer(OptimizerWrapper):
         self.plugin = plugin
         self._synced = False
 
-    def checkpoint_target(self):
-        return self.optim, self.model
-
     def state_dict(self):
         return self.optim.state_dict()
 
@@ -167,7 +153,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
         named = [(n, q.grad) for n, q in self.model.named_model_parameters() if q.grad is not None]
         inf = p == math.inf
         acc = 0.0
-        for _, g in ((n, g) for n, g in named if not self.plugin._counted_elsewhere(n)):
+        for g in [g for n, g in named if n not in self.plugin._tie_skip]:  # a tied weight counts once
             n = torch.linalg.vector_norm(g.float(), p)
             n = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
             acc = max(acc, n) if inf else acc + n ** p
@@ -191,26 +177,9 @@ class HybridParallelOptimizer(OptimizerWrapper):
 
 
 class HybridParallelPlugin(Plugin):
-    """Tensor × pipeline × data parallelism: ``world = dp_size * pp_size * tp_size``.
+    """Tensor × pipeline × data parallelism: ``world = dp_size * pp_size * tp_size``. Every
+    argument, with what it needs of the model, is in docs/hybrid.md's table."""
 
-    Args:
-        tp_size: tensor-parallel degree (Megatron column/row sharding, by the model's ``tp_plan()``).
-        pp_size: pipeline stages (ranks in one pipeline).
-        zero_stage: 0 (replicated optimizer) or 1 (optimizer state sharded over dp).
-        num_microbatches / microbatch_size: how a batch is cut for the pipeline (one is needed
-            with ``pp_size > 1``).
-        pp_style: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb"`` (interleaved zero-bubble,
-            ZB1P) or ``"zbv"`` (zero-bubble V; needs ``num_model_chunks=2``).
-        num_model_chunks: stages per rank (virtual stages) for interleaved / zero-bubble.
-        sequence_parallel: shard norms/dropout activations along the sequence (needs tp_size > 1).
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast, fp32 master weights).
-        activation_checkpointing: recompute each layer in backward (the model's
-            ``enable_activation_checkpointing()``, or each child of an ``nn.Sequential``).
-        tp_plan: a ``parallelize_module`` plan used instead of the model's ``tp_plan()``.
-        input_key: which entry of a batch dict feeds the first stage (``"idx"``).
-    """
-
-    supported_precisions = ("fp32", "fp16", "bf16")
     supports_pipeline = True
     controls_precision = True
 
@@ -219,18 +188,16 @@ class HybridParallelPlugin(Plugin):
                  pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
                  precision: str = "fp32", activation_checkpointing: bool = False, *,
                  tp_plan: Optional[dict] = None, input_key: str = "idx"):
-        for name, v in (("tp_size", tp_size), ("pp_size", pp_size)):
-            if not isinstance(v, int) or v < 1:
+        for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
+                        ("microbatch_size", microbatch_size)):
+            optional = name in ("num_microbatches", "microbatch_size")
+            if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
         if zero_stage not in (0, 1):
             raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
                              "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
-        if precision not in _PRECISIONS:
-            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {_PRECISIONS}")
-        if num_microbatches is not None and (not isinstance(num_microbatches, int) or num_microbatches < 1):
-            raise ValueError(f"HybridParallelPlugin(num_microbatches={num_microbatches!r}): must be an int >= 1")
-        if microbatch_size is not None and (not isinstance(microbatch_size, int) or microbatch_size < 1):
-            raise ValueError(f"HybridParallelPlugin(microbatch_size={microbatch_size!r}): must be an int >= 1")
+        if precision not in self.supported_precisions:
+            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {self.supported_precisions}")
         if pp_size > 1 and num_microbatches is None and microbatch_size is None:
             raise ValueError(f"HybridParallelPlugin(pp_size={pp_size}): set num_microbatches (e.g. "
                              f"num_microbatches={2 * pp_size}) or microbatch_size")
@@ -257,7 +224,9 @@ class HybridParallelPlugin(Plugin):
         self._dp_group = None
         self._scaler: Optional[DynamicLossScaler] = None
         self._ties: List[tuple] = []  # (this rank's copies of a tied weight, group of the ranks holding copies)
-        self._tie_skip: set = set()  # names of copies whose gradient a norm counts on another copy
+        # names of the copies of a tied weight whose gradient a norm counts on another copy (after
+        # _sync_grads every copy holds the same gradient)
+        self._tie_skip: set = set()
         self._model: Optional[HybridParallelModule] = None
 
     # ---- groups -------------------------------------------------------------------------
@@ -322,8 +291,7 @@ class HybridParallelPlugin(Plugin):
         # ---- groups ----
         dp = world // (self.tp_size * self.pp_size)
         device = default_device()
-        device_type = device.type
-        self.mesh = init_device_mesh(device_type, (dp, self.pp_size, self.tp_size),
+        self.mesh = init_device_mesh(device.type, (dp, self.pp_size, self.tp_size),
                                      mesh_dim_names=("dp", "pp", "tp"))
         self._dp_group = self.mesh["dp"].get_group() if dp > 1 else None
         pp_group = self.mesh["pp"].get_group()
@@ -430,11 +398,6 @@ class HybridParallelPlugin(Plugin):
                 for g in gs:
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
-
-    def _counted_elsewhere(self, name: str) -> bool:
-        """True for all copies but one of a weight tied across stages: after ``_sync_grads``
-        every copy holds the same gradient, which a norm counts once."""
-        return name in self._tie_skip
 
     # ---- the pipeline ---------------------------------------------------------------------
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
