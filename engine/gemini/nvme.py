@@ -1,29 +1,12 @@
 """The NVMe tier's file store: one file per chunk block, read and written by an IO thread pool.
 
-Built on ``os.pwrite``/``os.preadv`` over ``memoryview``s of the tensor's own bytes, so a
-read lands straight in tensor memory with no staging copy, and both calls release the GIL
-(the compute thread keeps running while a thread pool of ``io_threads`` moves bytes). We
-hand-wrote this because torch has no async file IO; DeepSpeed's aio library is a C++ build
-dependency we do not want.
-
-Two IO modes:
-
-* buffered (default): through the page cache. On a machine with RAM to spare the kernel keeps
-  recently written chunks cached and reads come back at memory speed; the cache is not part of
-  the process's RSS, but it is the machine's RAM.
-* ``direct=True``: ``O_DIRECT`` (what DeepSpeed's aio and libaio-based offload use): every byte
-  goes to the device, the page cache is neither used nor polluted, and bandwidth is what the
-  disk gives. ``O_DIRECT`` wants 4 KiB-aligned addresses, lengths and offsets, which tensor
-  memory is not, so each IO thread moves data through its own page-aligned bounce buffer
-  (``mmap``) with ``ctypes.memmove`` (releases the GIL; a memory copy is ~20x faster than the
-  disk) and files are padded to a multiple of 4 KiB. A file system without ``O_DIRECT``
-  (tmpfs, some overlays) is reported by ``check_direct_io`` before any work.
-
-Cleanup: every store owns a directory ``<root>/gemini-<pid>-<uuid>/``. ``close()`` removes it,
-``atexit`` removes it on a normal exit or an uncaught exception, and a SIGTERM handler (only
-installed when none was set) turns SIGTERM into ``SystemExit`` so ``atexit`` still runs. A
-SIGKILLed process cannot clean up; the next store opened on the same root removes
-directories whose pid is no longer alive.
+``os.pwrite``/``os.preadv`` over ``memoryview``s of the tensor's own bytes (no staging copy; both
+release the GIL, so compute runs on while ``io_threads`` move bytes): torch has no async file IO,
+and DeepSpeed's aio is a C++ build dependency we do not want. Buffered IO (the page cache) by
+default; ``direct=True`` is ``O_DIRECT`` through per-thread page-aligned bounce buffers, files
+padded to 4 KiB. Each store owns ``<root>/gemini-<pid>-<uuid>/``, removed by ``close()``,
+``atexit`` and SIGTERM, or by the next store on that root once its pid is gone. Trade-offs and
+why: docs/gemini.md (the ``nvme.py`` row and ``nvme_direct_io``).
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 
@@ -181,11 +164,12 @@ class NVMeStore:
             self.bytes_written += nwritten
             self.io_seconds += seconds
 
-    def _bounce(self) -> mmap.mmap:
+    def _bounce(self) -> Tuple[memoryview, int]:
+        """This IO thread's bounce buffer for direct IO: a view of it and its address."""
         b = getattr(self._local, "buf", None)
         if b is None:
             b = self._local.buf = mmap.mmap(-1, _BOUNCE)  # anonymous mmap: page-aligned
-        return b
+        return memoryview(b), ctypes.addressof(ctypes.c_char.from_buffer(b))
 
     def _write_error(self, key: str, n: int, exc: OSError) -> OSError:
         return OSError(exc.errno, f"Gemini NVMe tier: writing {n} bytes to {self.path(key)} "
@@ -202,21 +186,26 @@ class NVMeStore:
             if self.direct:
                 self._write_direct(fd, key, t.data_ptr(), n)
             else:
-                done = 0
-                while done < n:
-                    try:
-                        done += os.pwrite(fd, buf[done:], done)
-                    except OSError as exc:
-                        raise self._write_error(key, n, exc) from exc
+                self._pwrite_all(fd, key, buf, 0, n)
         finally:
             os.close(fd)
         self._sizes[key] = n
         self._count(0, n, time.perf_counter() - t0)
 
+    def _pwrite_all(self, fd: int, key: str, data: memoryview, offset: int, n: int) -> None:
+        """Write all of ``data`` at ``offset`` of file ``key`` (``n``: the file's size, for errors)."""
+        done = 0
+        while done < len(data):
+            try:
+                w = os.pwrite(fd, data[done:], offset + done)
+            except OSError as exc:
+                raise self._write_error(key, n, exc) from exc
+            if w <= 0:
+                raise self._write_error(key, n, OSError(errno.EIO, "short write"))
+            done += w
+
     def _write_direct(self, fd: int, key: str, src: int, n: int) -> None:
-        bounce = self._bounce()
-        view = memoryview(bounce)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+        view, addr = self._bounce()
         off = 0
         while off < n:
             k = min(_BOUNCE, n - off)
@@ -224,15 +213,7 @@ class NVMeStore:
             kk = _round_up(k)
             if kk != k:
                 ctypes.memset(addr + k, 0, kk - k)       # pad the last block
-            done = 0
-            while done < kk:
-                try:
-                    w = os.pwrite(fd, view[done:kk], off + done)
-                except OSError as exc:
-                    raise self._write_error(key, n, exc) from exc
-                if w <= 0:
-                    raise self._write_error(key, n, OSError(errno.EIO, "short write"))
-                done += w
+            self._pwrite_all(fd, key, view[:kk], off, n)
             off += k
         del view
 
@@ -264,9 +245,7 @@ class NVMeStore:
                        f"({done} of {n} bytes); was the offload directory modified?")
 
     def _read_direct(self, fd: int, key: str, dst: int, n: int) -> None:
-        bounce = self._bounce()
-        view = memoryview(bounce)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+        view, addr = self._bounce()
         off = 0
         while off < n:
             k = min(_BOUNCE, n - off)
