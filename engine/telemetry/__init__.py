@@ -9,33 +9,11 @@
 """
 
 from .bus import emit, has_subscribers, subscribe
-from .events import (
-    EVENT_TYPES,
-    SPAN_KINDS,
-    TIERS,
-    ChunkEvent,
-    Event,
-    MemorySample,
-    StageSpan,
-    StepMetrics,
-    ROW_TYPES,
-    from_dict,
-    from_row,
-    to_dict,
-    to_row,
-)
+from .events import (EVENT_TYPES, ROW_TYPES, SPAN_KINDS, TIERS, ChunkEvent, Event, MemorySample, StageSpan,
+                     StepMetrics, from_dict, from_row, to_dict, to_row)
 from .trace import read_trace, record, write_trace
-from .analysis import (
-    RankBusy,
-    bubble_fractions,
-    bubble_fractions_by_rank,
-    dedupe,
-    fractions_from_busy,
-    rank_busy,
-    rank_label,
-    stage_means,
-    to_chrome_trace,
-)
+from .analysis import (RankBusy, bubble_fractions, bubble_fractions_by_rank, dedupe, fractions_from_busy, rank_busy,
+                       rank_label, stage_means, to_chrome_trace)
 
 __all__ = [
     "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",

@@ -22,13 +22,9 @@ class ChunkEvent:
 
     ``tier`` is ``"cuda"``, ``"cpu"`` or ``"nvme"``; ``state`` is the chunk's tensor state
     (e.g. ``"compute"``, ``"hold"``, ``"free"``); ``params`` names the parameters packed in it.
-    ``moves`` is 0 for an event as the engine emits it (a tier change shows as a different
-    ``tier`` than the chunk's previous event). The live relay folds the events of one chunk at
-    one step within one batch into the latest of them and sets ``moves`` to the tier changes
-    the chunk made at that step up to this placement (counted on the rank, the change into the
-    step's first placement included), so a reducer still sees that, and how often, the chunk
-    moved, and within a step a larger count is the newer event (``widgets.state.ChunkState``).
-    """
+    ``moves`` is 0 as the engine emits it (a move shows as a new ``tier``); the relay, which
+    folds one chunk's events of a step into the latest, sets it to the tier changes the chunk
+    made at that step so far (docs/widgets.md, "The relay")."""
 
     rank: int
     step: int
