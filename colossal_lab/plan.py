@@ -459,16 +459,18 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
                 trace.act_end = tracker.bytes["other"]
                 trace.saved_end = tracker.saved
                 tracker.phase = "bwd"
+                # the output lives through backward: the caller holds it (``logits, loss = model(...)``),
+                # as a pipeline stage's forward cache does until that microbatch's backward
                 if last:
-                    del out, y
                     loss.backward()
                     del loss
                 else:
-                    del out
                     g = torch.empty_like(y)
                     tracker.register(g, "state")  # the received gradient: a pipeline buffer, counted there
                     y.backward(g)
-                    del g, y
+                    del g
+                tracker.sample()
+                del out, y
             del inputs
             tracker.sample()
     finally:
@@ -561,7 +563,15 @@ class _Model:
         elif getattr(getattr(fake, "cfg", None), "activation_checkpointing", False):
             fake.cfg.activation_checkpointing = False  # the copy's own config: the user's is untouched
         fake.train()
-        tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=self.loss_fn,
+        loss_fn = self.loss_fn
+        if loss_fn is None and not first and self.vocab is not None:
+            dev, n = self.device, b * self.seq  # a later stage's loss still compares against token ids
+
+            def loss_fn(out, inputs):
+                y = _first_tensor(out)
+                return torch.nn.functional.cross_entropy(y.flatten(0, 1).float(),
+                                                         torch.zeros(n, dtype=torch.long, device=dev))
+        tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
                        last=last, input_grad=not first)
         self._traces[key] = tr
         return tr
