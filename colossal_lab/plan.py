@@ -304,6 +304,7 @@ class _Trace:
     grads: int = 0
     out_meta: Optional[Tuple[torch.Size, torch.dtype]] = None
     order: List[str] = field(default_factory=list)   # parameter names in order of first use
+    calls: List[List[str]] = field(default_factory=list)  # the parameters of each module call, in order
     error: Optional[str] = None
 
     def saved_ahead(self) -> List[int]:
@@ -432,6 +433,9 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
     seen: set = set()
 
     def pre_hook(module, args):
+        own = [name_of[id(p)] for p in module.parameters(recurse=False) if id(p) in name_of]
+        if own:
+            trace.calls.append(own)
         for p in module.parameters(recurse=False):
             if id(p) in name_of and id(p) not in seen:
                 seen.add(id(p))
@@ -1091,8 +1095,17 @@ def _plan_gemini(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
     # ---- traffic -------------------------------------------------------------------------
     traffic: Dict[str, int] = {}
     if nvme_dir is not None:
+        # an NVMe-homed parameter chunk is read each time it is gathered: once a step when every
+        # chunk stays cached, else at every run of accesses to it — forward in module order,
+        # backward in reverse (Gemini gathers per module that owns parameters)
         keep = auto and (cap is None or nonalias_full + homes_comp + max(ahead, default=0) <= cap)
-        reads = sum(c.shard_bytes for c in nvme_param_chunks) * (1 if keep else 2)
+        seq_ids = [cid_of[n].id for call in tr.calls for n in call if n in cid_of]
+        runs: Dict[int, int] = {}
+        for s_ in (seq_ids, seq_ids[::-1]):
+            for j, cid in enumerate(s_):
+                if j == 0 or s_[j - 1] != cid:
+                    runs[cid] = runs.get(cid, 0) + 1
+        reads = sum(c.shard_bytes * (1 if keep else max(2, runs.get(c.id, 2))) for c in nvme_param_chunks)
         traffic["nvme->cpu"] = reads + files["state"] + files["grad"]
         traffic["cpu->nvme"] = files["grad"] + files["state"] + sum(c.shard_bytes for c in nvme_param_chunks)
     sharded = [c for c in chunks if c.sharded and w > 1]
