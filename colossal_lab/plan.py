@@ -575,8 +575,16 @@ class _Model:
                 y = _first_tensor(out)
                 return torch.nn.functional.cross_entropy(y.flatten(0, 1).float(),
                                                          torch.zeros(n, dtype=torch.long, device=dev))
-        tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
-                       last=last, input_grad=not first)
+        try:
+            tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
+                           last=last, input_grad=not first)
+        except Exception as exc:
+            if not shapes:
+                raise
+            # the forward cannot run on its shard's shapes (e.g. a fixed head count): whole shapes
+            tr = self.trace(ac=ac, autocast=autocast, dtype=dtype, micro=micro, stage=stage)
+            tr = _Trace(**{**tr.__dict__, "error": f"tensor parallel: the forward failed on shard shapes "
+                                                    f"({type(exc).__name__}); activations traced unsharded"})
         self._traces[key] = tr
         return tr
 
@@ -779,7 +787,7 @@ def _plan_replicated(m: _Model, plugin, env: _Env, precision: str, opt: str, ac:
         notes.append(f"DDP: gradient buckets {_fmt(G)} ({'views of' if view else 'copies beside'} the gradients)")
     elif stage == 1:
         # DDP without bucket views + ZeroRedundancyOptimizer's greedy partition of the states
-        sizes, owned, big = [0] * w, [0] * w, [0] * w
+        sizes, big = [0] * w, [0] * w
         for _, p in sorted(train, key=lambda t: t[1].numel(), reverse=True):
             r = sizes.index(min(sizes))
             sizes[r] += p.numel()
@@ -961,11 +969,10 @@ def _plan_gemini(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
             full_sizes.append(c.full_bytes)
     homes_comp = sum(cats[comp.name][k] for k in ("params", "optimizer"))
     # ---- the forward/backward on the compute tier -----------------------------------------
-    scale = 4 / dtype.itemsize  # the trace's gradients are in the compute dtype, Gemini's are fp32
     order = list(tr.order) + [n for n, _ in m.params if n not in set(tr.order)]
     arrival = [n for n in reversed(order) if dict(m.params)[n].requires_grad]
     cum, acc = [], 0
-    for n in arrival:
+    for n in arrival:  # in the compute dtype, as the trace's gradients (Gemini's buffers are fp32)
         acc += _nbytes(dict(m.params)[n], dtype)
         cum.append(acc)
     chunk_last: Dict[int, int] = {}
@@ -1270,9 +1277,6 @@ class _PlanKey:
 
     def __init__(self, plan: dict):
         self.plan = plan
-
-    def __getitem__(self, i):
-        return self.plan
 
     def __hash__(self):
         return hash(tuple(sorted(self.plan)))

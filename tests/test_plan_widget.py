@@ -109,7 +109,7 @@ def test_the_widget_reads_plain_data_and_imports_no_engine_internals():
             mods.add(("." * node.level) + (node.module or ""))
         elif isinstance(node, ast.Import):
             mods.update(a.name for a in node.names)
-    allowed = {"__future__", "typing", "plotly.graph_objects", "colossal_lab.engine.telemetry", "._live", ".state"}
+    allowed = {"__future__", "typing", "plotly.graph_objects", "colossal_lab.engine.telemetry", "._live"}
     assert mods <= allowed, mods - allowed
     with pytest.raises(TypeError, match="cl.plan"):
         FitPlan(object(), subscribe=False, live=False)

@@ -18,7 +18,6 @@ import plotly.graph_objects as go
 from colossal_lab.engine.telemetry import MemorySample
 
 from ._live import LiveView, template_json
-from .state import TIER_COLORS
 
 CATEGORY_COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b",
                    "activations": "#e45756", "working": "#b279a2"}
