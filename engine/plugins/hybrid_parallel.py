@@ -47,12 +47,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class HybridParallelModule(nn.Module):
-    """The boosted model: this rank's stage modules plus the runtime that drives them.
-
-    ``module.stage_modules`` are torch ``nn.Module``s holding this rank's parameters under the
-    full model's names (prefixed ``inner.`` inside each stage). Calling it directly works only
-    without a pipeline (``pp_size == 1``); with one, use ``booster.execute_pipeline``.
-    """
+    """The boosted model: this rank's ``stage_modules`` (parameters under the full model's names
+    behind each stage's ``inner.``) and the runtime that drives them. Callable directly only
+    without a pipeline (``pp_size == 1``); with one, use ``booster.execute_pipeline``."""
 
     def __init__(self, stage_modules: List[nn.Module], runtime, plugin: "HybridParallelPlugin"):
         super().__init__()
@@ -83,11 +80,9 @@ class HybridParallelModule(nn.Module):
         self.tokens += _count_tokens(args, kwargs)
 
     def named_model_parameters(self, remove_duplicate: bool = True):
-        """``(name, param)`` under the unsplit model's names (``blocks.0.attn.wq.weight``).
-
-        Activation-checkpoint wrappers are invisible here (their ``_checkpoint_wrapped_module.``
-        infix is dropped), as they are in ``state_dict``. ``remove_duplicate=False`` also yields
-        the second name of a tied weight held by one stage."""
+        """``(name, param)`` under the unsplit model's names (activation-checkpoint wrappers'
+        infix dropped, as in ``state_dict``); ``remove_duplicate=False`` also yields the second
+        name of a tied weight held by one stage."""
         for mod in self.stage_modules:
             for n, p in mod.inner.named_parameters(remove_duplicate=remove_duplicate):
                 yield n.replace(_CKPT_INFIX, ""), p
@@ -108,21 +103,14 @@ class HybridParallelModule(nn.Module):
             return local
         parts: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, local, group=group)
-        out: Dict[str, torch.Tensor] = {}
-        for part in parts:
-            out.update(part)
-        return out
+        return {n: t for part in parts for n, t in part.items()}
 
 
 class HybridParallelOptimizer(OptimizerWrapper):
-    """The boosted optimizer of a tensor × pipeline × data-parallel run.
-
-    The step policy (loss scaling, overflow skip agreed by every rank, StepMetrics) is the
-    base class's; what this adds is where gradients come from: before unscaling, gradients are
-    averaged over the data-parallel group and tied copies summed (``plugin._sync_grads``), and
-    a norm for clipping is summed over the pipeline stages, each holding only its own
-    parameters (tensor-parallel shards are made whole by DTensor).
-    """
+    """The boosted optimizer of a tensor × pipeline × data-parallel run: the base class's step
+    policy, with gradients averaged over dp and tied copies summed before unscaling
+    (``plugin._sync_grads``) and the clip norm summed over the pipeline stages, each holding only
+    its own parameters (docs/engine.md, "The plugin contract")."""
 
     def __init__(self, optim: Optimizer, model: HybridParallelModule, plugin: "HybridParallelPlugin"):
         # the overflow vote is world-wide: a stage that skipped a step alone would desynchronise
@@ -327,28 +315,24 @@ class HybridParallelPlugin(Plugin):
         if tied and self.pp_size > 1:
             self._setup_tied(hp_model, tied)
 
-        # ---- optimizer over this rank's parameters, same groups and hyper-parameters ----
+        # ---- the user's optimizer over this rank's (stage's, tensor-parallel) parameters, same
+        # groups and hyper-parameters; ZeRO-1 shards its state over the data-parallel group. An LR
+        # scheduler is pointed at the rebuilt optimizer by Booster.boost ----
         hp_optim = None
         if optimizer is not None:
-            # an LR scheduler is pointed at the rebuilt optimizer by Booster.boost
-            hp_optim = HybridParallelOptimizer(self._rebuild_optimizer(names_of, optimizer, hp_model), hp_model, self)
+            cls = None
+            if self.zero_stage == 1 and self.dp_size > 1:
+                from torch.distributed.optim import ZeroRedundancyOptimizer
+
+                cls = functools.partial(ZeroRedundancyOptimizer, optimizer_class=type(optimizer),
+                                        process_group=self._dp_group)
+            optim = rebuild_optimizer(optimizer, names_of, dict(hp_model.named_model_parameters()),
+                                      optimizer_class=cls, partial=True)
+            hp_optim = HybridParallelOptimizer(optim, hp_model, self)
         if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):
             dataloader = self.prepare_dataloader(dataloader.dataset, dataloader.batch_size,
                                                  drop_last=dataloader.drop_last)
         return hp_model, hp_optim, criterion, dataloader, lr_scheduler
-
-    def _rebuild_optimizer(self, names_of: Dict[int, List[str]], optimizer: Optimizer,
-                           hp_model: HybridParallelModule) -> Optimizer:
-        """The user's optimizer over this rank's (stage's, tensor-parallel) parameters; ZeRO-1
-        shards its state over the data-parallel group."""
-        cls = None
-        if self.zero_stage == 1 and self.dp_size > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            cls = functools.partial(ZeroRedundancyOptimizer, optimizer_class=type(optimizer),
-                                    process_group=self._dp_group)
-        return rebuild_optimizer(optimizer, names_of, dict(hp_model.named_model_parameters()),
-                                 optimizer_class=cls, partial=True)
 
     # ---- gradient sync ------------------------------------------------------------------
     def _setup_tied(self, model: HybridParallelModule, tied: List[List[str]]) -> None:
@@ -402,13 +386,10 @@ class HybridParallelPlugin(Plugin):
     # ---- the pipeline ---------------------------------------------------------------------
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
                          optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
-        """Run one batch (``next(data_iter)``) through the pipeline, forward and backward.
-
-        Every rank of the pipeline calls it with an iterator over the same batches. Returns
-        ``{"loss": ..., "outputs": ..., "bubble": {stage: fraction}}``; ``loss`` (the batch mean
-        of the microbatch losses) and ``outputs`` are set on the rank holding the last stage,
-        None elsewhere. Gradients are left in ``.grad``; ``optimizer.step()`` syncs and steps.
-        """
+        """Forward and backward of one batch (``next(data_iter)``; every rank of a pipeline
+        iterates over the same batches). Returns ``loss`` (the batch mean) and ``outputs`` on the
+        rank holding the last stage (None elsewhere), ``bubble`` ``{stage: fraction}`` and
+        ``rank_bubble`` ``{rank: fraction}``; gradients are left for ``optimizer.step()``."""
         if not isinstance(model, HybridParallelModule):
             raise TypeError("execute_pipeline(model=...): pass the model returned by booster.boost / plugin.configure")
         batch = next(data_iter)
