@@ -3,12 +3,9 @@
 import re as _re
 import sys as _sys
 
-#: The oldest torch (major, minor) the engine runs on. pyproject.toml's ``torch>=`` says the same
-#: (tests/test_packaging.py holds the two together and checks the APIs that set it). It is the
-#: newest of the torch APIs the engine calls: ``PipelineSchedule.step(..., return_outputs=)``
-#: (2.10), the pipelining module's ``_wait_batch_p2p`` seam that the measured timeline wraps
-#: (2.8), the schedules' ``scale_grads=`` (2.7), and ``torch.distributed.fsdp.fully_shard`` /
-#: ``ScheduleZBVZeroBubble`` (2.6).
+#: The oldest torch (major, minor) the engine runs on: the newest of the torch APIs it calls
+#: (``PipelineSchedule.step(..., return_outputs=)``, 2.10). tests/test_packaging.py lists each API
+#: with its release and holds this and pyproject.toml's ``torch>=`` together.
 TORCH_FLOOR = (2, 10)
 
 
@@ -45,10 +42,8 @@ def _torch_version() -> str | None:
 
 
 def _check_torch(version: str | None) -> None:
-    """``ImportError`` naming the installed torch, the floor and the fix when torch is too old.
-
-    Only major.minor count, so a floor release's pre-releases and vendor builds
-    (``2.10.0a0+git…``, ``2.10.0+cu128``) pass."""
+    """``ImportError`` naming the installed torch, the floor and the fix when torch is too old;
+    only major.minor count, so pre-releases and vendor builds (``2.10.0a0+git…``) pass."""
     if version is None:
         return
     m = _re.match(r"(\d+)\.(\d+)", version)

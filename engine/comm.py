@@ -70,11 +70,8 @@ def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
 
 def any_rank(flag: bool, group=None) -> bool:
     """True when ``flag`` is true on any rank of ``group`` (every rank must call it)."""
-    if not initialized():
-        return bool(flag)
-    t = torch.tensor([1.0 if flag else 0.0], device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    (most,) = reduce_values([1.0 if flag else 0.0], op=dist.ReduceOp.MAX, group=group)
+    return most > 0
 
 
 def reduce_values(values: Sequence[float], op=None, group=None, dtype=torch.float64) -> List[float]:

@@ -42,7 +42,6 @@ class GeminiPlugin(Plugin):
     pack_order: str = "execution"
     _managers: List = field(default_factory=list, init=False, repr=False)
 
-    supported_precisions = ("fp32", "fp16", "bf16")
     controls_precision = True
 
     def __post_init__(self):
