@@ -57,10 +57,8 @@ def decode(ids) -> str:
 
 @dataclass
 class ByteDataset(Dataset):
-    """Fixed windows of ``block_size + 1`` bytes: ``{"idx": x, "targets": y}`` with y = x shifted.
-
-    ``stride`` defaults to ``block_size`` (non-overlapping windows) so an epoch sees each byte once.
-    """
+    """Fixed windows of ``block_size + 1`` bytes: ``{"idx": x, "targets": y}`` with y = x shifted;
+    ``stride`` defaults to ``block_size`` (non-overlapping windows: an epoch sees each byte once)."""
 
     tokens: torch.Tensor
     block_size: int
@@ -91,11 +89,8 @@ def split(tokens: torch.Tensor, holdout: float = 0.1) -> Tuple[torch.Tensor, tor
 
 
 def stdlib_docs_corpus(max_bytes: int = 2_000_000) -> bytes:
-    """Up to ``max_bytes`` of English prose: the Python reference's help topics (``pydoc_data``).
-
-    A different domain from :func:`stdlib_corpus` (prose, not code) that ships with Python too:
-    the fine-tuning tutorial adapts a code model to it.
-    """
+    """Up to ``max_bytes`` of English prose, the Python reference's help topics (``pydoc_data``):
+    a domain other than :func:`stdlib_corpus`'s code, which the fine-tuning tutorial adapts to."""
     if max_bytes < 1:
         raise ValueError(f"stdlib_docs_corpus(max_bytes={max_bytes}): must be >= 1")
     from pydoc_data.topics import topics

@@ -117,12 +117,9 @@ def constructor_kwargs(optimizer_class, settings: dict) -> dict:
 
 
 class OptimizerWrapper:
-    """The boosted optimizer, and the base of every plugin's (the step contract): ``backward``
-    (records the loss, scales it), ``unscale_grad``, ``clip_grad_by_norm``, ``step``,
-    ``zero_grad``, and one ``StepMetrics`` per step. A subclass whose gradients or update live
-    elsewhere overrides ``_unscale``, ``_apply_step`` and ``_skip_step`` (see Gemini's).
-    ``checkpoint_optim`` is the torch optimizer whose ``state`` this rank holds (ZeRO-1: the
-    local shard's optimizer)."""
+    """The boosted optimizer and the base of every plugin's: the step contract (docs/engine.md,
+    "The plugin contract"). ``checkpoint_optim`` is the torch optimizer whose ``state`` this rank
+    holds (ZeRO-1: the local shard's optimizer)."""
 
     def __init__(self, optim: Optimizer, model: Optional[ModelWrapper] = None, mixed_precision: str = "fp32",
                  group: Optional["dist.ProcessGroup"] = None, checkpoint_optim: Optional[Optimizer] = None,
@@ -199,9 +196,8 @@ class OptimizerWrapper:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def step(self, *args, **kwargs):
-        """The one step policy: the overflow vote (fp16), then the update or the skip, the
-        scale's backoff/growth and one StepMetrics. Subclasses change what an update or a skip
-        is (``_apply_step``/``_skip_step``) and how gradients are unscaled (``_unscale``)."""
+        """The one step policy: the overflow vote (fp16, ``_unscale``), then the update
+        (``_apply_step``) or the skip (``_skip_step``), the scale's backoff/growth, StepMetrics."""
         skip = self.unscale_grad()
         if skip:
             self._skip_step()

@@ -124,12 +124,9 @@ class ChunkManager:
 
     # ---- set-up ------------------------------------------------------------------------------
     def materialize(self, source=None) -> None:
-        """Pack parameter values into chunk homes and point every parameter into ``chunk.full``.
-
-        One chunk at a time: its values come from ``source`` (a ``materialize.ParamSource``,
-        which materialises meta parameters on demand) and go straight to the chunk's home
-        tier, so at most one chunk's staging buffers exist at once, whatever the model size.
-        """
+        """Pack parameter values (from ``source``, a ``materialize.ParamSource``) into chunk homes
+        one chunk at a time, and point every parameter into ``chunk.full`` (docs/gemini.md,
+        ``materialize.py``: at most one chunk's staging buffers exist at once)."""
         if source is None:
             source = ParamSource(nn.Module())
         for c in self.chunks:
@@ -472,11 +469,8 @@ class ChunkManager:
                 self._drop(c)
 
     def load_optim(self, c: Chunk, ahead: bool = False) -> Optional["OptimWindow"]:
-        """Begin loading ``c``'s optimizer state and gradient (NVMe homes: a background read).
-
-        ``ahead=True`` is a read-ahead: it returns None instead of failing when the compute
-        tier has no room for a second window.
-        """
+        """Begin loading ``c``'s optimizer state and gradient (NVMe homes: a background read);
+        ``ahead=True`` (a read-ahead) returns None instead of failing when there is no room."""
         need = optim_block_bytes(c) + c.shard_bytes if c.optim_home == "nvme" else 0
         if need and self.stack.host is self.compute:
             if ahead and self.compute.room() < need:
@@ -622,11 +616,8 @@ class ChunkManager:
 
 
 class OptimWindow:
-    """One chunk's optimizer state + gradient, resident for the duration of its update;
-    ``master``, ``exp_avg`` and ``exp_avg_sq`` are the rows of its state block.
-
-    For NVMe homes the reads start at construction (read-ahead) and ``wait()`` joins them.
-    """
+    """One chunk's optimizer state + gradient, resident for its update (``master``, ``exp_avg``,
+    ``exp_avg_sq``: the rows of its state block); NVMe reads start here, ``wait()`` joins them."""
 
     def __init__(self, mgr: ChunkManager, c: Chunk):
         self.chunk = c

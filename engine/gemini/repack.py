@@ -51,10 +51,8 @@ def _warn_once(key: str, msg: str) -> None:
 
 # ---- the order ----------------------------------------------------------------------------------
 def trace_order(module: nn.Module, params: List[nn.Parameter], args, kwargs) -> Tuple[Optional[List[int]], str]:
-    """Indices of ``params`` in first-use order (unused ones last, in their given order).
-
-    Runs ``module`` on the meta device; returns ``(None, reason)`` when it cannot.
-    """
+    """Indices of ``params`` in first-use order (unused ones last, in their given order), from a
+    run of ``module`` on the meta device; ``(None, reason)`` when it cannot run there."""
     from torch.func import functional_call
     from torch.utils._pytree import tree_map
 

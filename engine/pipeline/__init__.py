@@ -1,11 +1,6 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``, with measured timelines.
-
-* :mod:`.schedules` — which torch schedule a ``pp_style`` means, and up-front validation;
-* :mod:`.stage` — cutting a model (its ``pipeline_stage``, or an ``nn.Sequential``'s children)
-  into stage modules and torch stages;
-* :mod:`.timing` — wall-clock ``StageSpan``s for every F/B/W/send/recv/optim action;
-* :mod:`.runtime` — one step: microbatches in, loss and per-stage bubble fractions out;
-* :mod:`.checkpoint` — save/load under the unsplit model's names.
+"""Pipeline parallelism on ``torch.distributed.pipelining``, with measured timelines: which
+schedule (:mod:`.schedules`), cutting a model into stages (:mod:`.stage`), timing every action
+(:mod:`.timing`), one step (:mod:`.runtime`), checkpoints under the unsplit names (:mod:`.checkpoint`).
 """
 
 from .runtime import PipelineRuntime, split_batch

@@ -45,14 +45,10 @@ class ChunkEvent:
 
 @dataclass(frozen=True)
 class StageSpan:
-    """One measured action of a pipeline stage.
-
-    ``kind`` is one of ``F``, ``B`` (input grad), ``W`` (weight grad), ``send``, ``recv``,
-    ``optim``; ``start``/``end`` are wall-clock seconds on that rank (``time.time()``), measured,
-    never simulated. ``microbatch`` is -1 for actions that belong to the whole step (optim).
-    ``dp``/``tp`` are the rank's data- and tensor-parallel coordinates, so ranks that share a
-    stage stay apart (the timeline draws a row per rank: ``stage s · dp d · tp t``).
-    """
+    """One measured action of a pipeline stage: ``kind`` is ``F``, ``B`` (input grad), ``W``
+    (weight grad), ``send``, ``recv`` or ``optim``; ``start``/``end`` are wall-clock seconds on that
+    rank (``time.time()``), measured, never simulated; ``microbatch`` is -1 for the whole step's
+    (optim); ``dp``/``tp`` are the rank's data- and tensor-parallel coordinates."""
 
     rank: int
     stage: int
@@ -75,13 +71,10 @@ class StageSpan:
 
 @dataclass(frozen=True)
 class MemorySample:
-    """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock).
-
-    Optional detail where the tier has it (0 / ``None`` when not measured): ``peak``, the
-    most bytes in use so far (``torch.cuda.max_memory_allocated`` on a GPU, peak RSS on
-    the host); ``reserved``, bytes the tier holds beyond ``used`` (torch's caching allocator);
-    ``util``, the device's compute utilisation in percent (NVML).
-    """
+    """Bytes in use and capacity of one memory tier on one rank at ``time`` (wall clock), with,
+    where measured (else 0 / ``None``): ``peak``, the most bytes in use so far; ``reserved``,
+    bytes held beyond ``used`` (torch's caching allocator); ``util``, compute utilisation in
+    percent (NVML). Per tier: docs/widgets.md, "Memory sampler and per-rank bubbles: details"."""
 
     rank: int
     time: float

@@ -117,9 +117,8 @@ _nvml_ok: Optional[bool] = None  # None: not tried yet; False: NVML unusable in 
 
 
 def _gpu_util(dev) -> Optional[float]:
-    """NVML's GPU utilisation in percent, or ``None`` where NVML is not usable: ``nvidia-ml-py``
-    not installed, no driver, no permission in a container, a MIG slice. Tried once; after a
-    failure it is not asked again (every call would fail the same way)."""
+    """NVML's GPU utilisation in percent, or ``None`` where NVML is not usable (no
+    ``nvidia-ml-py``, no driver or permission, a MIG slice); after a failure never asked again."""
     global _nvml_ok
     if _nvml_ok is False:
         return None
@@ -200,14 +199,10 @@ def _measure(rank: int, nvme_dirs: Sequence[str], registered: bool, device, cuda
 
 def sample_memory(rank: int, nvme_dir: Union[None, PathArg, Sequence[PathArg]] = None, device=None,
                   cuda: Optional[bool] = None, registered_nvme: bool = False) -> List[MemorySample]:
-    """One ``MemorySample`` per tier present on this rank, measured now.
-
-    ``cuda=None`` samples the GPU tier when this process has initialised CUDA (it never
-    creates a context just to measure one); ``True`` requires a GPU, ``False`` skips it.
-    ``device`` picks the GPU (default: this thread's current device). ``nvme_dir`` (an
-    existing directory, or a list of them) adds the NVMe tier; ``registered_nvme`` adds the
-    directories registered with :func:`register_nvme_dir` too.
-    """
+    """One ``MemorySample`` per tier present on this rank, measured now. ``cuda``: None samples
+    the GPU once this process has initialised CUDA (never creating a context), True requires
+    one, False skips it; ``device``: which GPU (default: the current one); ``nvme_dir``: an
+    existing directory or a list of them; ``registered_nvme``: add :func:`register_nvme_dir`'s."""
     return _measure(rank, _as_dirs(nvme_dir, "sample_memory"), registered_nvme, device, cuda)
 
 
@@ -277,16 +272,12 @@ class MemorySampler:
 
     def start(self) -> "MemorySampler":
         if self._thread is None:
-            if self._device is None and self.config.cuda is not False:
+            torch = sys.modules.get("torch")  # not imported yet: CUDA is not initialised either
+            if self._device is None and self.config.cuda is not False and torch is not None \
+                    and torch.cuda.is_available() and torch.cuda.is_initialized():
                 # the CUDA current device is per thread: take the starting thread's (a rank's
                 # set_device), never the new thread's default device 0
-                try:
-                    import torch
-
-                    if torch.cuda.is_available() and torch.cuda.is_initialized():
-                        self._device = torch.cuda.current_device()
-                except ImportError:
-                    pass
+                self._device = torch.cuda.current_device()
             self._stop.clear()
             if self.config.defer:
                 self._unsubscribe = subscribe(self._watch)
