@@ -7,8 +7,8 @@ and screenshots each plot (found by the first word of its title) into ``docs/img
 
     chunk_map.png  memory_gauges.png  training.png  pipeline_timeline.png  fit_plan.png
 
-The pictures are taken once every cell has run (the chunk map shows the last step's moves),
-so they show what a user sees, not a drawing. Run it with
+The chunk map is taken mid-training at a step where chunks changed tier, the rest once
+every cell has run, so they show what a user sees, not a drawing. Run it with
 ``bash scripts/screenshots.sh`` (which sets up the environment first).
 """
 
@@ -192,6 +192,14 @@ def main() -> int:
                 deadline, idle, was_busy = time.time() + args.timeout, 0, False
                 while time.time() < deadline:
                     busy = page.evaluate(status) == "busy"
+                    # the chunk map mid-training, at a step where chunks changed tier
+                    st = page.evaluate(JS_STATE)
+                    for i, title in enumerate(st["titles"]):
+                        if title.startswith("ChunkMap") and "moved" in title and "no chunk moved" not in title \
+                                and "chunk_map.png" not in taken:
+                            _shoot(page, i, out / "chunk_map.png")
+                            taken["chunk_map.png"] = title
+                            print(f"chunk_map.png: {title}", flush=True)
                     was_busy = was_busy or busy
                     idle = 0 if busy else idle + 1
                     if was_busy and idle >= 8:
