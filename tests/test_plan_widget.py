@@ -5,6 +5,10 @@ import pathlib
 
 import pytest
 
+# widget packages this module needs: absent (a bare GPU image), it skips
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
 import colossal_lab as cl
 from colossal_lab.engine import telemetry as T
 from colossal_lab.engine.models import GPTConfig
