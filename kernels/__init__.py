@@ -9,12 +9,14 @@ See ``docs/kernels.md``.
 
 from .adamw import FusedAdamW, adamw_reference, fused_adamw
 from .dispatch import BACKENDS, interpret_mode, triton_available
-from .flash_attention import attention_reference, flash_attention
+from .flash_attention import (attention_backward_reference, attention_reference, attention_reference_lse,
+                              flash_attention, flash_attention_backward, flash_attention_forward)
 from .int8_matmul import int8_linear, int8_linear_reference
 from .rms_norm import rms_norm, rms_norm_reference
 
 __all__ = [
-    "BACKENDS", "FusedAdamW", "adamw_reference", "attention_reference", "flash_attention", "fused_adamw",
+    "BACKENDS", "FusedAdamW", "adamw_reference", "attention_backward_reference", "attention_reference",
+    "attention_reference_lse", "flash_attention", "flash_attention_backward", "flash_attention_forward", "fused_adamw",
     "int8_linear", "int8_linear_reference", "interpret_mode", "rms_norm", "rms_norm_reference",
     "triton_available",
 ]

@@ -10,6 +10,14 @@ Shapes are ``(B, H, T, D)``. The Triton kernel supports fp16/bf16, head dims 16/
 causal (``Tq == Tk``) and non-causal (any ``Tq``, ``Tk``, e.g. a decoding query against a KV
 cache). ``backend=None`` falls back to ``torch.nn.functional.scaled_dot_product_attention``
 for anything else (fp32, other head dims) and on CPU.
+
+``flash_attention_forward`` / ``flash_attention_backward`` are the same attention split into its
+two halves with the per-row log-sum-exp exposed and no autograd graph: the building blocks of
+ring attention (``colossal_lab.engine.context_parallel``), which merges blocks by their lse and
+recomputes each block's gradient from the *whole* softmax's output and lse (a block's share of
+the gradient needs only those two, so the shares of all blocks sum to the whole's). Their torch
+path off CUDA is ATen's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
+and its backward: O(T) memory, as SDPA), else the fp32 reference.
 """
 
 from __future__ import annotations
@@ -261,6 +269,23 @@ def _unsupported(q, k, v, causal) -> Optional[str]:
     return None
 
 
+def _check(op: str, q, k, v, causal: bool) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D (B, H, T, D) tensor, "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{op}: {name} has dtype {t.dtype}; pass floating-point tensors")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share "
+                         "B, H and D, and k/v must have the same shape")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"{op}: q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"{op}: causal=True needs as many queries as keys (got Tq={q.shape[2]}, "
+                         f"Tk={k.shape[2]}); a decode step against a KV cache uses causal=False")
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
     """Softmax attention over ``(B, H, T, D)`` tensors; differentiable on every backend.
@@ -268,20 +293,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     ``causal=True`` requires ``Tq == Tk`` (a decode step against a cache is ``causal=False``).
     """
     check_backend("flash_attention", backend)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"flash_attention: {name} must be a 4-D (B, H, T, D) tensor, "
-                             f"got {getattr(t, 'shape', type(t).__name__)}")
-        if not t.is_floating_point():
-            raise ValueError(f"flash_attention: {name} has dtype {t.dtype}; pass floating-point tensors")
-    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must share "
-                         "B, H and D, and k/v must have the same shape")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"flash_attention: q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one")
-    if causal and q.shape[2] != k.shape[2]:
-        raise ValueError(f"flash_attention: causal=True needs as many queries as keys (got Tq={q.shape[2]}, "
-                         f"Tk={k.shape[2]}); a decode step against a KV cache uses causal=False")
+    _check("flash_attention", q, k, v, causal)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     which = choose("flash_attention", q, backend, _unsupported(q, k, v, causal))
     if which == "triton":
@@ -289,3 +301,104 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if backend == "torch":
         return attention_reference(q, k, v, causal, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+# ---- the two halves with the log-sum-exp (ring attention's building blocks) -------------------
+
+_LN2 = math.log(2.0)
+
+
+def _reference_scores(q, k, causal, scale):
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def attention_reference_lse(q, k, v, causal: bool = True, scale: Optional[float] = None):
+    """``(out, lse)`` of plain fp32 softmax attention; ``lse`` is ``(B, H, Tq)`` fp32, natural log."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = _reference_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.exp(s - lse[..., None]), v.float())
+    return o.to(q.dtype), lse
+
+
+def attention_backward_reference(do, q, k, v, o, lse, causal: bool = True, scale: Optional[float] = None):
+    """FlashAttention-2's backward in fp32 from a softmax's ``o`` and ``lse``: probabilities are
+    recomputed as ``exp(s - lse)`` and ``delta = rowsum(do * o)``, so passing a larger softmax's
+    ``o``/``lse`` gives this key block's share of that softmax's gradient."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    p = torch.exp(_reference_scores(q, k, causal, scale) - lse.float()[..., None])
+    dof = do.float()
+    dv = torch.matmul(p.transpose(-2, -1), dof)
+    dp = torch.matmul(dof, v.float().transpose(-2, -1))
+    delta = (dof * o.float()).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    dq = torch.matmul(ds, k.float())
+    dk = torch.matmul(ds.transpose(-2, -1), q.float())
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _cpu_flash():
+    """ATen's fused CPU flash attention ops (forward returning the lse, and backward), if this torch has them."""
+    fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return (fwd, bwd) if fwd is not None and bwd is not None else None
+
+
+def _lse_path(op: str, q, k, v, causal, backend) -> str:
+    """``"triton"``, ``"cpu_flash"`` or ``"reference"`` by the dispatch rule."""
+    check_backend(op, backend)
+    _check(op, q, k, v, causal)
+    if choose(op, q, backend, _unsupported(q, k, v, causal)) == "triton":
+        return "triton"
+    if backend is None and q.device.type == "cpu" and _cpu_flash() is not None:
+        return "cpu_flash"
+    return "reference"
+
+
+@torch.no_grad()
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                            backend: Optional[str] = None, scale: Optional[float] = None):
+    """``(out, lse)``: attention's output (``q``'s dtype) and each query row's log-sum-exp of its
+    scaled scores, ``(B, H, Tq)`` fp32 (fp64 for fp64 inputs on the CPU flash path), natural log. No autograd graph: pair it with
+    :func:`flash_attention_backward` inside your own ``autograd.Function`` (for a differentiable
+    call use :func:`flash_attention`). Same dispatch, shapes and checks as ``flash_attention``;
+    the torch path off CUDA is ATen's fused CPU flash kernel, the fallback the fp32 reference."""
+    path = _lse_path("flash_attention_forward", q, k, v, causal, backend)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if path == "triton":
+        B, H, Tq, _ = q.shape
+        o, lse2 = _triton_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+        return o, (lse2 * _LN2).view(B, H, Tq)  # the kernel keeps log2
+    if path == "cpu_flash":
+        o, lse = _cpu_flash()[0](q, k, v, 0.0, causal, scale=scale)
+        return o, lse if q.dtype == torch.float64 else lse.float()
+    return attention_reference_lse(q, k, v, causal, scale)
+
+
+@torch.no_grad()
+def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             o: torch.Tensor, lse: torch.Tensor, causal: bool = True,
+                             backend: Optional[str] = None, scale: Optional[float] = None):
+    """``(dq, dk, dv)`` of attention of ``q`` over the keys ``k``/``v`` given the upstream gradient
+    ``do`` and a softmax's ``o`` and ``lse`` (as :func:`flash_attention_forward` returns them). When
+    ``k``/``v`` are one block of a longer key sequence and ``o``/``lse`` belong to the softmax over
+    all of it, the result is that block's share of the whole gradient (``dq`` shares sum; ``dk``,
+    ``dv`` are the block's own): what ring attention needs."""
+    path = _lse_path("flash_attention_backward", q, k, v, causal, backend)
+    if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"flash_attention_backward: do {tuple(do.shape)} and o {tuple(o.shape)} must have q's "
+                         f"shape {tuple(q.shape)}, lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if path == "triton":
+        B, H, Tq, _ = q.shape
+        lse2 = (lse.float() / _LN2).reshape(B * H, Tq).contiguous()
+        return _triton_bwd(q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse2, do,
+                           causal, scale)
+    if path == "cpu_flash":
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return _cpu_flash()[1](do, q, k, v, o, lse, 0.0, causal, scale=scale)
+    return attention_backward_reference(do, q, k, v, o, lse, causal, scale)

@@ -94,6 +94,80 @@ def test_flash_attention_bad_input():
         flash_attention(q, q.float(), q)
 
 
+def _halves_case(backend, dtype, causal, Tq, Tk, D=16, tol=None):
+    """flash_attention_forward/backward against autograd through the fp32 reference; and, split
+    into two key blocks, the blocks' (out, lse) merge to the whole and their backward (given the
+    whole's out and lse) sums to the whole's gradient: what ring attention relies on."""
+    from colossal_lab.kernels import flash_attention_backward, flash_attention_forward
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, Tq, D, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, Tk, D, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, Tk, D, dtype=dtype, requires_grad=True)
+    tol = tol or TOL[dtype]
+    r = attention_reference(q, k, v, causal)
+    do = torch.randn_like(r)
+    r.float().backward(do.float())
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) / D ** 0.5
+    if causal:
+        s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool).tril(), float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    o, lse = flash_attention_forward(q, k, v, causal=causal, backend=backend)
+    assert not o.requires_grad and lse.dtype == torch.float32 and lse.shape == (2, 2, Tq)
+    torch.testing.assert_close(o, r.detach(), **tol)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=1e-3)
+    grads = flash_attention_backward(do, q, k, v, o, lse, causal=causal, backend=backend)
+    for name, got, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, t.grad, **tol, msg=lambda m: f"{name}: {m}")
+    if causal:
+        return
+    h = Tk // 2
+    (o1, l1), (o2, l2) = (flash_attention_forward(q, k[:, :, sl], v[:, :, sl], causal=False, backend=backend)
+                          for sl in (slice(0, h), slice(h, Tk)))
+    merged_lse = torch.logaddexp(l1, l2)
+    merged = o1.float() * torch.exp(l1 - merged_lse)[..., None] + o2.float() * torch.exp(l2 - merged_lse)[..., None]
+    torch.testing.assert_close(merged_lse, lse, atol=2e-3 if dtype != torch.float32 else 1e-5, rtol=1e-3)
+    torch.testing.assert_close(merged.to(dtype), o, **tol)
+    a = flash_attention_backward(do, q, k[:, :, :h], v[:, :, :h], o, lse, causal=False, backend=backend)
+    b = flash_attention_backward(do, q, k[:, :, h:], v[:, :, h:], o, lse, causal=False, backend=backend)
+    torch.testing.assert_close(a[0].float() + b[0].float(), q.grad.float(), **tol)
+    torch.testing.assert_close(torch.cat([a[1], b[1]], 2), k.grad, **tol)
+    torch.testing.assert_close(torch.cat([a[2], b[2]], 2), v.grad, **tol)
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+@pytest.mark.parametrize("causal,Tq,Tk", [(True, 24, 24), (False, 24, 12), (False, 8, 20)])
+def test_flash_attention_halves_with_lse_torch_paths(backend, causal, Tq, Tk):
+    _halves_case(backend, torch.float32, causal, Tq, Tk)
+
+
+@needs_triton
+@pytest.mark.parametrize("causal,Tq,Tk", [(True, 40, 40), (False, 40, 24)])
+def test_flash_attention_halves_with_lse_triton(causal, Tq, Tk):
+    _halves_case("triton", torch.float16, causal, Tq, Tk)
+
+
+def test_flash_attention_halves_default_cpu_path_is_aten_flash(monkeypatch):
+    """backend=None on CPU runs ATen's fused CPU flash op (O(T) memory), not the reference."""
+    import importlib
+
+    fa = importlib.import_module("colossal_lab.kernels.flash_attention")  # the module, not the function
+    called = []
+    real = fa._cpu_flash()
+    assert real is not None, "this torch has no _scaled_dot_product_flash_attention_for_cpu"
+    monkeypatch.setattr(fa, "_cpu_flash", lambda: (lambda *a, **k: called.append("f") or real[0](*a, **k),
+                                                   lambda *a, **k: called.append("b") or real[1](*a, **k)))
+    q = torch.randn(1, 2, 8, 16)
+    o, lse = fa.flash_attention_forward(q, q, q)
+    fa.flash_attention_backward(torch.ones_like(o), q, q, q, o, lse)
+    assert called == ["f", "b"]
+    with pytest.raises(ValueError, match="lse"):
+        fa.flash_attention_backward(torch.ones_like(o), q, q, q, o, lse[:, :, :4])
+    with pytest.raises(ValueError, match="flash_attention_forward: causal=True needs as many queries"):
+        fa.flash_attention_forward(q, q[:, :, :4], q[:, :, :4])
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("wdtype", ["same", torch.float32])
