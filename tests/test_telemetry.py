@@ -86,6 +86,17 @@ def test_bubble_fractions_two_stage_gpipe_shape():
     assert fr == {1: {0: pytest.approx(2 / 6), 1: pytest.approx(2 / 6)}}
 
 
+def test_comm_spans_round_trip_and_are_not_busy_time(tmp_path):
+    """``comm`` (a collective inside a layer) is a span kind: it survives a trace and the relay's
+    rows, and, like send/recv, counts as communication, not busy time, in a bubble."""
+    S = t.StageSpan
+    spans = [S(0, 0, 1, 0, "F", 0.0, 1.0), S(0, 0, 1, -1, "comm", 1.0, 2.0)]
+    t.write_trace(tmp_path / "c.jsonl", spans)
+    assert t.read_trace(tmp_path / "c.jsonl") == spans
+    assert [t.from_row(t.to_row(s)) for s in spans] == spans
+    assert t.bubble_fractions(spans) == {1: {0: pytest.approx(0.5)}}
+
+
 def test_chrome_trace_has_one_complete_event_per_span():
     S = t.StageSpan
     spans = [S(0, 0, 1, 0, "F", 0.0, 0.5), S(1, 1, 1, -1, "optim", 1.0, 1.25)]

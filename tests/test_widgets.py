@@ -164,6 +164,15 @@ def test_timeline_bars_and_bubbles():
     assert sum(len(t.x) for t in tl2.figure.data) == len(spans)
 
 
+def test_timeline_draws_comm_spans():
+    spans = _pipeline_spans() + [T.StageSpan(0, 0, 3, -1, "comm", 100.02, 100.05)]
+    tl = PipelineTimeline.from_events(spans)
+    comm = _trace_by_name(tl.figure, "comm")
+    assert len(comm.x) == 1 and comm.x[0] == pytest.approx(30.0) and comm.base[0] == pytest.approx(20.0)
+    assert comm.marker.color != _trace_by_name(tl.figure, "F").marker.color
+    assert tl.bubbles() == T.bubble_fractions(spans)[3]
+
+
 def test_timeline_step_selector_and_chrome_export(tmp_path):
     tl = PipelineTimeline.from_events(_pipeline_spans(step=1, t0=0.0) + _pipeline_spans(step=2, t0=5.0, mb=3))
     assert "step 2" in tl.figure.layout.title.text

@@ -40,7 +40,7 @@ from colossal_lab.engine.telemetry import (
 
 TIER_COLORS = {"cuda": "#76b900", "cpu": "#1f77b4", "nvme": "#ff7f0e"}
 KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1",
-               "recv": "#c9c9cc", "optim": "#54a24b"}
+               "recv": "#c9c9cc", "optim": "#54a24b", "comm": "#b279a2"}
 
 
 class Move(NamedTuple):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
 TIERS = ("cuda", "cpu", "nvme")
-SPAN_KINDS = ("F", "B", "W", "send", "recv", "optim")
+SPAN_KINDS = ("F", "B", "W", "send", "recv", "optim", "comm")
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,11 @@ class ChunkEvent:
 @dataclass(frozen=True)
 class StageSpan:
     """One measured action of a pipeline stage: ``kind`` is ``F``, ``B`` (input grad), ``W``
-    (weight grad), ``send``, ``recv`` or ``optim``; ``start``/``end`` are wall-clock seconds on that
-    rank (``time.time()``), measured, never simulated; ``microbatch`` is -1 for the whole step's
-    (optim); ``dp``/``tp`` are the rank's data- and tensor-parallel coordinates."""
+    (weight grad), ``send``, ``recv``, ``optim`` or ``comm`` (time in, or blocked on, a collective
+    inside a layer, e.g. context parallelism's ring passes and all-to-alls, within an ``F``/``B``);
+    ``start``/``end`` are wall-clock seconds on that rank (``time.time()``), measured, never
+    simulated; ``microbatch`` is -1 for the whole step's (optim); ``dp``/``tp`` are the rank's
+    data- and tensor-parallel coordinates."""
 
     rank: int
     stage: int
