@@ -316,6 +316,8 @@ def run_cluster(args, comm_stats) -> dict:
         relay_kw["interval"] = args.relay_interval
     if args.no_coalesce:
         relay_kw["coalesce"] = False
+    if args.memory_interval is not None:
+        relay_kw["memory_interval"] = None if args.memory_interval == "none" else float(args.memory_interval)
     cluster = cl.launch(n=args.ranks, backend="gloo", threads=1)
     try:
         for r in range(args.repeats):
@@ -476,6 +478,12 @@ def main() -> None:
                     help="cluster mode: seconds between a rank's relay messages (default: the relay's)")
     ap.add_argument("--no-coalesce", action="store_true",
                     help="cluster mode: the relay carries every event as emitted")
+    ap.add_argument("--memory-interval", default=None,
+                    help="cluster mode: seconds between each rank's memory samples, or 'none' for no "
+                         "sampler (default: the relay's)")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="how far the kernel's relay receiver and redraw thread step back "
+                         "(telemetry.bus.BACKGROUND_NICE; 0: not at all; default: the library's)")
     ap.add_argument("--no-serialize", action="store_true",
                     help="leave out the kernel's JSON serialization of each comm message")
     ap.add_argument("--device-memory-limit", type=int, default=1 << 20, help="bytes")
@@ -495,6 +503,10 @@ def main() -> None:
         ap.error("--max-hz must be > 0")
     if args.relay_interval is not None and not args.relay_interval > 0:
         ap.error("--relay-interval must be > 0 seconds")
+    if args.nice is not None:
+        from colossal_lab.engine.telemetry import bus
+
+        bus.BACKGROUND_NICE = args.nice
     comm_stats = {} if args.no_serialize else install_serializing_comm()
     modes = [("inproc", run_inproc)] * (args.mode in ("inproc", "both")) + \
             [("cluster", run_cluster)] * (args.mode in ("cluster", "both"))

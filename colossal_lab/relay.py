@@ -354,6 +354,7 @@ class Relay:
 
     def _receive(self) -> None:
         _receiver_threads.add(threading.get_ident())
+        telemetry.bus.background_priority()  # decode in the CPU the ranks leave idle
         try:
             self._receive_loop()
         finally:

@@ -8,6 +8,8 @@ pytest.importorskip("zmq")
 pytest.importorskip("plotly")
 pytest.importorskip("ipyparallel")
 
+import os
+import sys
 import threading
 import time
 
@@ -354,4 +356,40 @@ def test_the_kernel_wakes_once_per_interval_for_all_ranks(cluster):
         assert messages >= 20 and messages >= 1.6 * drains, (messages, drains)
     finally:
         unsub()
+        relay.detach()
+
+
+def _nice_of(thread_name, expect):
+    """The thread's nice once it equals ``expect`` (it sets it itself, as it starts), or the last
+    value seen after 5 s."""
+    seen, deadline = None, time.time() + 5
+    while time.time() < deadline:
+        for t in threading.enumerate():
+            if t.name == thread_name and t.native_id is not None:
+                seen = os.getpriority(os.PRIO_PROCESS, t.native_id)
+        if seen == expect:
+            break
+        time.sleep(0.02)
+    return seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_kernel_side_threads_step_back_and_the_rank_side_ones_do_not():
+    # the receiver (kernel) and a dashboard's redraw thread run at nice +10 so they take the CPU
+    # the ranks leave; a rank's sender shares the GIL with training, so it keeps the rank's
+    # priority (a niced GIL holder preempted away would stall the training thread)
+    from colossal_lab.widgets._live import Redrawer
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    relay = relay_mod.attach(_ThisProcess(), interval=0.05, **QUIET)
+    redraw = Redrawer(max_hz=20, name="nice-probe")
+    try:
+        assert _nice_of("colossal-relay", min(19, base + 10)) == min(19, base + 10)
+        assert _nice_of("colossal-nice-probe", min(19, base + 10)) == min(19, base + 10)
+        time.sleep(0.2)  # the sender has run a few intervals: it would have stepped back by now
+        assert _nice_of("colossal-relay-send", base) == base
+        assert redraw.niced
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this (the main) thread untouched
+    finally:
+        redraw.close()
         relay.detach()

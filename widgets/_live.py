@@ -68,6 +68,7 @@ from typing import Any, Callable, Iterable, List, Optional
 import plotly.graph_objects as go
 
 from colossal_lab.engine import telemetry
+from colossal_lab.engine.telemetry.bus import background_priority
 
 _MODES = ("auto", "widget", "static")
 _mode: Optional[str] = None
@@ -188,11 +189,13 @@ class Redrawer:
     wake-up per event (``threading.Event.set``) is Python run on the training thread for
     every event and view, and a thread per view would multiply the GIL hand-offs.
     ``maxlen`` bounds the queue (the oldest events are dropped past it: only if this thread
-    stalls for a very long time).
+    stalls for a very long time). The thread runs at ``nice`` below the process's priority
+    (``telemetry.bus.background_priority``): drawing takes the CPU training leaves idle.
     """
 
     def __init__(self, views: Iterable["LiveView"] = (), max_hz: float = 5.0,
-                 name: str = "redraw", max_duty: float = 0.05, maxlen: int = 1_000_000):
+                 name: str = "redraw", max_duty: float = 0.05, maxlen: int = 1_000_000,
+                 nice: Optional[int] = None):
         if not (isinstance(max_hz, (int, float)) and max_hz > 0):
             raise ValueError(f"max_hz={max_hz!r}: must be > 0 (redraws per second)")
         if not (isinstance(max_duty, (int, float)) and 0 < max_duty <= 1):
@@ -201,6 +204,8 @@ class Redrawer:
             raise ValueError(f"maxlen={maxlen!r}: must be a positive int (events queued)")
         self.queue: collections.deque = collections.deque(maxlen=maxlen)
         self.yield_gil = True  # ``time.sleep(0)`` between a tick's pieces (see ``tick``)
+        self._nice = nice      # the thread's priority step back (None: BACKGROUND_NICE, 0: none)
+        self.niced = False
         self._views: tuple = tuple(views)  # copy-on-write: the thread reads it without a lock
         self._period, self._duty = 1.0 / max_hz, float(max_duty)
         self._tick_lock = threading.Lock()  # one tick at a time (this thread vs ``flush()``)
@@ -258,6 +263,8 @@ class Redrawer:
             return len(batch)
 
     def _loop(self) -> None:
+        # drawing takes the CPU training leaves (see telemetry.bus.background_priority)
+        self.niced = background_priority(self._nice)
         rest = self._period
         while not self._stop.wait(rest):
             self.wakes += 1

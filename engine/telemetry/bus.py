@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from .events import Event
 
@@ -48,3 +48,34 @@ def emit(event: Event) -> None:
             fn(event)
         except Exception as exc:  # a broken sink must never break training
             warnings.warn(f"telemetry subscriber {fn!r} raised {exc!r}; event dropped for it")
+
+
+BACKGROUND_NICE = 10  # how far a telemetry consumer's thread steps back (Linux nice units)
+
+
+def background_priority(nice: Optional[int] = None) -> bool:
+    """Lower the *calling thread's* CPU priority by ``nice`` (default ``BACKGROUND_NICE``, read
+    at the call; Linux); True when it was lowered.
+
+    For the threads that consume telemetry beside training, in the process that draws (the
+    relay's receiver, a dashboard's redraw thread): they must take CPU the ranks leave idle,
+    not CPU the ranks want. On a CPU-bound box (ranks filling every core) a normal-priority
+    thread waking at 5 Hz preempts a rank, and the ranks, in lockstep at each collective, all
+    wait for that one; at nice 10 it runs in the gaps (or at ~1/10 of a core's share when
+    there are none), which is still far more than a few ms per redraw. Linux applies nice per
+    thread (``setpriority`` on the thread id) within the process's scheduling autogroup, so
+    it orders these threads against ranks launched from the same session (``cl.launch`` ranks
+    are), not against other sessions. Elsewhere (macOS, Windows) nothing changes. Never raises:
+    a priority is a preference, not a requirement."""
+    import os
+    import sys
+
+    nice = BACKGROUND_NICE if nice is None else nice
+    if not sys.platform.startswith("linux") or nice <= 0:
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        return True
+    except (OSError, AttributeError):
+        return False
