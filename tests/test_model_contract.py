@@ -61,6 +61,8 @@ class Norm(nn.Module):
 
 
 class GQAttention(nn.Module):
+    cp = None  # context parallelism's attention (Llama.enable_context_parallel)
+
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.head_dim, self.group = c.dim // c.n_heads, c.n_heads // c.n_kv_heads
@@ -74,7 +76,7 @@ class GQAttention(nn.Module):
         # -1 heads: a tensor-parallel rank holds a slice of query and key/value heads alike
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if self.cp is None else self.cp(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -103,6 +105,8 @@ class Layer(nn.Module):
 class Llama(nn.Module):
     """``logits = Llama(cfg)(tokens)``; a later pipeline stage takes and returns hidden states."""
 
+    cp = None  # a ContextParallel handle (enable_context_parallel)
+
     def __init__(self, c: LlamaConfig):
         rng = torch.get_rng_state()
         super().__init__()
@@ -123,7 +127,8 @@ class Llama(nn.Module):
 
     def forward(self, x):
         if self.embed is not None:
-            x = self.embed(x) + self.pos(self.positions[:x.shape[1]])
+            T = x.shape[1]  # under context parallelism a shard: its tokens' global positions
+            x = self.embed(x) + self.pos(self.positions[:T] if self.cp is None else self.cp.positions(T, x.device))
         for layer in self.layers:
             if isinstance(layer, Layer):  # placeholders stand for other stages' layers
                 x = checkpoint(layer, x, use_reentrant=False) if self.checkpointing and self.training else layer(x)
@@ -188,6 +193,15 @@ class Llama(nn.Module):
 
     def enable_activation_checkpointing(self):
         self.checkpointing = True
+
+    def enable_context_parallel(self, group, mode):
+        from colossal_lab.engine.context_parallel import ContextParallel
+
+        self.cp = ContextParallel(group, mode)
+        self.cp.check_heads(self.config.n_heads)  # Ulysses splits the (repeated) key/value heads too
+        for layer in self.layers:
+            if isinstance(layer, Layer):
+                layer.attn.cp = self.cp
 
 
 def _model(seed=SEED):

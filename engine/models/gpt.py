@@ -131,6 +131,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
+        self.cp_attention = None  # a context_parallel.ContextParallel (GPT.enable_context_parallel)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = ""):
         B, T, _ = x.shape
@@ -149,7 +150,9 @@ class Attention(nn.Module):
             if T > 1 and k.shape[2] != T:
                 raise NotImplementedError("KVCache: prefill must start from an empty cache")
         kern = _kernels()
-        if kern is not None and hasattr(kern, "flash_attention") and (not self.training or self.dropout == 0.0):
+        if self.cp_attention is not None:  # x is this rank's shard of the sequence: ring or Ulysses
+            y = self.cp_attention(q, k, v, causal=causal)
+        elif kern is not None and hasattr(kern, "flash_attention") and (not self.training or self.dropout == 0.0):
             # the dispatcher: Triton flash attention (fwd+bwd) on CUDA, SDPA elsewhere
             y = kern.flash_attention(q, k, v, causal=causal)
         else:
@@ -202,6 +205,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context_parallel = None  # set by enable_context_parallel
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight"):
@@ -221,9 +225,17 @@ class GPT(nn.Module):
                 cache: Optional[KVCache] = None):
         T = idx.shape[1]
         start = cache.pos if cache is not None else 0
-        if start + T > self.cfg.block_size:
-            raise ValueError(f"GPT: sequence of {start + T} tokens exceeds block_size={self.cfg.block_size}")
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        cp = self.context_parallel
+        if cp is not None and cache is not None:
+            raise NotImplementedError("GPT: KV-cache decoding under context parallelism; decode with a plain model")
+        total = start + T * (cp.size if cp is not None else 1)
+        if total > self.cfg.block_size:
+            raise ValueError(f"GPT: sequence of {total} tokens exceeds block_size={self.cfg.block_size}")
+        if cp is None:
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        else:  # a shard of the sequence: its tokens' global positions
+            pos = cp.positions(T, self.rope_cos.device)
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         h = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx
         for key, block in self.blocks.items():
             if self.cfg.activation_checkpointing and self.training and cache is None:
@@ -299,6 +311,22 @@ class GPT(nn.Module):
 
     def num_layers(self) -> int:
         return self.cfg.n_layer
+
+    def enable_context_parallel(self, group, mode: str) -> None:
+        """Context parallelism over ``group`` (``mode`` ``"ring"`` or ``"ulysses"``): every attention
+        runs through one ``ContextParallel`` handle and the rotary tables are indexed at the shard's
+        global positions; the model then takes ``shard_batch``'s shards of ``idx``/``targets`` and its
+        loss is the mean over this rank's tokens."""
+        from ..context_parallel import ContextParallel
+
+        if self.cfg.dropout:
+            raise ValueError(f"GPT: context parallelism computes attention without dropout; this model has "
+                             f"dropout={self.cfg.dropout} (use GPTConfig(dropout=0.0))")
+        cp = ContextParallel(group, mode)
+        cp.check_heads(self.cfg.n_head)
+        self.context_parallel = cp
+        for block in self.blocks.values():
+            block.attn.cp_attention = cp
 
     def enable_activation_checkpointing(self) -> None:
         self.cfg.activation_checkpointing = True

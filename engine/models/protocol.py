@@ -40,6 +40,15 @@ class ModelContract(Protocol):
     def enable_activation_checkpointing(self) -> None:
         """Recompute each layer in backward. Default: ``checkpoint_wrapper`` on a Sequential's children."""
 
+    def enable_context_parallel(self, group, mode: str) -> None:
+        """Context parallelism over ``group``, ``mode`` ``"ring"`` or ``"ulysses"``: from now on the
+        model is fed this rank's shard of every sequence (``context_parallel.shard_batch``: dim 1,
+        zig-zag for ring, contiguous for Ulysses) and must compute each attention over the whole
+        sequence through ``ContextParallel(group, mode)`` (called as ``cp(q, k, v, causal=True)``
+        on ``(B, H, T/cp, D)`` shards) and take positions from ``cp.positions(local_T, device)``.
+        Raise ``ValueError`` if it cannot (``cp.check_heads(heads)`` for Ulysses). Default: an
+        error naming this method (``context_parallel.apply_context_parallel``)."""
+
 
 @runtime_checkable
 class ModelConfig(Protocol):

@@ -1,0 +1,452 @@
+"""Context parallelism: ring attention and Ulysses over a ``cp`` process group (issue #18).
+
+Each of the ``cp`` ranks holds a shard of every sequence (of the batch, the targets, the rotary
+positions); only attention needs the whole sequence, and gets it one of two ways:
+
+* **ring** (``mode="ring"``): K/V blocks travel around the ring (P2P ``batch_isend_irecv``, the
+  next transfer overlapping the current block's attention); each block's attention comes with its
+  log-sum-exp and the blocks are merged by online softmax. Backward sends K/V around again with
+  the dK/dV accumulators travelling beside them, recomputing each block's probabilities from the
+  saved output and lse, exactly as ring-flash-attention does. Causal attention is load-balanced by
+  **zig-zag** sharding: the sequence is cut into ``2*cp`` chunks and rank ``r`` holds chunks ``r``
+  and ``2*cp-1-r`` (an early and a late one), so every rank does the same work: at step 0 a rank
+  attends causally within its own two chunks; a block from a lower rank ``s < r`` is seen whole
+  by both local chunks, but only its first chunk (``s``; chunk ``2cp-1-s`` lies in the future);
+  a block from a higher rank is seen whole, but only by the local late chunk.
+* **ulysses** (``mode="ulysses"``): one all-to-all turns the sequence-sharded ``(B, H, T/cp, D)``
+  q/k/v into head-sharded ``(B, H/cp, T, D)``, attention runs locally over the whole (contiguously
+  sharded) sequence, and one all-to-all turns the output back. Needs ``cp`` to divide the heads.
+
+Built on: ``torch.distributed`` (``batch_isend_irecv``/``P2POp`` for the ring, ``all_to_all_single``
+for Ulysses, ``all_gather`` in :func:`gather_sequence`) and our flash-attention dispatch
+(``colossal_lab.kernels``: ``flash_attention_forward``/``flash_attention_backward``, which expose the
+lse, for the ring's blocks; the differentiable ``flash_attention`` for Ulysses' local attention).
+Written by hand here: the ring's ``autograd.Function`` (both rings, the online-softmax merge, the
+zig-zag block plan, after zhuzilin/ring-flash-attention's ``zigzag_ring_flash_attn``), Ulysses'
+all-to-all ``autograd.Function`` (after DeepSpeed-Ulysses), the sharding helpers, the byte
+counter and the telemetry spans.
+
+API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
+
+    from colossal_lab.engine import context_parallel as cp
+    cp.apply_context_parallel(model, group, mode)        # model.enable_context_parallel(group, mode)
+    batch = cp.shard_batch(batch, group, mode, keys=("idx", "targets"))   # this rank's shard, dim 1
+    logits, loss = model(batch["idx"], batch["targets"]) # loss: the mean over this rank's tokens
+    # average gradients (and the loss, for reporting) over the cp group, as over data parallelism
+
+    cp.shard_sequence(x, cp_rank, cp_size, mode, dim=1)  # the shard of one tensor
+    cp.unshard_sequence(shards, mode, dim=1)             # every rank's shard (rank order) -> whole
+    cp.gather_sequence(x, group, mode, dim=1)            # all-gather + unshard (no autograd)
+    cp.positions(T, cp_rank, cp_size, mode)              # global positions of the shard (rotary)
+    cp.ring_attention(q, k, v, group, causal=True)       # (B, H, T/cp, D) shards in, shards out
+    cp.ulysses_attention(q, k, v, group, causal=True)
+    cp.ContextParallel(group, mode)                      # a model's handle: .attention(q, k, v, causal),
+                                                         # .positions(local_T, device), .check_heads(h)
+    cp.COMM.bytes / cp.COMM.total / cp.COMM.reset()      # bytes sent at the collective calls, by kind
+    with cp.comm_spans(recorder): ...                    # StageSpan(kind="comm") per collective wait
+
+Modes fix the layout: ``"ring"`` shards zig-zag (needed for causal load balance), ``"ulysses"``
+contiguously. A model joins through the model contract's optional ``enable_context_parallel(group,
+mode)`` (``engine/models/protocol.py``); the reference GPT routes each attention through a
+:class:`ContextParallel` handle and takes its rotary tables at :meth:`ContextParallel.positions`.
+Bytes are counted as sent by this process (a P2P send's tensor; an all-to-all's input minus the
+block it keeps). ``comm`` spans are time spent in, or blocked on, a collective: a ring transfer
+hidden behind the block compute shows only its un-hidden part. Details and measured memory:
+docs/hybrid.md, "Context parallelism".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import defaultdict
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+MODES = ("ring", "ulysses")
+
+
+# ---- bookkeeping: bytes at the collective calls, comm spans -----------------------------------
+
+class CommCounter:
+    """Bytes this process sent through context-parallel collectives, by kind: ``ring_kv`` (K/V
+    blocks, forward and backward), ``ring_grad`` (dK/dV accumulators), ``all_to_all`` (Ulysses,
+    forward and backward); ``calls`` counts the collective calls per kind."""
+
+    def __init__(self):
+        self.bytes: Dict[str, int] = defaultdict(int)
+        self.calls: Dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def snapshot(self) -> Dict[str, int]:
+        return dict(self.bytes)
+
+
+COMM = CommCounter()
+_recorder = None  # something with .add(kind, microbatch, start, end): the pipeline's SpanRecorder
+
+
+@contextlib.contextmanager
+def comm_spans(recorder) -> Iterator[None]:
+    """While active, every context-parallel collective this process waits on is recorded as a
+    ``StageSpan(kind="comm")`` through ``recorder.add("comm", -1, start, end)`` (the pipeline
+    runtime's ``SpanRecorder``, which emits it on the telemetry bus)."""
+    global _recorder
+    prev, _recorder = _recorder, recorder
+    try:
+        yield
+    finally:
+        _recorder = prev
+
+
+@contextlib.contextmanager
+def _timed_comm() -> Iterator[None]:
+    if _recorder is None:
+        yield
+        return
+    t0 = time.time()
+    try:
+        yield
+    finally:
+        _recorder.add("comm", -1, t0, time.time())
+
+
+# ---- sharding ----------------------------------------------------------------------------------
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"context parallelism: mode={mode!r} is not one of {MODES}")
+
+
+def _chunks_of(cp_rank: int, cp_size: int, mode: str) -> List[int]:
+    """Which of the sequence's chunks a rank holds, in order: ring cuts ``2*cp`` chunks (zig-zag),
+    ulysses ``cp`` (contiguous)."""
+    return [cp_rank, 2 * cp_size - 1 - cp_rank] if mode == "ring" else [cp_rank]
+
+
+def _check_len(T: int, cp_size: int, mode: str, what: str) -> int:
+    parts = 2 * cp_size if mode == "ring" else cp_size
+    if T % parts:
+        up = (T // parts + 1) * parts
+        why = "2*cp chunks (zig-zag)" if mode == "ring" else "cp contiguous shards"
+        raise ValueError(f"{what}: a sequence of {T} tokens cannot be cut into the {parts} equal chunks "
+                         f"mode={mode!r} needs at cp={cp_size} ({why}); use a length divisible by {parts}, "
+                         f"e.g. pad to {up}")
+    return T // parts
+
+
+def _check_rank(cp_rank: int, cp_size: int) -> None:
+    if not (isinstance(cp_size, int) and cp_size >= 1 and isinstance(cp_rank, int) and 0 <= cp_rank < cp_size):
+        raise ValueError(f"context parallelism: cp_rank={cp_rank!r} must be in [0, cp_size={cp_size!r})")
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, mode: str, dim: int = 1) -> torch.Tensor:
+    """This rank's shard of ``x`` along ``dim`` (ring: chunks ``r`` and ``2cp-1-r`` of ``2cp``,
+    concatenated; ulysses: chunk ``r`` of ``cp``). ``ValueError`` when the length does not divide."""
+    _check_mode(mode)
+    _check_rank(cp_rank, cp_size)
+    c = _check_len(x.shape[dim], cp_size, mode, "shard_sequence")
+    parts = [x.narrow(dim, i * c, c) for i in _chunks_of(cp_rank, cp_size, mode)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unshard_sequence(shards: Sequence[torch.Tensor], mode: str, dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's shard (in cp rank order): the inverse of
+    :func:`shard_sequence`."""
+    _check_mode(mode)
+    cp = len(shards)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp if mode == "ring" else cp)
+    for r, s in enumerate(shards):
+        ids = _chunks_of(r, cp, mode)
+        for j, piece in zip(ids, s.chunk(len(ids), dim)):
+            chunks[j] = piece
+    return torch.cat(chunks, dim)
+
+
+def gather_sequence(x: torch.Tensor, group, mode: str, dim: int = 1) -> torch.Tensor:
+    """All-gather every rank's shard over ``group`` and return the whole tensor (no autograd)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return unshard_sequence(parts, mode, dim)
+
+
+def positions(T: int, cp_rank: int, cp_size: int, mode: str, device=None) -> torch.Tensor:
+    """The global positions (``LongTensor``) of the tokens rank ``cp_rank`` holds of a sequence of
+    ``T`` tokens: what its rotary tables must be indexed with."""
+    return shard_sequence(torch.arange(T, device=device), cp_rank, cp_size, mode, dim=0)
+
+
+def shard_batch(batch: dict, group, mode: str, keys: Iterable[str] = ("idx", "targets"), dim: int = 1) -> dict:
+    """A copy of ``batch`` with each of ``keys`` it holds cut to this rank's shard along ``dim``
+    (other entries untouched), so inputs, targets and positions are sharded alike."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    out = dict(batch)
+    for k in keys:
+        if k in out:
+            out[k] = shard_sequence(out[k], rank, size, mode, dim)
+    return out
+
+
+# ---- the ring ----------------------------------------------------------------------------------
+
+def _peers(group):
+    g = group if group is not None else dist.group.WORLD
+    rank, size = dist.get_rank(g), dist.get_world_size(g)
+    return rank, size, dist.get_global_rank(g, (rank + 1) % size), dist.get_global_rank(g, (rank - 1) % size)
+
+
+def _exchange(sends: Sequence[torch.Tensor], tags: Sequence[int], nxt: int, prv: int, group, kind: str):
+    """Start sending ``sends`` to the next rank and receiving same-shaped tensors from the previous
+    one; returns ``(received tensors, works)``."""
+    sends = [t.contiguous() for t in sends]
+    recvs = [torch.empty_like(t) for t in sends]
+    ops = []
+    for t, r, tag in zip(sends, recvs, tags):
+        ops.append(dist.P2POp(dist.isend, t, nxt, group, tag))
+        ops.append(dist.P2POp(dist.irecv, r, prv, group, tag))
+        COMM.add(kind, t.numel() * t.element_size())
+    return recvs, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    with _timed_comm():
+        for w in works:
+            w.wait()
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Online softmax: fold a block's ``(out, lse)`` into the running ones, in place (fp32)."""
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(blk_out.float() * torch.exp(blk_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_plan(step: int, rank: int, cp: int, causal: bool, c: int):
+    """At ring step ``step`` (holding the K/V of rank ``(rank - step) % cp``): ``(q rows, kv rows,
+    causal)`` of the block to compute, as slices of the local 2c rows (see the module docstring)."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    if step == 0:
+        return every, every, True
+    if (rank - step) % cp < rank:  # from a lower rank: its early chunk only, seen by both ours
+        return every, slice(0, c), False
+    return slice(c, None), every, False  # from a higher rank: all of it, seen by our late chunk only
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, backend, scale):
+        from colossal_lab.kernels import flash_attention_forward
+
+        rank, cp, nxt, prv = _peers(group)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        c = q.shape[2] // 2
+        out = lse = None
+        cur_k, cur_v = k, v
+        for step in range(cp):
+            if step + 1 < cp:
+                (nk, nv), works = _exchange((cur_k, cur_v), (1, 2), nxt, prv, group, "ring_kv")
+            rows, cols, blk_causal = _block_plan(step, rank, cp, causal, c)
+            bo, bl = flash_attention_forward(q[:, :, rows], cur_k[:, :, cols], cur_v[:, :, cols],
+                                             causal=blk_causal, backend=backend, scale=scale)
+            if out is None:  # step 0 covers every row
+                out, lse = bo.float(), bl.float()
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], bo, bl.float())
+            if step + 1 < cp:
+                _wait(works)
+                cur_k, cur_v = nk, nv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.backend, ctx.scale = group, causal, backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from colossal_lab.kernels import flash_attention_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, backend, scale = ctx.group, ctx.causal, ctx.backend, ctx.scale
+        rank, cp, nxt, prv = _peers(group)
+        dout = dout.contiguous()
+        c = q.shape[2] // 2
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        cur_k, cur_v = k, v
+        dk = dv = grad_works = None
+        for step in range(cp):
+            if step + 1 < cp:
+                (nk, nv), kv_works = _exchange((cur_k, cur_v), (1, 2), nxt, prv, group, "ring_kv")
+            rows, cols, blk_causal = _block_plan(step, rank, cp, causal, c)
+            bq, bk, bv = flash_attention_backward(dout[:, :, rows], q[:, :, rows], cur_k[:, :, cols],
+                                                  cur_v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                                  causal=blk_causal, backend=backend, scale=scale)
+            dq[:, :, rows] += bq.float()
+            if step == 0:  # the accumulators of our own block start here
+                dk, dv = bk.float(), bv.float()
+            else:  # the accumulators of the block we hold arrived with it (one step behind)
+                _wait(grad_works)
+                dk, dv = grad_in
+                dk[:, :, cols] += bk.float()
+                dv[:, :, cols] += bv.float()
+            if step + 1 < cp:
+                _wait(kv_works)
+                cur_k, cur_v = nk, nv
+            if cp > 1:  # pass them on; after the last step they reach the block's owner
+                grad_in, grad_works = _exchange((dk, dv), (3, 4), nxt, prv, group, "ring_grad")
+        if cp > 1:
+            _wait(grad_works)
+            dk, dv = grad_in
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _check_qkv(op: str, q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a 4-D (B, H, T/cp, D) shard, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must have one shape")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
+                   backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's ``(B, H, T/cp, D)`` shards of q/k/v
+    (zig-zag sharded when ``causal``: :func:`shard_sequence` with ``mode="ring"``); returns this
+    rank's shard of the output, differentiable. ``backend`` goes to the flash-attention dispatch."""
+    _check_qkv("ring_attention", q, k, v)
+    cp = dist.get_world_size(group)
+    if causal and cp > 1 and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: a causal ring holds two zig-zag chunks per rank, but this shard has "
+                         f"{q.shape[2]} tokens (odd); the sequence must be divisible by 2*cp={2 * cp}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, group, causal, backend, scale)
+
+
+# ---- Ulysses -----------------------------------------------------------------------------------
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 (one slot per rank); its own inverse, so also its backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    size = dist.get_world_size(group)
+    COMM.add("all_to_all", x.numel() * x.element_size() * (size - 1) // size)
+    with _timed_comm():
+        dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _heads_ok(heads: int, cp: int, op: str) -> None:
+    if heads % cp:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ValueError(f"{op}: {heads} attention heads cannot be split over cp={cp} ranks (Ulysses gives each "
+                         f"rank heads/cp whole heads); use a cp size in {ok}, or mode='ring'")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
+                      backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's contiguous ``(B, H, T/cp, D)`` shards:
+    all-to-all to ``(B, H/cp, T, D)``, local ``flash_attention``, all-to-all back. ``ValueError``
+    before any communication when ``cp`` does not divide the heads."""
+    _check_qkv("ulysses_attention", q, k, v)
+    cp = dist.get_world_size(group)
+    B, H, Tl, D = q.shape
+    _heads_ok(H, cp, "ulysses_attention")
+    from colossal_lab.kernels import flash_attention
+
+    if cp == 1:
+        return flash_attention(q, k, v, causal=causal, backend=backend, scale=scale)
+    # (3, B, H, Tl, D) -> a slot per destination rank (its head group) -> all-to-all -> a slot per
+    # source rank (its sequence chunk) -> (3, B, H/cp, T, D)
+    x = torch.stack((q, k, v)).view(3, B, cp, H // cp, Tl, D).permute(2, 0, 1, 3, 4, 5)
+    x = _AllToAll.apply(x, group).permute(1, 2, 3, 0, 4, 5).reshape(3, B, H // cp, cp * Tl, D)
+    y = flash_attention(x[0], x[1], x[2], causal=causal, backend=backend, scale=scale)
+    y = y.view(B, H // cp, cp, Tl, D).permute(2, 0, 1, 3, 4)  # a slot per sequence chunk's owner
+    y = _AllToAll.apply(y, group)  # a slot per head group
+    return y.permute(1, 0, 2, 3, 4).reshape(B, H, Tl, D)
+
+
+# ---- a model's handle, and the model contract's entry point ------------------------------------
+
+class ContextParallel:
+    """One model's context-parallel setting: ``group``, ``mode`` and this rank's place in it.
+
+    Callable as an attention function, ``cp(q, k, v, causal=True)`` (ring or Ulysses by ``mode``);
+    :meth:`positions` gives the global positions of a local shard's tokens. A deep copy of a model
+    (a pipeline stage) shares the handle: it holds a process group, which is not copied."""
+
+    def __init__(self, group, mode: str, backend: Optional[str] = None):
+        _check_mode(mode)
+        self.group, self.mode, self.backend = group, mode, backend
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self._positions: Dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, q, k, v, causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+        fn = ring_attention if self.mode == "ring" else ulysses_attention
+        return fn(q, k, v, self.group, causal=causal, backend=self.backend, scale=scale)
+
+    attention = __call__
+
+    def positions(self, local_T: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``local_T`` tokens (of a ``local_T * cp`` sequence)."""
+        key = (local_T, str(device))
+        if key not in self._positions:
+            self._positions[key] = positions(local_T * self.size, self.rank, self.size, self.mode, device=device)
+        return self._positions[key]
+
+    def check_heads(self, heads: int) -> None:
+        """``ValueError`` (naming the cp sizes that would work) if Ulysses cannot split ``heads``."""
+        if self.mode == "ulysses":
+            _heads_ok(heads, self.size, "context parallelism (ulysses)")
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(mode={self.mode!r}, rank={self.rank}, size={self.size})"
+
+
+def apply_context_parallel(module: torch.nn.Module, group, mode: str) -> torch.nn.Module:
+    """Make ``module``'s attention context-parallel over ``group`` through the model contract's
+    ``enable_context_parallel(group, mode)``; returns ``module``. Feed it :func:`shard_batch`'s
+    shards and average gradients over ``group``."""
+    _check_mode(mode)
+    fn = getattr(module, "enable_context_parallel", None)
+    if not callable(fn):
+        raise ValueError(f"apply_context_parallel: {type(module).__name__} has no enable_context_parallel(group, "
+                         "mode) method (the model contract, engine/models/protocol.py); a model must route its "
+                         "attention through ContextParallel(group, mode) and index its positions with "
+                         "ContextParallel.positions")
+    fn(group, mode)
+    return module
+
+
+__all__ = ["MODES", "COMM", "CommCounter", "ContextParallel", "apply_context_parallel", "comm_spans",
+           "gather_sequence", "positions", "ring_attention", "shard_batch", "shard_sequence", "ulysses_attention",
+           "unshard_sequence"]
