@@ -2,7 +2,8 @@
 
 ``cl.launch(n)`` starts ranks with torch.distributed up (on ipyparallel) and returns a
 ``cl.Cluster``; ``%load_ext colossal_lab`` adds the ``%colossal`` magics; ``cl.plan(model, plugin,
-world_size=...)`` predicts the bytes per rank and tier before anything is launched.
+world_size=...)`` predicts the bytes per rank and tier before anything is launched;
+``cl.autoplan(model, world_size=..., batch=...)`` searches the parallel layout.
 """
 __version__ = "0.1.0"
 
@@ -20,6 +21,10 @@ def __getattr__(name: str):
 
         mod = importlib.import_module(f"{__name__}.plan")
         return mod if name == "plan" else mod.FitPlan
+    if name in ("autoplan", "AutoPlan"):
+        from . import autoparallel as mod
+
+        return getattr(mod, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -36,5 +41,6 @@ def unload_ipython_extension(ipython) -> None:
         mm.magics[kind].pop("colossal", None)
 
 
-__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch", "plan", "FitPlan", "__version__",
+__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch", "plan", "FitPlan", "autoplan", "AutoPlan",
+           "__version__",
            "load_ipython_extension", "unload_ipython_extension"]

@@ -1335,7 +1335,7 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
          device_memory: Optional[int] = None, host_memory: Optional[int] = None, nvme_dir: Optional[str] = None,
          precision: Optional[str] = None, optimizer: str = "adamw", activation_checkpointing: Optional[bool] = None,
          device: Optional[str] = None, inputs: Optional[Callable] = None,
-         loss_fn: Optional[Callable] = None) -> FitPlan:
+         loss_fn: Optional[Callable] = None, _search: Optional[dict] = None) -> FitPlan:
     """Predict, per rank and tier, the peak bytes one training step of ``model_or_config`` takes
     under ``plugin`` on ``world_size`` ranks — without allocating the model.
 
@@ -1390,7 +1390,12 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
         raise ValueError(f"cl.plan(seq={seq!r}): must be an int >= 1")
     env = _env(device, world_size, device_memory, host_memory, nvme_dir)
     prec = _precision(plugin, precision)
-    m = _Model(model_or_config, inputs, loss_fn, batch, seq, env.device)
+    key = (batch, seq, env.device)
+    m = _search.get(key) if _search is not None else None
+    if m is None:  # ``_search``: a dict a caller planning many layouts keeps, to share traces (autoplan)
+        m = _Model(model_or_config, inputs, loss_fn, batch, seq, env.device)
+        if _search is not None:
+            _search[key] = m
     ac = activation_checkpointing
     if ac is None:
         ac = m.ac_enabled() or bool(getattr(plugin, "activation_checkpointing", False))
@@ -1406,7 +1411,7 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
                  layout=res.layout, ranks=res.ranks, activations=res.act, traffic=res.traffic, notes=res.notes)
     if res.layout.get("refused"):
         fp.blocked = res.layout["refused"]
-    fp.advice = _advice(fp, m, plugin, env, prec, optimizer, ac)
+    fp.advice = _advice(fp, m, plugin, env, prec, optimizer, ac) if _search is None else []
     return fp
 
 

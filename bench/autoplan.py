@@ -1,0 +1,166 @@
+"""``cl.autoplan`` against an exhaustive measured grid (issue #19).
+
+    OMP_NUM_THREADS=1 python bench/autoplan.py [--presets tiny,small] [--world 4] [--batch 16]
+                                               [--seq 128] [--steps 4] [--budgets 48,96] [--json out.json]
+
+One cluster of ``--world`` gloo ranks. For each model preset:
+
+1. **The grid.** Every layout ``autoplan`` considers (``candidates``) is boosted on the ranks and
+   trained: ``--warmup`` steps, then ``--steps`` timed ones (tokens/s = global tokens / the slowest
+   rank's seconds). Each rank's peak of live tensor bytes from model build through one step is
+   measured with ``cl.plan.measure`` (profiler allocation events) in a separate step before the
+   timed ones, so the profiler does not slow the timing.
+2. **The search**, once per budget (``--budgets``, MiB per rank): ``cl.autoplan`` with its own
+   calibration on the same cluster, timed (calibration + memory plans).
+3. **The verdict** per budget: the best measured layout whose measured peak fits the budget; the
+   chosen layout's measured tokens/s over it (target ≥ 0.9), whether the chosen layout's measured
+   peak fits (target: always), and the search's seconds over the grid's (target ≤ 0.15).
+
+Prints a table (predicted vs measured per layout, so the cost model's error is visible) and one
+JSON line per (preset, budget). Absolute times on a shared 2-core box are noise; the ratios are
+the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    """On every rank: one layout, boosted and trained; returns seconds of the timed steps and the
+    peak bytes of the first step."""
+    import gc
+    import time as _t
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from colossal_lab.autoparallel import Candidate
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.models import GPT, GPTConfig
+    from colossal_lab.plan import measure
+
+    c = Candidate(**cand)
+    cfg = GPTConfig.preset(preset)
+    local = batch // c.dp
+    g = torch.Generator().manual_seed(dist.get_rank() // (c.tp * c.pp))  # one stream per dp rank
+    data = [torch.randint(0, cfg.vocab_size, (local, seq), generator=g) for _ in range(2)]
+
+    def crit(out, b):
+        return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+
+    def step(booster, model, opt, x):
+        booster.execute_pipeline(iter([{"idx": x, "targets": x.roll(-1, 1)}]), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+
+    with measure() as meter:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        booster = Booster(plugin=c.plugin())
+        model, opt, *_ = booster.boost(model, opt, crit)
+        step(booster, model, opt, data[0])
+    peak = max(meter.peak.values())
+    for i in range(warmup):
+        step(booster, model, opt, data[i % 2])
+    dist.barrier()
+    t0 = _t.perf_counter()
+    for i in range(steps):
+        step(booster, model, opt, data[i % 2])
+    seconds = _t.perf_counter() - t0
+    del model, opt, booster
+    gc.collect()
+    return {"seconds": seconds, "peak": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="tiny,small")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16, help="samples per step, all data-parallel ranks")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per layout (enough to tell 10%% apart)")
+    ap.add_argument("--budgets", default="", help="MiB per rank, comma-separated (default: two per model, "
+                                                  "between the grid's smallest and largest measured peak)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import colossal_lab as cl
+    from colossal_lab.autoparallel import candidates
+    from colossal_lab.engine.models import GPTConfig
+
+    out_lines = []
+    with cl.launch(n=args.world, backend="gloo", threads=1) as cluster:
+        for preset in args.presets.split(","):
+            cfg = GPTConfig.preset(preset)
+            seq = min(args.seq, cfg.block_size)
+            cands = candidates(cfg, args.world, args.batch)
+            grid = {}
+            t0 = time.perf_counter()
+            for c in cands:
+                from dataclasses import asdict
+
+                res = cluster.run(_measure, preset, asdict(c), args.batch, seq, args.warmup, args.steps)
+                secs = max(r["seconds"] for r in res)
+                grid[c] = {"tokens_per_s": args.steps * args.batch * seq / secs,
+                           "peak": max(r["peak"] for r in res)}
+                print(f"  measured {preset} {c.label}: {grid[c]['tokens_per_s']:.0f} tok/s, "
+                      f"peak {grid[c]['peak'] / 2**20:.1f} MiB", flush=True)
+            grid_s = time.perf_counter() - t0
+            peaks = sorted(g["peak"] for g in grid.values())
+            budgets = ([int(float(b) * 2**20) for b in args.budgets.split(",")] if args.budgets else
+                       [peaks[len(peaks) // 4], peaks[(3 * len(peaks)) // 4]])
+            for budget in budgets:
+                t0 = time.perf_counter()
+                plan = cl.autoplan(cfg, world_size=args.world, batch=args.batch, seq=seq, device_memory=budget,
+                                   cluster=cluster)
+                search_s = time.perf_counter() - t0
+                fitting = {c: g for c, g in grid.items() if g["peak"] <= budget}
+                best_c = max(fitting, key=lambda c: fitting[c]["tokens_per_s"]) if fitting else None
+                chosen = plan.best
+                print(f"\n{preset}, budget {budget / 2**20:.1f} MiB per rank (chosen: "
+                      f"{chosen.label if chosen else 'none'}; best measured: {best_c.label if best_c else 'none'})")
+                print(f"{'layout':36s} {'pred tok/s':>10s} {'meas tok/s':>10s} {'err':>6s} "
+                      f"{'pred peak':>10s} {'meas peak':>10s} {'fits(meas)':>10s}")
+                for r in plan.rows:
+                    c, g = r["candidate"], grid[r["candidate"]]
+                    err = r["tokens_per_s"] / g["tokens_per_s"] - 1
+                    mark = " <- chosen" if c == chosen else (" <- best" if c == best_c else "")
+                    print(f"{c.label:36s} {r['tokens_per_s']:10.0f} {g['tokens_per_s']:10.0f} {err:+6.0%} "
+                          f"{r['peak_bytes'] / 2**20:9.1f}M {g['peak'] / 2**20:9.1f}M "
+                          f"{'yes' if g['peak'] <= budget else 'no':>10s}{mark}")
+                line = {"bench": "autoplan", "preset": preset, "world": args.world, "batch": args.batch,
+                        "seq": seq, "budget_mib": round(budget / 2**20, 1), "grid_size": len(grid),
+                        "chosen": chosen.label if chosen else None, "best": best_c.label if best_c else None,
+                        "chosen_tok_s": round(grid[chosen]["tokens_per_s"], 1) if chosen else None,
+                        "best_tok_s": round(fitting[best_c]["tokens_per_s"], 1) if best_c else None,
+                        "ratio_chosen_vs_best": (round(grid[chosen]["tokens_per_s"] / fitting[best_c]["tokens_per_s"], 4)
+                                                 if chosen and best_c else None),
+                        "chosen_fits_measured": bool(chosen and grid[chosen]["peak"] <= budget),
+                        "search_s": round(search_s, 1), "grid_s": round(grid_s, 1),
+                        "search_over_grid": round(search_s / grid_s, 4),
+                        "calibration_s": round(plan.seconds["calibration"], 1),
+                        "memory_plans_s": round(plan.seconds["memory"], 1),
+                        "median_abs_time_error": round(sorted(abs(r["tokens_per_s"] / grid[r["candidate"]]["tokens_per_s"] - 1)
+                                                              for r in plan.rows)[len(plan.rows) // 2], 4),
+                        "targets": {"ratio_chosen_vs_best": 0.9, "search_over_grid": 0.15}}
+                print(json.dumps(line), flush=True)
+                out_lines.append(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out_lines, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

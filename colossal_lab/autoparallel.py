@@ -1,0 +1,678 @@
+"""``cl.autoplan`` (this module: ``colossal_lab.autoparallel``): search the parallel layout, with a cost model calibrated on this machine.
+
+    best = cl.autoplan(GPTConfig.preset("small"), world_size=4, batch=16, seq=256,
+                       device_memory=512 << 20, cluster=cluster)
+    best                        # a table: every candidate, predicted step time and peak, fits
+    plugin = best.plugin()      # the chosen HybridParallelPlugin
+    best.rows, best.to_dict()   # plain data; best.calibration: what was measured
+
+Search space (:func:`candidates`): every ``dp × tp × pp = world_size`` the model allows (its
+``check_tp``, its layer count for the stages), the pipeline schedule (``1f1b``, ``interleaved``
+with two model chunks; GPipe is left out: same time as 1F1B, more memory), microbatches
+(``pp`` or ``2·pp`` per step), ZeRO stage 0/1 (1 only without tensor parallelism), activation
+checkpointing off/on, and the tensor-parallel modes the plugin offers.
+
+Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, nothing allocated);
+a candidate over ``device_memory`` is kept in the table but never chosen.
+
+Time: a model of one step, its constants measured on the ranks that will train (all of them at
+once, so a CPU box's shared cores and a GPU box's links are what is measured), by
+:func:`calibrate`, in seconds:
+
+* compute: the model's forward and forward+backward at two microbatch sizes, with every linear
+  of its ``tp_plan()`` cut to a tensor-parallel rank's shape, for each tp size; a straight line in
+  tokens between them. A stage of ``pp`` runs ``1/pp`` of it (``1/(pp·v)`` per model chunk).
+* collectives: ``all_reduce`` at two sizes on groups of each size the candidates use (the world cut
+  into such groups, all busy at once), fitted as latency + bytes / bandwidth; point-to-point
+  send/recv between rank pairs the same way.
+* the optimizer: AdamW's step per parameter element.
+
+A step is then (``m`` microbatches, ``pp`` stages, ``v`` model chunks per stage, the times those of
+one microbatch on one rank, i.e. ``1/pp`` of the model): ``(m + (pp-1)/v) · (t_F + t_B + AC·t_F +
+TP comm + 2·v·p2p)``, plus the data-parallel
+gradient all-reduce (ZeRO-1: and the parameters' broadcast), plus the optimizer step over this
+rank's parameters (ZeRO-1: its ``1/dp`` share). Tensor parallelism (1D, Megatron) costs two
+all-reduces of the microbatch's activations per layer forward and two backward (and the forward's
+again under checkpointing). Overlap of communication with compute is not modelled (gloo does not
+overlap).
+
+Overheads: what that leaves out (the pipeline runtime's Python per scheduled action, DTensor's
+dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: up to three
+layouts (:func:`choose_probes`) are boosted and stepped for real, and non-negative coefficients
+for those three (:func:`features`) are fitted to what the model did not explain
+(:func:`fit_overheads`). The remaining error shows in ``bench/autoplan.py``'s table of predicted vs
+measured for every layout.
+
+Built on: ``cl.plan`` (memory), torch.distributed collectives (calibration), the model contract
+(``tp_plan``, ``check_tp``, ``num_layers``). Written by hand: the enumeration, the calibration
+probes and the step-time model; Colossal-AI's auto-parallel searches per-operator strategies on a
+torch.fx graph instead (not done here: the layout is per model, as torchtitan plans it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+SCHEDULES = ("1f1b", "interleaved")
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: ``HybridParallelPlugin(**candidate.plugin_kwargs())``."""
+
+    dp: int
+    tp: int
+    pp: int
+    pp_style: str = "1f1b"
+    num_microbatches: int = 1
+    num_model_chunks: int = 1
+    zero_stage: int = 0
+    activation_checkpointing: bool = False
+    tp_mode: str = "1d"
+
+    @property
+    def label(self) -> str:
+        s = f"dp{self.dp} tp{self.tp}" + (f"({self.tp_mode})" if self.tp_mode != "1d" else "") + f" pp{self.pp}"
+        if self.pp > 1:
+            s += f" {self.pp_style} m{self.num_microbatches}"
+        if self.zero_stage:
+            s += f" zero{self.zero_stage}"
+        if self.activation_checkpointing:
+            s += " ac"
+        return s
+
+    def plugin_kwargs(self) -> Dict[str, Any]:
+        kw: Dict[str, Any] = {"tp_size": self.tp, "pp_size": self.pp, "zero_stage": self.zero_stage,
+                              "activation_checkpointing": self.activation_checkpointing}
+        if self.pp > 1:
+            kw.update(pp_style=self.pp_style, num_microbatches=self.num_microbatches,
+                      num_model_chunks=self.num_model_chunks)
+        if self.tp_mode != "1d":
+            kw["tp_mode"] = self.tp_mode
+        return kw
+
+    def plugin(self):
+        from colossal_lab.engine.plugins import HybridParallelPlugin
+
+        return HybridParallelPlugin(**self.plugin_kwargs())
+
+
+# ---------------------------------------------------------------- the search space
+
+
+def _model_facts(model_or_config) -> Tuple[Any, int]:
+    """(a meta-device model, its number of pipeline units)."""
+    from colossal_lab.plan import _meta_model
+
+    meta, _ = _meta_model(model_or_config)
+    n = meta.num_layers() if callable(getattr(meta, "num_layers", None)) else len(meta)
+    return meta, int(n)
+
+
+def _tp_ok(meta, tp: int) -> bool:
+    if tp == 1:
+        return True
+    if not callable(getattr(meta, "tp_plan", None)):
+        return False
+    check = getattr(meta, "check_tp", None)
+    if callable(check):
+        try:
+            check(tp)
+        except ValueError:
+            return False
+    return True
+
+
+def _tp_modes_supported() -> Tuple[str, ...]:
+    import inspect
+
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    return ("1d", "2d", "2.5d", "3d") if "tp_mode" in inspect.signature(HybridParallelPlugin).parameters else ("1d",)
+
+
+def candidates(model_or_config, world_size: int, batch: int, *, schedules: Sequence[str] = SCHEDULES,
+               microbatch_factors: Sequence[int] = (1, 2), zero_stages: Sequence[int] = (0, 1),
+               activation_checkpointing: Sequence[bool] = (False, True),
+               tp_modes: Sequence[str] = ("1d",)) -> List[Candidate]:
+    """Every layout of ``world_size`` ranks the model and a global ``batch`` allow.
+
+    ``batch`` is the samples of one step over all data-parallel ranks (each takes ``batch/dp``);
+    microbatches are ``f·pp`` for ``f`` in ``microbatch_factors`` (at least one sample each)."""
+    from colossal_lab.engine.pipeline.schedules import validate_schedule
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"autoplan(world_size={world_size!r}): must be an int >= 1")
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"autoplan(batch={batch!r}): must be an int >= 1 (samples per step, all ranks)")
+    bad = [s for s in schedules if s not in ("1f1b", "gpipe", "interleaved", "zbv", "zero_bubble")]
+    if bad:
+        raise ValueError(f"autoplan(schedules={list(schedules)!r}): unknown {bad}; use '1f1b', 'gpipe', 'interleaved'")
+    supported = _tp_modes_supported()
+    unsupported = [m for m in tp_modes if m not in supported]
+    if unsupported:
+        raise ValueError(f"autoplan(tp_modes={list(tp_modes)!r}): this HybridParallelPlugin offers {list(supported)}")
+    meta, layers = _model_facts(model_or_config)
+    out: List[Candidate] = []
+    for tp in _divisors(world_size):
+        if not _tp_ok(meta, tp):
+            continue
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if batch % dp:
+                continue
+            local = batch // dp
+            for mode in tp_modes:
+                if tp == 1 and mode != "1d" or not _mode_fits(mode, tp):
+                    continue
+                for style, m in _schedules(pp, layers, local, schedules, microbatch_factors):
+                    try:
+                        validate_schedule(style, pp, 2 if style == "interleaved" else 1, m)
+                    except ValueError:
+                        continue
+                    for z in zero_stages:
+                        if z == 1 and (dp == 1 or tp > 1):
+                            continue
+                        for ac in activation_checkpointing:
+                            out.append(Candidate(dp, tp, pp, style, m, 2 if style == "interleaved" else 1,
+                                                 z, bool(ac), mode))
+    if not out:
+        raise ValueError(f"autoplan: no layout of world_size={world_size} fits this model and batch={batch} "
+                         f"({layers} layers); try a batch divisible by the data-parallel sizes "
+                         f"{_divisors(world_size)} or another world_size")
+    return out
+
+
+def _mode_fits(mode: str, tp: int) -> bool:
+    q2 = round(math.sqrt(tp))
+    q3 = round(tp ** (1 / 3))
+    if mode == "2d":
+        return tp > 1 and q2 * q2 == tp
+    if mode == "3d":
+        return tp > 1 and q3 ** 3 == tp
+    if mode == "2.5d":  # q*q*d with d > 1 and q > 1
+        return any(tp % (q * q) == 0 and tp // (q * q) > 1 for q in range(2, tp + 1) if q * q <= tp)
+    return True
+
+
+def _schedules(pp, layers, local, schedules, factors) -> Iterable[Tuple[str, int]]:
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for style in schedules:
+        chunks = 2 if style == "interleaved" else 1
+        if layers % (pp * chunks):
+            continue
+        for f in factors:
+            m = f * pp
+            if local % m == 0:
+                yield style, m
+
+
+# ---------------------------------------------------------------- calibration (on the ranks)
+
+
+def _shrunk_model(model_or_config, tp: int):
+    """A real model whose ``tp_plan()`` linears have one tensor-parallel rank's shape (column:
+    out features / tp, row: in features / tp): what one rank computes."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import copy
+
+    if callable(getattr(model_or_config, "build", None)):
+        model = model_or_config.build()
+    else:  # the user's module: never change theirs
+        model = copy.deepcopy(model_or_config)
+    if tp == 1:
+        return model
+    plan = model.tp_plan()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        style = next((s for k, s in plan.items() if k == name or fnmatch.fnmatchcase(name, k)), None)
+        w = mod.weight.data
+        if isinstance(style, ColwiseParallel):
+            mod.weight = nn.Parameter(w[: w.shape[0] // tp].clone())
+            mod.out_features = mod.weight.shape[0]
+        elif isinstance(style, RowwiseParallel):
+            mod.weight = nn.Parameter(w[:, : w.shape[1] // tp].clone())
+            mod.in_features = mod.weight.shape[1]
+    return model
+
+
+def _timed(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up, every rank starting together."""
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group_sizes: Sequence[int],
+              p2p: bool, reps: int = 3) -> Dict[str, Any]:
+    """Measure the cost model's constants on this rank; every rank of the job calls it at once.
+
+    ``tokens``: tp size -> microbatch token counts to time the model at (two are fitted as a
+    line); ``group_sizes``: sizes of the all-reduce groups to time; ``p2p``: time send/recv too.
+    Returns plain data (seconds): ``compute[tp] = {"tokens": [...], "f": [...], "fb": [...]}``,
+    ``allreduce[k] = [(bytes, s), ...]``, ``p2p = [(bytes, s), ...]``, ``adam_s_per_elem``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    out: Dict[str, Any] = {"compute": {}, "allreduce": {}, "p2p": [], "adam_s_per_elem": 0.0}
+    torch.manual_seed(0)
+    for tp, toks in sorted(tokens.items()):
+        model = _shrunk_model(model_or_config, tp)
+        vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+        if vocab is None:
+            raise ValueError("autoplan: calibration feeds token ids; this model has no cfg.vocab_size")
+        row = {"tokens": [], "f": [], "fb": []}
+        for n in sorted(set(int(t) for t in toks)):
+            b = max(1, n // seq)
+            x = torch.randint(0, vocab, (b, seq))
+
+            def fwd():
+                with torch.no_grad():
+                    model(x)
+
+            def fwd_bwd():
+                logits, _ = model(x)
+                F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+                model.zero_grad(set_to_none=True)
+
+            row["tokens"].append(b * seq)
+            row["f"].append(_timed(fwd, reps))
+            row["fb"].append(_timed(fwd_bwd, reps))
+        out["compute"][tp] = row
+        del model
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for k in sorted(set(group_sizes)):
+            if k < 2 or world % k:
+                continue
+            groups = [dist.new_group(list(range(i, i + k))) for i in range(0, world, k)]
+            mine = groups[rank // k]
+            pts = []
+            for nbytes in (64 << 10, 4 << 20):
+                t = torch.ones(nbytes // 4)
+                pts.append((nbytes, _timed(lambda: dist.all_reduce(t, group=mine), reps)))
+            out["allreduce"][k] = pts
+        if p2p and world >= 2:
+            peer = rank ^ 1
+            pts = []
+            for nbytes in (64 << 10, 4 << 20):
+                t = torch.ones(nbytes // 4)
+
+                def exchange():
+                    if peer >= world:
+                        return
+                    if rank % 2 == 0:
+                        dist.send(t, peer)
+                        dist.recv(t, peer)
+                    else:
+                        dist.recv(t, peer)
+                        dist.send(t, peer)
+
+                pts.append((nbytes, _timed(exchange, reps) / 2))  # one way
+            out["p2p"] = pts
+    n = 1 << 20
+    p = torch.nn.Parameter(torch.zeros(n))
+    p.grad = torch.ones(n)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    out["adam_s_per_elem"] = _timed(opt.step, reps) / n
+    return out
+
+
+def merge_calibrations(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One calibration for the job: every time the slowest rank's (a step waits for it)."""
+    first = per_rank[0]
+    out: Dict[str, Any] = {"compute": {}, "allreduce": {}, "p2p": [], "adam_s_per_elem":
+                           max(c["adam_s_per_elem"] for c in per_rank)}
+    for tp, row in first["compute"].items():
+        out["compute"][tp] = {"tokens": row["tokens"],
+                              "f": [max(c["compute"][tp]["f"][i] for c in per_rank) for i in range(len(row["f"]))],
+                              "fb": [max(c["compute"][tp]["fb"][i] for c in per_rank) for i in range(len(row["fb"]))]}
+    for k, pts in first["allreduce"].items():
+        out["allreduce"][k] = [(b, max(c["allreduce"][k][i][1] for c in per_rank)) for i, (b, _) in enumerate(pts)]
+    if first["p2p"]:
+        out["p2p"] = [(b, max(c["p2p"][i][1] for c in per_rank if c["p2p"])) for i, (b, _) in enumerate(first["p2p"])]
+    return out
+
+
+# ---------------------------------------------------------------- the step-time model
+
+
+def _line(xs: Sequence[float], ys: Sequence[float]):
+    """y(x) through two measured points (one point: through the origin); never below 0."""
+    if len(xs) == 1 or xs[0] == xs[-1]:
+        k = ys[0] / xs[0] if xs[0] else 0.0
+        return lambda x: k * x
+    slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+    return lambda x: max(0.0, ys[0] + slope * (x - xs[0]))
+
+
+@dataclass
+class Costs:
+    """The calibration as functions: seconds for a microbatch's tokens, a group's all-reduce of
+    ``bytes``, a point-to-point transfer, an optimizer step over ``n`` elements."""
+
+    calibration: Dict[str, Any]
+    _f: Dict[int, Any] = field(default_factory=dict)
+    _fb: Dict[int, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for tp, row in self.calibration["compute"].items():
+            self._f[int(tp)] = _line(row["tokens"], row["f"])
+            self._fb[int(tp)] = _line(row["tokens"], row["fb"])
+
+    def forward(self, tp: int, tokens: int) -> float:
+        return self._f[tp](tokens)
+
+    def forward_backward(self, tp: int, tokens: int) -> float:
+        return self._fb[tp](tokens)
+
+    def allreduce(self, k: int, nbytes: float) -> float:
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        pts = self.calibration["allreduce"].get(k) or self.calibration["allreduce"].get(str(k))
+        if not pts:
+            raise ValueError(f"autoplan: no all-reduce measured for groups of {k}")
+        return _line([b for b, _ in pts], [s for _, s in pts])(nbytes)
+
+    def p2p(self, nbytes: float) -> float:
+        pts = self.calibration["p2p"]
+        return _line([b for b, _ in pts], [s for _, s in pts])(nbytes) if pts else 0.0
+
+    def adam(self, n: float) -> float:
+        return self.calibration["adam_s_per_elem"] * n
+
+
+def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, layers: int,
+            params: int, act_bytes: int = 4, grad_bytes: int = 4) -> Dict[str, float]:
+    """Predicted seconds of one step of layout ``c`` (global ``batch``), by part."""
+    local = batch // c.dp
+    m = c.num_microbatches if c.pp > 1 else 1
+    tok = local // m * seq                         # tokens of one microbatch
+    v = c.num_model_chunks                         # model chunks per rank (interleaved: 2)
+    # one microbatch on one rank: its v chunks, 1/pp of the (tp-shrunk) model in all
+    f, fb = costs.forward(c.tp, tok) / c.pp, costs.forward_backward(c.tp, tok) / c.pp
+    compute = fb + (f if c.activation_checkpointing else 0.0)
+    # Megatron 1D: per layer two all-reduces of (tokens, n_embd) forward and two backward
+    per_layer = (4 + (2 if c.activation_checkpointing else 0)) * costs.allreduce(c.tp, tok * n_embd * act_bytes)
+    tp_comm = per_layer * layers / c.pp
+    # each chunk hands its activation on and takes its gradient back
+    p2p = 2 * v * costs.p2p(tok * n_embd * act_bytes) if c.pp > 1 else 0.0
+    slots = m + (c.pp - 1) / v                     # microbatches plus the bubble, in microbatch times
+    pipeline = slots * (compute + tp_comm + p2p)
+    local_params = params / (c.tp * c.pp)
+    dp_comm = costs.allreduce(c.dp, local_params * grad_bytes)
+    if c.zero_stage == 1:
+        dp_comm += costs.allreduce(c.dp, local_params * grad_bytes) / 2  # the step's parameter broadcast
+    optim = costs.adam(local_params / (c.dp if c.zero_stage == 1 else 1))
+    total = pipeline + dp_comm + optim
+    return {"total": total, "pipeline": pipeline, "compute": slots * compute, "tp_comm": slots * tp_comm,
+            "p2p": slots * p2p, "dp_comm": dp_comm, "optim": optim}
+
+
+# ---------------------------------------------------------------- overheads, from short real runs
+
+
+def features(c: Candidate, layers: int) -> List[float]:
+    """What a step's framework overhead scales with: one per step (the optimizer wrapper, the
+    data-parallel bookkeeping), per scheduled action (a chunk's forward or backward of one
+    microbatch: the pipeline runtime's Python, its send/recv set-up) and per layer pass under
+    tensor parallelism (DTensor's dispatch around each sharded linear)."""
+    m = c.num_microbatches if c.pp > 1 else 1
+    slots = m + (c.pp - 1) / c.num_model_chunks
+    actions = 2 * slots * c.num_model_chunks * (1.5 if c.activation_checkpointing else 1.0)
+    tp_passes = slots * layers / c.pp * (1.5 if c.activation_checkpointing else 1.0) if c.tp > 1 else 0.0
+    return [1.0, actions, tp_passes]
+
+
+def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 1) -> float:
+    """On every rank: boost layout ``cand`` on a real model, one warm-up step, then the seconds
+    per step of ``steps`` more (the slowest rank's is the step's)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from colossal_lab.engine import Booster
+
+    c = Candidate(**cand)
+    torch.manual_seed(0)
+    model = model_or_config.build() if callable(getattr(model_or_config, "build", None)) \
+        else copy.deepcopy(model_or_config)
+    vocab = model.cfg.vocab_size
+
+    def crit(out, b):
+        out = out[0] if isinstance(out, tuple) else out
+        return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+
+    booster = Booster(plugin=c.plugin())
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
+    x = torch.randint(0, vocab, (batch // c.dp, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def choose_probes(rows: Sequence[Dict[str, Any]], layers: int) -> List[Candidate]:
+    """Up to three layouts that tell the overheads apart: the fewest scheduled actions without
+    tensor parallelism, the most, and the widest tensor parallelism (from the layouts that fit
+    when there are any: a probe must not run out of memory)."""
+    pool = [r["candidate"] for r in rows if r["fits"]] or [r["candidate"] for r in rows]
+    plain = [c for c in pool if not c.activation_checkpointing and c.zero_stage == 0] or pool
+    out: List[Candidate] = []
+    no_tp = [c for c in plain if c.tp == 1]
+    if no_tp:
+        out.append(min(no_tp, key=lambda c: features(c, layers)[1]))
+        out.append(max(no_tp, key=lambda c: features(c, layers)[1]))
+    with_tp = [c for c in plain if c.tp > 1]
+    if with_tp:
+        wide = max(c.tp for c in with_tp)
+        out.append(min((c for c in with_tp if c.tp == wide), key=lambda c: features(c, layers)[1]))
+    return list(dict.fromkeys(out))
+
+
+def fit_overheads(feats: Sequence[Sequence[float]], residuals: Sequence[float]) -> List[float]:
+    """Non-negative coefficients for ``features`` that best explain ``measured - modelled`` (least
+    squares over every subset of the features, keeping the best fit with no negative
+    coefficient): the overhead a layout adds beyond its compute and communication."""
+    import torch
+
+    k = len(feats[0])
+    best, best_err = [0.0] * k, sum(r * r for r in residuals)
+    X_all = torch.tensor(feats, dtype=torch.float64)
+    y = torch.tensor(residuals, dtype=torch.float64).unsqueeze(1)
+    for n in range(1, k + 1):
+        for cols in itertools.combinations(range(k), n):
+            X = X_all[:, list(cols)]
+            if torch.linalg.matrix_rank(X) < n:
+                continue
+            coef = torch.linalg.lstsq(X, y).solution.squeeze(1)
+            if (coef < 0).any():
+                continue
+            err = float(((X @ coef.unsqueeze(1) - y) ** 2).sum())
+            if err < best_err - 1e-15:
+                best, best_err = [0.0] * k, err
+                for i, ci in zip(cols, coef.tolist()):
+                    best[i] = ci
+    return best
+
+
+# ---------------------------------------------------------------- the search
+
+
+@dataclass
+class AutoPlan:
+    """What :func:`autoplan` found: ``rows`` (every candidate, best first among those that fit),
+    ``best`` (a :class:`Candidate`), ``plugin()`` (the chosen ``HybridParallelPlugin``)."""
+
+    rows: List[Dict[str, Any]]
+    best: Optional[Candidate]
+    world_size: int
+    batch: int
+    seq: int
+    device_memory: Optional[int]
+    calibration: Dict[str, Any]
+    seconds: Dict[str, float]
+
+    def plugin(self):
+        if self.best is None:
+            raise ValueError("autoplan: no candidate fits device_memory; see the table's peaks, raise "
+                             "device_memory or lower batch/seq")
+        return self.best.plugin()
+
+    def to_dict(self) -> dict:
+        return {"best": asdict(self.best) if self.best else None, "world_size": self.world_size,
+                "batch": self.batch, "seq": self.seq, "device_memory": self.device_memory,
+                "seconds": self.seconds,
+                "rows": [{**{k: v for k, v in r.items() if k != "candidate"}, "candidate": asdict(r["candidate"])}
+                         for r in self.rows]}
+
+    def table(self, top: Optional[int] = None) -> str:
+        from colossal_lab.plan import _fmt
+
+        head = ("layout", "step (pred)", "tokens/s", "peak/rank", "fits")
+        rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:.0f}", _fmt(r["peak_bytes"]),
+                 "yes" if r["fits"] else "no") for r in self.rows[:top]]
+        w = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
+        lines = [f"AutoPlan: world {self.world_size} · batch {self.batch} × seq {self.seq} · device_memory "
+                 f"{_fmt(self.device_memory)} · best: {self.best.label if self.best else 'none fits'}",
+                 "  ".join(h.ljust(w[i]) for i, h in enumerate(head)),
+                 "  ".join("-" * x for x in w)]
+        lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
+        lines.append(f"search: calibration {self.seconds.get('calibration', 0):.1f} s, memory plans "
+                     f"{self.seconds.get('memory', 0):.1f} s")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.table()
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.table())
+
+
+def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int, List[int]]:
+    by_tp: Dict[int, set] = {}
+    for c in cands:
+        m = c.num_microbatches if c.pp > 1 else 1
+        by_tp.setdefault(c.tp, set()).add(batch // c.dp // m * seq)
+    return {tp: sorted({min(v), max(v)}) for tp, v in by_tp.items()}
+
+
+def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int] = None,
+             device_memory: Optional[int] = None, host_memory: Optional[int] = None, cluster=None,
+             calibration: Optional[Dict[str, Any]] = None, reps: int = 3, probe_steps: int = 1,
+             **space) -> AutoPlan:
+    """Search the layouts of ``world_size`` ranks for the fastest predicted step that fits.
+
+    ``batch``: samples per step over all data-parallel ranks; ``seq``: tokens per sample (default
+    the config's ``block_size``); ``device_memory``: bytes per rank the step may peak at (None: no
+    limit). ``cluster``: a running ``cl.Cluster`` of ``world_size`` ranks to calibrate on (None:
+    one is launched for the calibration and stopped); ``calibration``: reuse an earlier
+    ``AutoPlan.calibration`` instead; ``reps``: timings per calibration probe; ``probe_steps``:
+    timed steps of each layout run for real to fit the overheads (:func:`choose_probes`). ``space``: narrows :func:`candidates` (``schedules``,
+    ``microbatch_factors``, ``zero_stages``, ``activation_checkpointing``, ``tp_modes``)."""
+    import colossal_lab as cl
+    from colossal_lab.plan import plan as fit_plan
+
+    if device_memory is not None and not (isinstance(device_memory, int) and device_memory > 0):
+        raise ValueError(f"autoplan(device_memory={device_memory!r}): bytes per rank, an int > 0 (or None)")
+    meta, layers = _model_facts(model_or_config)
+    cfg = getattr(meta, "cfg", None)
+    seq = seq if seq is not None else getattr(cfg, "block_size", None)
+    if not isinstance(seq, int) or seq < 1:
+        raise ValueError(f"autoplan(seq={seq!r}): tokens per sample, an int >= 1")
+    if cfg is None or not hasattr(cfg, "n_embd"):
+        raise ValueError("autoplan: the model needs a cfg with n_embd (the activation width) for the cost model")
+    if cluster is not None and getattr(cluster, "n", world_size) != world_size:
+        raise ValueError(f"autoplan(cluster=...): it has {cluster.n} ranks, world_size={world_size}; "
+                         f"launch cl.launch(n={world_size}) or pass world_size={cluster.n}")
+    cands = candidates(model_or_config, world_size, batch, **space)
+    params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+
+    t0 = time.perf_counter()
+    peaks: Dict[Candidate, Tuple[int, bool]] = {}
+    shared: dict = {}  # cl.plan's traces, shared by the layouts with the same per-rank batch
+    for c in cands:
+        fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
+                      device_memory=device_memory, host_memory=host_memory, _search=shared)
+        tier = fp.tiers[0]
+        peaks[c] = (fp.peak(tier), fp.fits)
+    t_mem = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params)
+    if calibration is None:
+        args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
+                sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
+        own = cluster is None
+        if own:
+            cluster = cl.launch(n=world_size, threads=1)
+        try:
+            calibration = merge_calibrations(cluster.run(calibrate, *args))
+            # the framework's own overheads: a few layouts run for real, the rest explained
+            modelled = Costs(calibration)
+            first = [{"candidate": c, "fits": peaks[c][1]} for c in cands]
+            probes = choose_probes(first, layers)
+            measured = [max(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps))
+                        for c in probes]
+            calibration["probes"] = [(asdict(c), t) for c, t in zip(probes, measured)]
+            calibration["overheads"] = fit_overheads(
+                [features(c, layers) for c in probes],
+                [t - predict(c, modelled, **dims)["total"] for c, t in zip(probes, measured)])
+        finally:
+            if own:
+                cluster.stop()
+    t_cal = time.perf_counter() - t0
+    costs = Costs(calibration)
+    over = calibration.get("overheads") or [0.0, 0.0, 0.0]
+
+    rows = []
+    for c in cands:
+        parts = predict(c, costs, **dims)
+        parts["overhead"] = sum(a * b for a, b in zip(over, features(c, layers)))
+        parts["total"] += parts["overhead"]
+        peak, fits = peaks[c]
+        rows.append({"label": c.label, "candidate": c, "predicted_s": parts["total"],
+                     "tokens_per_s": batch * seq / parts["total"], "parts": parts,
+                     "peak_bytes": peak, "fits": fits})
+    rows.sort(key=lambda r: (not r["fits"], r["predicted_s"]))
+    best = rows[0]["candidate"] if rows and rows[0]["fits"] else None
+    return AutoPlan(rows, best, world_size, batch, seq, device_memory, calibration,
+                    {"memory": t_mem, "calibration": t_cal})
+
+
+__all__ = ["AutoPlan", "Candidate", "Costs", "autoplan", "calibrate", "candidates", "choose_probes", "features",
+           "fit_overheads", "merge_calibrations", "predict", "probe_step"]

@@ -1,0 +1,168 @@
+"""``cl.autoplan``: the layouts it considers, its step-time model, and a real search on 2 gloo ranks
+whose chosen plugin then trains."""
+
+import math
+
+import pytest
+
+pytest.importorskip("ipyparallel")
+
+import torch
+
+import colossal_lab as cl
+from colossal_lab.autoparallel import (Candidate, Costs, candidates, choose_probes, features, fit_overheads,
+                                       merge_calibrations, predict)
+from colossal_lab.engine.models import GPTConfig
+
+TINY = GPTConfig.preset("tiny")          # 2 layers, 2 heads
+FOUR = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
+
+
+def test_candidates_are_every_layout_the_model_and_batch_allow():
+    got = {c.label for c in candidates(TINY, 4, 8)}
+    # tp 4 is out (2 heads), pp 4 is out (2 layers), interleaving needs pp*2 = 4 layers
+    assert got == {
+        "dp4 tp1 pp1", "dp4 tp1 pp1 ac", "dp4 tp1 pp1 zero1", "dp4 tp1 pp1 zero1 ac",
+        "dp2 tp1 pp2 1f1b m2", "dp2 tp1 pp2 1f1b m2 ac", "dp2 tp1 pp2 1f1b m2 zero1", "dp2 tp1 pp2 1f1b m2 zero1 ac",
+        "dp2 tp1 pp2 1f1b m4", "dp2 tp1 pp2 1f1b m4 ac", "dp2 tp1 pp2 1f1b m4 zero1", "dp2 tp1 pp2 1f1b m4 zero1 ac",
+        "dp2 tp2 pp1", "dp2 tp2 pp1 ac",
+        "dp1 tp2 pp2 1f1b m2", "dp1 tp2 pp2 1f1b m2 ac", "dp1 tp2 pp2 1f1b m4", "dp1 tp2 pp2 1f1b m4 ac",
+    }
+    four = candidates(FOUR, 4, 8, activation_checkpointing=(False,), zero_stages=(0,))
+    assert {c.label for c in four} >= {"dp1 tp4 pp1", "dp1 tp1 pp4 1f1b m4", "dp2 tp1 pp2 interleaved m2",
+                                       "dp1 tp1 pp4 1f1b m8"}
+    assert all(c.num_model_chunks == (2 if c.pp_style == "interleaved" else 1) for c in four)
+    # a batch of 2 cannot feed 4 data-parallel ranks, nor 4 microbatches on 2 data-parallel ranks
+    small = {c.label for c in candidates(TINY, 4, 2, activation_checkpointing=(False,), zero_stages=(0,))}
+    assert small == {"dp2 tp2 pp1", "dp1 tp2 pp2 1f1b m2"}
+    assert Candidate(2, 1, 2, "1f1b", 4, 1, 1, True).plugin_kwargs() == {
+        "tp_size": 1, "pp_size": 2, "zero_stage": 1, "activation_checkpointing": True, "pp_style": "1f1b",
+        "num_microbatches": 4, "num_model_chunks": 1}
+
+
+def test_bad_input_is_refused_before_any_work():
+    with pytest.raises(ValueError, match="world_size"):
+        candidates(TINY, 0, 8)
+    with pytest.raises(ValueError, match="batch"):
+        candidates(TINY, 4, 0)
+    with pytest.raises(ValueError, match="schedules"):
+        candidates(TINY, 4, 8, schedules=("zigzag",))
+    with pytest.raises(ValueError, match="device_memory"):
+        cl.autoplan(TINY, world_size=2, batch=4, device_memory=-1)
+    with pytest.raises(ValueError, match="seq"):
+        cl.autoplan(TINY, world_size=2, batch=4, seq=0)
+
+
+def _cal():
+    # hand-made constants: compute 1 ms per 100 tokens (+1 ms), all-reduce 1 ms + 1 ms per MB,
+    # p2p 0.5 ms + 1 ms per MB, AdamW 1 ns per element
+    line = lambda toks, a, b: [a + b * t for t in toks]
+    toks = [100, 1000]
+    return {"compute": {tp: {"tokens": toks, "f": line(toks, 1e-3 / tp, 1e-5 / tp / 3),
+                             "fb": line(toks, 1e-3 / tp, 1e-5 / tp)} for tp in (1, 2)},
+            "allreduce": {k: [(1e6, 2e-3), (2e6, 3e-3)] for k in (2, 4)},
+            "p2p": [(1e6, 1.5e-3), (2e6, 2.5e-3)], "adam_s_per_elem": 1e-9}
+
+
+def test_the_step_model_is_the_documented_formula():
+    costs = Costs(_cal())
+    kw = dict(batch=8, seq=100, n_embd=10, layers=2, params=1_000_000)
+    # dp2 pp2 1f1b m2: microbatch = 8/2/2 * 100 = 200 tokens; a rank runs half the model
+    t = predict(Candidate(2, 1, 2, "1f1b", 2), costs, **kw)
+    fb = (1e-3 + 1e-5 * 200) / 2
+    p2p = 2 * (0.5e-3 + 1e-3 * 200 * 10 * 4 / 1e6)
+    slots = 2 + 1
+    dp = 1e-3 + 1e-3 * (1_000_000 / 2 * 4) / 1e6
+    assert t["pipeline"] == pytest.approx(slots * (fb + p2p))
+    assert t["dp_comm"] == pytest.approx(dp)
+    assert t["optim"] == pytest.approx(1e-9 * 500_000)
+    assert t["total"] == pytest.approx(slots * (fb + p2p) + dp + 1e-9 * 500_000)
+    # checkpointing recomputes the forward; interleaving shrinks the bubble; ZeRO-1 shards the step
+    ac = predict(Candidate(2, 1, 2, "1f1b", 2, activation_checkpointing=True), costs, **kw)
+    assert ac["compute"] - t["compute"] == pytest.approx(slots * (1e-3 + 1e-5 * 200 / 3) / 2)
+    inter = predict(Candidate(2, 1, 2, "interleaved", 2, 2), costs, **kw)
+    assert inter["compute"] == pytest.approx((2 + 0.5) * fb)
+    z = predict(Candidate(2, 1, 2, "1f1b", 2, zero_stage=1), costs, **kw)
+    assert z["optim"] == pytest.approx(t["optim"] / 2) and z["dp_comm"] > t["dp_comm"]
+    # tensor parallelism: 4 all-reduces of (200 tokens x 10 x 4 B) per layer, 2 layers, 1 slot
+    tp = predict(Candidate(1, 2, 1), costs, batch=2, seq=100, n_embd=10, layers=2, params=1_000_000)
+    assert tp["tp_comm"] == pytest.approx(4 * 2 * (1e-3 + 1e-3 * 200 * 10 * 4 / 1e6))
+
+
+def test_merged_calibration_takes_the_slowest_rank():
+    a, b = _cal(), _cal()
+    b["compute"][1]["fb"] = [x * 2 for x in b["compute"][1]["fb"]]
+    b["adam_s_per_elem"] = 5e-9
+    m = merge_calibrations([a, b])
+    assert m["compute"][1]["fb"] == b["compute"][1]["fb"] and m["compute"][1]["f"] == a["compute"][1]["f"]
+    assert m["adam_s_per_elem"] == 5e-9
+
+
+def test_overheads_are_fitted_non_negative_from_what_the_model_left_unexplained():
+    layers = 4
+    probes = [Candidate(4, 1, 1), Candidate(1, 1, 4, "1f1b", 8), Candidate(1, 4, 1)]
+    assert [features(c, layers) for c in probes] == [[1.0, 2.0, 0.0], [1.0, 2 * (8 + 3), 0.0], [1.0, 2.0, 4.0]]
+    true = [0.01, 0.002, 0.0005]
+    resid = [sum(a * b for a, b in zip(true, features(c, layers))) for c in probes]
+    assert fit_overheads([features(c, layers) for c in probes], resid) == pytest.approx(true)
+    # a model that over-predicts one probe: no negative overhead, the others still explained
+    got = fit_overheads([[1.0, 2.0, 0.0], [1.0, 22.0, 0.0]], [-0.01, 0.02])
+    assert all(x >= 0 for x in got) and got[1] > 0
+    rows = [{"candidate": c, "fits": True} for c in probes + [Candidate(4, 1, 1, activation_checkpointing=True)]]
+    assert choose_probes(rows, layers) == probes  # fewest actions, most actions, widest tp
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = cl.launch(n=2, backend="gloo", threads=1)
+    yield c
+    c.stop()
+
+
+def _train_one_step(kw, batch, seq):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from colossal_lab.autoparallel import Candidate
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.models import GPT, GPTConfig
+
+    c = Candidate(**kw)
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset("tiny")
+    model = GPT(cfg)
+    booster = Booster(plugin=c.plugin())
+    crit = lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
+    x = torch.randint(0, cfg.vocab_size, (batch // c.dp, seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+    opt.step()
+    return None if out["loss"] is None else float(out["loss"])
+
+
+def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster):
+    from dataclasses import asdict
+
+    plan = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=64 << 20, cluster=cluster, reps=1)
+    cal = plan.calibration
+    assert set(cal["compute"]) == {1, 2} and all(v > 0 for row in cal["compute"].values() for v in row["fb"])
+    assert cal["allreduce"][2][1][1] > 0 and cal["p2p"] and cal["adam_s_per_elem"] > 0
+    assert 1 <= len(cal["probes"]) <= 3 and all(t > 0 for _, t in cal["probes"])
+    assert len(cal["overheads"]) == 3 and all(x >= 0 for x in cal["overheads"])
+    fits = [r for r in plan.rows if r["fits"]]
+    assert plan.best is not None and plan.best == fits[0]["candidate"]
+    assert [r["predicted_s"] for r in fits] == sorted(r["predicted_s"] for r in fits)
+    assert "best: " + plan.best.label in plan.table()
+    losses = cluster.run(_train_one_step, asdict(plan.best), 4, 32)
+    assert any(l is not None and math.isfinite(l) for l in losses)
+    # a budget below every layout's peak: nothing is chosen, and asking for the plugin says why
+    tight = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=1 << 10, calibration=cal)
+    assert tight.best is None and not any(r["fits"] for r in tight.rows)
+    with pytest.raises(ValueError, match="device_memory"):
+        tight.plugin()
+    # the budget decides: the tightest layout that fits a budget just above its peak is chosen
+    low = min(plan.rows, key=lambda r: r["peak_bytes"])
+    snug = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=low["peak_bytes"], calibration=cal)
+    assert all(r["peak_bytes"] <= low["peak_bytes"] for r in snug.rows if r["fits"])
+    assert snug.best is not None and snug.rows[0]["peak_bytes"] <= low["peak_bytes"]
