@@ -583,6 +583,24 @@ class AutoPlan:
         p.text(self.table())
 
 
+class _InProcess:
+    """``cluster.run`` for code already running on every rank (``HybridParallelPlugin.auto`` in a
+    ``%%colossal`` cell or a torchrun script): each rank runs ``fn`` itself and every rank gets
+    every rank's result, so all of them choose the same layout."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.n = dist.get_world_size()
+
+    def run(self, fn, *args):
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * self.n
+        dist.all_gather_object(out, fn(*args))
+        return out
+
+
 def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int, List[int]]:
     by_tp: Dict[int, set] = {}
     for c in cands:
@@ -601,7 +619,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     the config's ``block_size``); ``device_memory``: bytes per rank the step may peak at (None: no
     limit). ``cluster``: a running ``cl.Cluster`` of ``world_size`` ranks to calibrate on (None:
     one is launched for the calibration and stopped); ``calibration``: reuse an earlier
-    ``AutoPlan.calibration`` instead; ``reps``: timings per calibration probe; ``probe_steps``:
+    ``AutoPlan.calibration`` instead. Called on every rank of an initialised process group (no
+    ``cluster``), the ranks calibrate together and all return the same plan; ``reps``: timings per calibration probe; ``probe_steps``:
     timed steps of each layout run for real to fit the overheads (:func:`choose_probes`). ``space``: narrows :func:`candidates` (``schedules``,
     ``microbatch_factors``, ``zero_stages``, ``activation_checkpointing``, ``tp_modes``)."""
     import colossal_lab as cl
@@ -637,6 +656,13 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     if calibration is None:
         args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
                 sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
+        import torch.distributed as dist
+
+        if cluster is None and dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() != world_size:
+                raise ValueError(f"autoplan(world_size={world_size}): this process group has "
+                                 f"{dist.get_world_size()} ranks; plan for those")
+            cluster = _InProcess()  # every rank is here: calibrate together
         own = cluster is None
         if own:
             cluster = cl.launch(n=world_size, threads=1)

@@ -166,3 +166,16 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     snug = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=low["peak_bytes"], calibration=cal)
     assert all(r["peak_bytes"] <= low["peak_bytes"] for r in snug.rows if r["fits"])
     assert snug.best is not None and snug.rows[0]["peak_bytes"] <= low["peak_bytes"]
+
+
+def _plan_on_ranks():
+    import colossal_lab as cl
+    from colossal_lab.engine.models import GPTConfig
+
+    plan = cl.autoplan(GPTConfig.preset("tiny"), world_size=2, batch=4, seq=32, device_memory=64 << 20, reps=1)
+    return plan.best.label, plan.calibration["adam_s_per_elem"]
+
+
+def test_on_every_rank_of_a_process_group_the_ranks_calibrate_together_and_agree(cluster):
+    got = cluster.run(_plan_on_ranks)
+    assert len(got) == 2 and got[0] == got[1], got  # one merged calibration, one choice
