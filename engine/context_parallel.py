@@ -15,16 +15,17 @@ positions); only attention needs the whole sequence, and gets it one of two ways
   a block from a higher rank is seen whole, but only by the local late chunk.
 * **ulysses** (``mode="ulysses"``): one all-to-all turns the sequence-sharded ``(B, H, T/cp, D)``
   q/k/v into head-sharded ``(B, H/cp, T, D)``, attention runs locally over the whole (contiguously
-  sharded) sequence, and one all-to-all turns the output back. Needs ``cp`` to divide the heads.
+  sharded) sequence, and one all-to-all turns the output back; backward all-to-alls the gradient
+  and the output to heads, and dq/dk/dv back. Needs ``cp`` to divide the heads.
 
 Built on: ``torch.distributed`` (``batch_isend_irecv``/``P2POp`` for the ring, ``all_to_all_single``
 for Ulysses, ``all_gather`` in :func:`gather_sequence`) and our flash-attention dispatch
 (``colossal_lab.kernels``: ``flash_attention_forward``/``flash_attention_backward``, which expose the
-lse, for the ring's blocks; the differentiable ``flash_attention`` for Ulysses' local attention).
+lse, for the ring's blocks and Ulysses' local attention).
 Written by hand here: the ring's ``autograd.Function`` (both rings, the online-softmax merge, the
 zig-zag block plan, after zhuzilin/ring-flash-attention's ``zigzag_ring_flash_attn``), Ulysses'
-all-to-all ``autograd.Function`` (after DeepSpeed-Ulysses), the sharding helpers, the byte
-counter and the telemetry spans.
+``autograd.Function`` (the all-to-all layouts after DeepSpeed-Ulysses; it saves its own output
+rather than a head-sharded copy), the sharding helpers, the byte counter and the telemetry spans.
 
 API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
 
@@ -41,14 +42,15 @@ API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
     cp.ring_attention(q, k, v, group, causal=True)       # (B, H, T/cp, D) shards in, shards out
     cp.ulysses_attention(q, k, v, group, causal=True)
     cp.ContextParallel(group, mode)                      # a model's handle: .attention(q, k, v, causal),
-                                                         # .positions(local_T, device), .check_heads(h)
+                                                         # .positions(local_T, device), .shard(x, dim),
+                                                         # .check_heads(h)
     cp.COMM.bytes / cp.COMM.total / cp.COMM.reset()      # bytes sent at the collective calls, by kind
     with cp.comm_spans(recorder): ...                    # StageSpan(kind="comm") per collective wait
 
 Modes fix the layout: ``"ring"`` shards zig-zag (needed for causal load balance), ``"ulysses"``
 contiguously. A model joins through the model contract's optional ``enable_context_parallel(group,
 mode)`` (``engine/models/protocol.py``); the reference GPT routes each attention through a
-:class:`ContextParallel` handle and takes its rotary tables at :meth:`ContextParallel.positions`.
+:class:`ContextParallel` handle and shards its rotary tables like the batch (:meth:`ContextParallel.shard`).
 Bytes are counted as sent by this process (a P2P send's tensor; an all-to-all's input minus the
 block it keeps). ``comm`` spans are time spent in, or blocked on, a collective: a ring transfer
 hidden behind the block compute shows only its un-hidden part. Details and measured memory:
@@ -255,8 +257,12 @@ class _RingAttention(torch.autograd.Function):
 
         rank, cp, nxt, prv = _peers(group)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        c = q.shape[2] // 2
-        out = lse = None
+        B, H, T, D = q.shape
+        c = T // 2
+        # the running output in (B, T, H, D) memory, as SDPA lays its output out: the caller's
+        # transpose back to (B, T, H*D) is then a view, not one more saved copy per layer
+        out = torch.empty((B, T, H, D), dtype=torch.float32, device=q.device).transpose(1, 2)
+        lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
         cur_k, cur_v = k, v
         for step in range(cp):
             if step + 1 < cp:
@@ -264,8 +270,9 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, blk_causal = _block_plan(step, rank, cp, causal, c)
             bo, bl = flash_attention_forward(q[:, :, rows], cur_k[:, :, cols], cur_v[:, :, cols],
                                              causal=blk_causal, backend=backend, scale=scale)
-            if out is None:  # step 0 covers every row
-                out, lse = bo.float(), bl.float()
+            if step == 0:  # covers every row
+                out.copy_(bo)
+                lse.copy_(bl)
             else:
                 _merge(out[:, :, rows], lse[:, :, rows], bo, bl.float())
             if step + 1 < cp:
@@ -339,20 +346,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 
 # ---- Ulysses -----------------------------------------------------------------------------------
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 (one slot per rank); its own inverse, so also its backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group), None
-
-
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``all_to_all_single`` over dim 0 (one slot per rank)."""
     x = x.contiguous()
     out = torch.empty_like(x)
     size = dist.get_world_size(group)
@@ -360,6 +355,59 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     with _timed_comm():
         dist.all_to_all_single(out, x, group=group)
     return out
+
+
+def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``(n, B, H, Tl, D)`` sequence shards (n tensors stacked) -> ``(n, B, H/cp, cp*Tl, D)`` head
+    shards: a slot per destination rank (its head group), all-to-all, a slot per source rank (its
+    sequence chunk, in order)."""
+    n, B, H, Tl, D = x.shape
+    x = x.reshape(n, B, cp, H // cp, Tl, D).permute(2, 0, 1, 3, 4, 5)
+    return _all_to_all(x, group).permute(1, 2, 3, 0, 4, 5).reshape(n, B, H // cp, cp * Tl, D)
+
+
+def _heads_to_seq(y: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The inverse: ``(n, B, H/cp, T, D)`` -> ``(n, B, H, T/cp, D)`` laid out in ``(n, B, T/cp, H, D)``
+    memory, as SDPA lays its output out (a caller's transpose back to ``(B, T, H*D)`` is a view)."""
+    n, B, Hc, T, D = y.shape
+    y = _all_to_all(y.reshape(n, B, Hc, cp, T // cp, D).permute(3, 0, 1, 2, 4, 5), group)
+    out = torch.empty((n, B, T // cp, cp * Hc, D), dtype=y.dtype, device=y.device)
+    out.view(n, B, T // cp, cp, Hc, D).copy_(y.permute(1, 2, 4, 0, 3, 5))  # (a reshape is a view when n*B == 1)
+    return out.transpose(2, 3)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """all-to-all q|k|v to head shards, flash attention with its lse, all-to-all the output back.
+
+    Saves the head-sharded q/k/v, the lse and its own (sequence-sharded) output, which the next
+    layer saves anyway (the output projection's input): backward all-to-alls that output back to
+    head shards beside the incoming gradient instead of keeping a head-sharded copy alive, so a
+    layer holds no more activation than without context parallelism (one extra output-sized
+    all-to-all per backward; docs/hybrid.md, "Context parallelism")."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, backend, scale):
+        from colossal_lab.kernels import flash_attention_forward
+
+        cp = dist.get_world_size(group)
+        qkv = _seq_to_heads(torch.stack((q, k, v)), group, cp)
+        o, lse = flash_attention_forward(qkv[0], qkv[1], qkv[2], causal=causal, backend=backend, scale=scale)
+        y = _heads_to_seq(o.unsqueeze(0), group, cp)[0]
+        ctx.save_for_backward(qkv, lse, y)
+        ctx.group, ctx.causal, ctx.backend, ctx.scale = group, causal, backend, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from colossal_lab.kernels import flash_attention_backward
+
+        qkv, lse, y = ctx.saved_tensors
+        cp = dist.get_world_size(ctx.group)
+        do_o = _seq_to_heads(torch.stack((dy, y)), ctx.group, cp)  # the gradient and the output, as heads
+        grads = flash_attention_backward(do_o[0], qkv[0], qkv[1], qkv[2], do_o[1], lse, causal=ctx.causal,
+                                         backend=ctx.backend, scale=ctx.scale)
+        dq, dk, dv = _heads_to_seq(torch.stack(grads), ctx.group, cp)
+        return dq, dk, dv, None, None, None, None
 
 
 def _heads_ok(heads: int, cp: int, op: str) -> None:
@@ -372,24 +420,17 @@ def _heads_ok(heads: int, cp: int, op: str) -> None:
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
                       backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's contiguous ``(B, H, T/cp, D)`` shards:
-    all-to-all to ``(B, H/cp, T, D)``, local ``flash_attention``, all-to-all back. ``ValueError``
-    before any communication when ``cp`` does not divide the heads."""
+    all-to-all to ``(B, H/cp, T, D)``, local flash attention, all-to-all back; differentiable.
+    ``ValueError`` before any communication when ``cp`` does not divide the heads."""
     _check_qkv("ulysses_attention", q, k, v)
     cp = dist.get_world_size(group)
-    B, H, Tl, D = q.shape
-    _heads_ok(H, cp, "ulysses_attention")
-    from colossal_lab.kernels import flash_attention
-
+    _heads_ok(q.shape[1], cp, "ulysses_attention")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if cp == 1:
+        from colossal_lab.kernels import flash_attention
+
         return flash_attention(q, k, v, causal=causal, backend=backend, scale=scale)
-    # (3, B, H, Tl, D) -> a slot per destination rank (its head group) -> all-to-all -> a slot per
-    # source rank (its sequence chunk) -> (3, B, H/cp, T, D)
-    x = torch.stack((q, k, v)).view(3, B, cp, H // cp, Tl, D).permute(2, 0, 1, 3, 4, 5)
-    x = _AllToAll.apply(x, group).permute(1, 2, 3, 0, 4, 5).reshape(3, B, H // cp, cp * Tl, D)
-    y = flash_attention(x[0], x[1], x[2], causal=causal, backend=backend, scale=scale)
-    y = y.view(B, H // cp, cp, Tl, D).permute(2, 0, 1, 3, 4)  # a slot per sequence chunk's owner
-    y = _AllToAll.apply(y, group)  # a slot per head group
-    return y.permute(1, 0, 2, 3, 4).reshape(B, H, Tl, D)
+    return _UlyssesAttention.apply(q, k, v, group, causal, backend, scale)
 
 
 # ---- a model's handle, and the model contract's entry point ------------------------------------
@@ -419,6 +460,11 @@ class ContextParallel:
         if key not in self._positions:
             self._positions[key] = positions(local_T * self.size, self.rank, self.size, self.mode, device=device)
         return self._positions[key]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a whole-sequence tensor (e.g. rotary tables, ``dim=0``): a view for
+        Ulysses' contiguous shard, a copy of two chunks for the ring's zig-zag."""
+        return shard_sequence(x, self.rank, self.size, self.mode, dim)
 
     def check_heads(self, heads: int) -> None:
         """``ValueError`` (naming the cp sizes that would work) if Ulysses cannot split ``heads``."""

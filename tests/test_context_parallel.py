@@ -207,15 +207,15 @@ def test_ring_through_triton_kernel_matches(run):
 
 def test_bytes_counted_at_the_collectives(run):
     """Per rank, forward + backward: the ring sends K and V (cp-1) times each way and the fp32
-    dK/dV accumulators cp times; Ulysses all-to-alls q|k|v and the output, and the same back,
-    keeping 1/cp of each."""
+    dK/dV accumulators cp times; Ulysses all-to-alls q|k|v and the output forward, the gradient
+    with the output and dq|dk|dv backward (9 shards), keeping 1/cp of each."""
     world, results = run
     shard = B * H * (T // world) * D * 4  # one fp32 (B, H, T/cp, D) shard
     for r, res in enumerate(results):
         for causal in (True, False):
             assert res[("ring", causal)]["bytes"] == {"ring_kv": 2 * (world - 1) * 2 * shard,
                                                       "ring_grad": world * 2 * shard}, (r, causal)
-        assert res[("ulysses", True)]["bytes"] == {"all_to_all": 2 * 4 * shard * (world - 1) // world}, r
+        assert res[("ulysses", True)]["bytes"] == {"all_to_all": 9 * shard * (world - 1) // world}, r
 
 
 def test_comm_spans_recorded_and_emitted(run):

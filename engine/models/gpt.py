@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, Iterable, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,10 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     tie_embeddings: bool = False
-    activation_checkpointing: bool = False
+    # True: every block recomputes in backward; "auto": the blocks (or their attention/MLP) chosen by
+    # engine/autockpt.py so a training step's activations stay under activation_budget bytes
+    activation_checkpointing: Union[bool, str] = False
+    activation_budget: Optional[int] = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     mlp_hidden: Optional[int] = None  # default: SwiGLU's 8/3 * n_embd rounded up to 64
@@ -45,6 +48,16 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
+        ac, budget = self.activation_checkpointing, self.activation_budget
+        if not (isinstance(ac, bool) or ac == "auto"):
+            raise ValueError(f"GPTConfig: activation_checkpointing={ac!r} must be True, False or 'auto'")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise ValueError(f"GPTConfig: activation_budget={budget!r} must be a number of bytes > 0, e.g. "
+                             "activation_budget=2 << 30")
+        if ac == "auto" and budget is None:
+            raise ValueError("GPTConfig(activation_checkpointing='auto') needs activation_budget=<bytes> > 0: the peak "
+                             "activation memory of a training step the plan must stay under (e.g. activation_budget="
+                             "2 << 30), or use activation_checkpointing=True to recompute every block")
 
     @property
     def hidden(self) -> int:
@@ -182,9 +195,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = ""):
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, key))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = "", recompute: FrozenSet[str] = frozenset()):
+        # recompute: the sub-modules ("attn", "mlp") checkpointed on their own (GPT.forward decides)
+        a = self.attn_norm(x)
+        if "attn" in recompute:  # the same five positional inputs a tensor-parallel plan expects
+            y = checkpoint(self.attn, a, cos, sin, None, key, use_reentrant=False,
+                           preserve_rng_state=self.attn.dropout > 0)
+        else:
+            y = self.attn(a, cos, sin, cache, key)
+        x = x + self.drop(y)
+        m = self.mlp_norm(x)
+        if "mlp" in recompute:  # nothing random inside: no RNG state to keep
+            return x + self.drop(checkpoint(self.mlp, m, use_reentrant=False, preserve_rng_state=False))
+        return x + self.drop(self.mlp(m))
 
 
 class GPT(nn.Module):
@@ -206,6 +229,11 @@ class GPT(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.context_parallel = None  # set by enable_context_parallel
+        # activation checkpointing (cfg.activation_checkpointing switches it on): block index -> what
+        # recomputes ({"layer"} = the whole block, or parts); None = every block whole
+        self.checkpoint_layers: Optional[Dict[int, FrozenSet[str]]] = None
+        self.checkpoint_plan = None  # the autockpt.CheckpointPlan in use ("auto", or autockpt.apply)
+        self._auto_plans: Dict[tuple, object] = {}  # "auto": one plan per input shape
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight"):
@@ -233,15 +261,17 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: sequence of {total} tokens exceeds block_size={self.cfg.block_size}")
         if cp is None:
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        else:  # a shard of the sequence: its tokens' global positions
-            pos = cp.positions(T, self.rope_cos.device)
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        else:  # a shard of the sequence: the rows of its tokens' global positions, sharded alike
+            cos, sin = (cp.shard(t[:T * cp.size], dim=0) for t in (self.rope_cos, self.rope_sin))
+        recompute = self._recompute(idx, targets, cache)
         h = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx
         for key, block in self.blocks.items():
-            if self.cfg.activation_checkpointing and self.training and cache is None:
-                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            what = recompute.get(int(key), frozenset())
+            if "layer" in what:  # the same five positional inputs as below (a tensor-parallel plan's hooks)
+                h = checkpoint(block, h, cos, sin, None, key, use_reentrant=False,
+                               preserve_rng_state=self.cfg.dropout > 0)  # dropout: replay its masks
             else:
-                h = block(h, cos, sin, cache, key)
+                h = block(h, cos, sin, cache, key, recompute=what)
         if cache is not None:
             cache.pos += T
         if self.norm is not None:
@@ -280,7 +310,7 @@ class GPT(nn.Module):
 
         sp = sequence_parallel
         keys = list(self.blocks.keys())
-        nb = 3 if self.cfg.activation_checkpointing else 5  # Block's positional inputs as forward passes them
+        nb = 5  # Block's positional inputs as forward passes them (checkpointed or not)
         plan = {}
         if sp and self.tok_emb is not None:
             plan["tok_emb"] = seq_boundary(out="shard")
@@ -328,8 +358,67 @@ class GPT(nn.Module):
         for block in self.blocks.values():
             block.attn.cp_attention = cp
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, layers: Optional[Iterable[Union[int, str]]] = None) -> None:
+        """Recompute in backward every block (``layers=None``) or the listed ones: ``i`` is block ``i``
+        whole, ``"i.attn"`` / ``"i.mlp"`` only that sub-module of it (``checkpoint_parts()``); ``[]``
+        recomputes nothing. Replaces an earlier choice, an ``"auto"`` one included."""
+        self.checkpoint_layers = None if layers is None else self._parse_layers(layers)
         self.cfg.activation_checkpointing = True
+
+    def checkpoint_parts(self) -> tuple:
+        """Sub-modules of a block that can recompute on their own (the model contract)."""
+        return ("attn", "mlp")
+
+    def _parse_layers(self, layers) -> Dict[int, FrozenSet[str]]:
+        if isinstance(layers, (str, int)):
+            raise TypeError(f"enable_activation_checkpointing(layers={layers!r}): pass a list, e.g. layers=[{layers!r}]")
+        out: Dict[int, set] = {}
+        for e in layers:
+            i, part = e, "layer"
+            if isinstance(e, str):
+                head, _, tail = e.partition(".")
+                i, part = (int(head) if head.isdigit() else None), (tail or "layer")
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.cfg.n_layer \
+                    or part not in ("layer",) + self.checkpoint_parts():
+                raise ValueError(f"enable_activation_checkpointing: layer {e!r} is not a block index in "
+                                 f"[0, {self.cfg.n_layer}) or 'i.attn' / 'i.mlp'")
+            have = out.setdefault(i, set())
+            if "layer" in have or (have and part == "layer"):
+                raise ValueError(f"enable_activation_checkpointing: block {i} is listed whole and in part; list it once")
+            have.add(part)
+        return {i: frozenset(p) for i, p in out.items()}
+
+    def _recompute(self, idx, targets, cache) -> Dict[int, FrozenSet[str]]:
+        """What each block recomputes in this forward (block index -> parts; {"layer"} = whole)."""
+        ac = self.cfg.activation_checkpointing
+        if not ac or not self.training or cache is not None:
+            return {}
+        if ac == "auto":
+            if not torch.is_grad_enabled():
+                return {}
+            layers = self._auto_layers(idx, targets)
+        else:
+            layers = self.checkpoint_layers
+        if layers is None:
+            return {int(k): frozenset(("layer",)) for k in self.blocks}
+        return layers
+
+    def _auto_layers(self, idx, targets) -> Dict[int, FrozenSet[str]]:
+        """``activation_checkpointing="auto"``: the plan for this input shape, profiled on this batch
+        the first time the shape is seen (engine/autockpt.py; the result is ``self.checkpoint_plan``)."""
+        key = (tuple(idx.shape), idx.dtype, targets is not None, torch.is_autocast_enabled(idx.device.type))
+        plan = self._auto_plans.get(key)
+        if plan is None:
+            from ..autockpt import plan_checkpointing
+
+            was = (self.cfg.activation_checkpointing, self.checkpoint_layers)
+            try:
+                plan = plan_checkpointing(self, (idx, targets), self.cfg.activation_budget)
+            finally:
+                self.cfg.activation_checkpointing, self.checkpoint_layers = was
+            self._auto_plans[key] = plan
+        self.checkpoint_plan = plan
+        return self._parse_layers(plan.layers)
 
     def split_points(self, num_stages: int) -> List[int]:
         """Layer indices where stages 1..n-1 begin (even split; blocks must divide evenly)."""

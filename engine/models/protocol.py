@@ -10,7 +10,7 @@ checkpoints, optimizers and tied copies line up across layouts.
 
 from __future__ import annotations
 
-from typing import Dict, Protocol, runtime_checkable
+from typing import Dict, Iterable, Optional, Protocol, Union, runtime_checkable
 
 import torch.nn as nn
 
@@ -37,15 +37,21 @@ class ModelContract(Protocol):
         """A copy holding stage ``stage``'s part: it takes the previous stage's output (the first,
         the batch input) and returns a tensor or a tuple led by one. Default: a Sequential's slice."""
 
-    def enable_activation_checkpointing(self) -> None:
-        """Recompute each layer in backward. Default: ``checkpoint_wrapper`` on a Sequential's children."""
+    def enable_activation_checkpointing(self, layers: Optional[Iterable[Union[int, str]]] = None) -> None:
+        """Recompute layers in backward: every layer (``layers=None``; what the plugins ask for) or the
+        listed layer indices (``0 <= i < num_layers()``), each one whole; ``[]`` recomputes nothing, and
+        a call replaces the previous choice. ``autockpt.plan_checkpointing`` needs ``layers``. A model
+        may also define ``checkpoint_parts() -> ("attn", "mlp")``, names of sub-modules of every layer
+        that can recompute on their own, and then accept ``"i.attn"`` entries (GPT does); the planner
+        weighs those too. Default: ``checkpoint_wrapper`` on a Sequential's children."""
 
     def enable_context_parallel(self, group, mode: str) -> None:
         """Context parallelism over ``group``, ``mode`` ``"ring"`` or ``"ulysses"``: from now on the
         model is fed this rank's shard of every sequence (``context_parallel.shard_batch``: dim 1,
         zig-zag for ring, contiguous for Ulysses) and must compute each attention over the whole
         sequence through ``ContextParallel(group, mode)`` (called as ``cp(q, k, v, causal=True)``
-        on ``(B, H, T/cp, D)`` shards) and take positions from ``cp.positions(local_T, device)``.
+        on ``(B, H, T/cp, D)`` shards) and take positions from ``cp.positions(local_T, device)`` (or shard whole-sequence tables
+        with ``cp.shard(table, dim)``).
         Raise ``ValueError`` if it cannot (``cp.check_heads(heads)`` for Ulysses). Default: an
         error naming this method (``context_parallel.apply_context_parallel``)."""
 
