@@ -334,6 +334,18 @@ class GPT(nn.Module):
             plan[last] = seq_boundary(nb, into="shard" if last in plan else None, out="gather")
         return plan
 
+    def tp_nd_plan(self) -> dict:
+        """Roles of this model's (or stage's) layers for 2D/2.5D/3D tensor parallelism
+        (``engine/tp_nd/apply.py``): the 1D plan's column/row linears, the embedding, the norms
+        and the head (vocab-parallel logits)."""
+        plan = {"tok_emb": "embedding", "norm": "rmsnorm", "lm_head": "head"}
+        for key in self.blocks:
+            p = f"blocks.{key}"
+            plan[f"{p}.attn_norm"] = plan[f"{p}.mlp_norm"] = "rmsnorm"
+            plan.update({f"{p}.{n}": "colwise" for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")})
+            plan.update({f"{p}.{n}": "rowwise" for n in ("attn.wo", "mlp.w2")})
+        return plan
+
     def check_tp(self, tp_size: int) -> None:
         if self.cfg.n_head % tp_size:
             raise ValueError(f"GPT: n_head={self.cfg.n_head} is not divisible by the {tp_size} ranks of the "

@@ -27,8 +27,18 @@ class ModelContract(Protocol):
         pipeline stage of it; with ``sequence_parallel`` the stream between layers is cut along
         dim 1 and enters and leaves whole. Default: ``HybridParallelPlugin(tp_plan=...)`` or an error."""
 
+    def tp_nd_plan(self) -> Dict[str, object]:
+        """Roles for 2D/2.5D/3D tensor parallelism (``HybridParallelPlugin(tp_mode=...)``) of this
+        module or a pipeline stage of it: module name -> ``"colwise"`` (``nn.Linear`` from the
+        residual stream into a sharded width), ``"rowwise"`` (back to the stream), ``"head"`` (the
+        LM head: vocab-parallel logits), ``"embedding"`` (``nn.Embedding``) or ``"rmsnorm"`` (or
+        ``("rmsnorm", eps)``); every parameter must belong to a named module. Default: the
+        ``Colwise``/``RowwiseParallel`` entries of ``tp_plan()`` plus every ``nn.Embedding``, and
+        an error naming any parameter left without a role (``engine/tp_nd/apply.py``)."""
+
     def check_tp(self, tp_size: int) -> None:
-        """Raise ``ValueError`` if the model cannot be split over ``tp_size`` ranks (e.g. heads)."""
+        """Raise ``ValueError`` if the model cannot be split over ``tp_size`` ranks (e.g. heads).
+        Under 2D/2.5D/3D it is called with the number of ranks heads are split over (``q``)."""
 
     def num_layers(self) -> int:
         """How many units a pipeline divides among its stages. Default: an ``nn.Sequential``'s length."""

@@ -1,0 +1,224 @@
+"""Turn a model (or a pipeline stage of it) into its 2D / 2.5D / 3D tensor-parallel form.
+
+By hand, on torch modules: which layer plays which role comes from the model contract
+(``engine/models/protocol.py``): the model's ``tp_nd_plan()`` (``{module name: role}``), or, without
+it, the column/row linears of its 1D ``tp_plan()`` (or the plugin's ``tp_plan=``) plus its
+``nn.Embedding``s; a parameter no role covers is an error (a norm left whole would compute its
+statistics over a slice of the hidden dimension, silently wrong). Roles:
+
+==============  =====================================================================================
+``colwise``     ``nn.Linear`` from the residual stream into a sharded inner width (q/k/v, MLP up/gate)
+``rowwise``     ``nn.Linear`` from the inner width back to the stream (attention out, MLP down)
+``head``        the LM head: a ``colwise`` whose output is vocab-parallel logits
+``embedding``   ``nn.Embedding`` (token or position ids -> the stream)
+``rmsnorm``     RMSNorm over the stream's hidden dimension (``weight``; ``eps`` from the module, or
+                the role given as ``("rmsnorm", eps)``)
+==============  =====================================================================================
+
+Each converted module keeps its parameter names (``weight``/``bias``) and holds this rank's block of
+them (:func:`specs` says which), built by slicing the full tensors the model was created with.
+Attention, activations and residual adds run unchanged on the local block: the reference GPT infers
+its heads from the local width, so a (batch piece, head piece) block is a whole attention problem.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .grid import Layout, Spec, check_spec, layouts
+
+ROLES = ("colwise", "rowwise", "head", "embedding", "rmsnorm")
+
+
+# ---- which module is what -----------------------------------------------------------------------
+
+def _role(value) -> Tuple[str, dict]:
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "rmsnorm":
+        return "rmsnorm", {"eps": float(value[1])}
+    if isinstance(value, str) and value in ROLES:
+        return value, {}
+    raise ValueError(f"tp_nd_plan: role {value!r} is not one of {ROLES} (or ('rmsnorm', eps))")
+
+
+def resolve_plan(model: nn.Module, tp_plan: Optional[dict] = None) -> Dict[str, Tuple[str, dict]]:
+    """``{module name: (role, options)}`` for ``model``; ``ValueError`` naming what is missing."""
+    own = getattr(model, "tp_nd_plan", None)
+    if callable(own):
+        raw = dict(own())
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = tp_plan if tp_plan is not None else (model.tp_plan() if callable(getattr(model, "tp_plan", None)) else None)
+        if plan is None:
+            raise ValueError(f"N-d tensor parallelism: {type(model).__name__} has neither tp_nd_plan() nor tp_plan() "
+                             "(the model contract); implement tp_nd_plan() -> {module name: 'colwise' | 'rowwise' | "
+                             "'head' | 'embedding' | 'rmsnorm'}")
+        raw = {}
+        for name, style in plan.items():
+            if isinstance(style, ColwiseParallel):
+                raw[name] = "colwise"
+            elif isinstance(style, RowwiseParallel):
+                raw[name] = "rowwise"
+        raw.update({n: "embedding" for n, m in model.named_modules() if isinstance(m, nn.Embedding)})
+    names = dict(model.named_modules())
+    out = {}
+    for name, value in raw.items():
+        if name not in names:
+            continue  # a pipeline stage lacks the other stages' layers
+        out[name] = _role(value)
+    covered = set(out)
+    loose = [n for n, _ in model.named_parameters()
+             if n.rpartition(".")[0] not in covered or n.rpartition(".")[2] not in ("weight", "bias")]
+    if loose:
+        raise ValueError(f"N-d tensor parallelism: no role for parameters {loose[:6]}{' ...' if len(loose) > 6 else ''} "
+                         f"of {type(model).__name__}; give their modules a role in tp_nd_plan() (the model contract: "
+                         f"{ROLES})")
+    seen: Dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            raise ValueError(f"N-d tensor parallelism: {n!r} and {seen[id(p)]!r} are one tied parameter, which the "
+                             "2D/2.5D/3D layouts of an embedding and a head cannot share; untie them (give each "
+                             "module its own parameter) or use tp_mode='1d'")
+        seen[id(p)] = n
+    return out
+
+
+# ---- layouts of parameters ----------------------------------------------------------------------
+
+def _io(role: str, mode: str) -> Tuple[Layout, Layout]:
+    stream, inner = layouts(mode)
+    return (inner, stream) if role == "rowwise" else (stream, inner)
+
+
+def specs(role: str, mode: str) -> Dict[str, Spec]:
+    """The block layout (:data:`grid.Spec`) of each parameter of a module playing ``role``."""
+    stream, _ = layouts(mode)
+    if role in ("colwise", "rowwise", "head"):
+        lin, lout = _io(role, mode)
+        vec = ((lout.hidden,) + lout.batch,)
+        if mode == "3d":  # nn.Linear weight (out, in): out by (output axis, x), in by the input axis
+            return {"weight": ((lout.hidden, "x"), (lin.hidden,)), "bias": vec}
+        return {"weight": (("col", "dep"), ("row",)), "bias": vec}
+    hidden = (stream.hidden,) + stream.batch
+    if role == "embedding":
+        return {"weight": ((), hidden)}
+    return {"weight": (hidden,)}
+
+
+def check(model: nn.Module, plan, mode: str, sizes: Dict[str, int], tp_size: int) -> None:
+    """Every parameter cuts evenly into its blocks at these grid sizes (no process group needed)."""
+    mods = dict(model.named_modules())
+    for name, (role, opts) in plan.items():
+        m = mods[name]
+        if role in ("colwise", "rowwise", "head") and not isinstance(m, nn.Linear):
+            raise ValueError(f"N-d tensor parallelism: {name!r} has role {role!r} but is a {type(m).__name__}, "
+                             "not an nn.Linear")
+        if role == "embedding":
+            if not isinstance(m, nn.Embedding):
+                raise ValueError(f"N-d tensor parallelism: {name!r} has role 'embedding' but is a {type(m).__name__}")
+            if m.max_norm is not None or m.sparse:
+                raise ValueError(f"N-d tensor parallelism: embedding {name!r} uses max_norm/sparse, which the "
+                                 "sharded embedding does not implement")
+        if role == "rmsnorm":
+            if getattr(m, "bias", None) is not None or getattr(m, "weight", None) is None or m.weight.dim() != 1:
+                raise ValueError(f"N-d tensor parallelism: {name!r} has role 'rmsnorm' but is not a norm with one "
+                                 "1-D weight and no bias")
+            if "eps" not in opts and _eps(m) is None:
+                raise ValueError(f"N-d tensor parallelism: norm {name!r} has no eps attribute; give its role as "
+                                 "('rmsnorm', eps) in tp_nd_plan()")
+        for pname, spec in specs(role, mode).items():
+            p = getattr(m, pname, None)
+            if isinstance(p, torch.Tensor):
+                check_spec(f"{name}.{pname}", tuple(p.shape), spec, sizes, mode, tp_size)
+
+
+def _eps(m) -> Optional[float]:
+    for attr in ("eps", "variance_epsilon"):
+        v = getattr(m, attr, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+# ---- the conversion -----------------------------------------------------------------------------
+
+def convert(model: nn.Module, grid, plan) -> Dict[str, Tuple[Spec, Tuple[int, ...]]]:
+    """Replace each planned module of ``model`` by its N-d form, in place; returns
+    ``{parameter name: (spec, full shape)}`` for the checkpoint gather."""
+    from .layers_2d import Linear2D
+    from .layers_2p5d import Linear2p5D
+    from .layers_3d import Linear3D
+    from .layers_common import Embedding, RMSNorm, VocabShard
+
+    mode = grid.mode
+    stream, inner = layouts(mode)
+    out: Dict[str, Tuple[Spec, Tuple[int, ...]]] = {}
+    for name, (role, opts) in plan.items():
+        old = model.get_submodule(name)
+        sp = specs(role, mode)
+        blocks = {}
+        for pname, spec in sp.items():
+            p = getattr(old, pname, None)
+            if isinstance(p, torch.Tensor):
+                blocks[pname] = grid.block(p.detach(), spec).clone()
+                out[f"{name}.{pname}" if name else pname] = (spec, tuple(p.shape))
+        if role in ("colwise", "rowwise", "head"):
+            lin, lout = _io(role, mode)
+            if mode == "3d":
+                new = Linear3D(blocks["weight"], blocks.get("bias"), grid, lin.hidden, lout.hidden, lout)
+            elif mode == "2.5d":
+                new = Linear2p5D(blocks["weight"], blocks.get("bias"), grid, lout)
+            else:
+                new = Linear2D(blocks["weight"], blocks.get("bias"), grid, lout)
+            if role == "head":
+                V = old.out_features
+                new.vocab = VocabShard(grid.group((lout.hidden,)), grid.coords[lout.hidden] * (V // grid.q), V,
+                                       grid.group(lout.batch))
+        elif role == "embedding":
+            new = Embedding(blocks["weight"], grid, stream, old.padding_idx)
+        else:
+            new = RMSNorm(blocks["weight"], opts.get("eps", _eps(old)), old.weight.shape[0], grid, stream)
+        new.train(old.training)
+        if name:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        else:
+            raise ValueError("N-d tensor parallelism: the model itself cannot play a role; name its layers")
+    return out
+
+
+class NdParallel:
+    """What the boosted model needs of its N-d form: the grid, each converted parameter's block
+    layout and full shape (under the unsplit model's names), and the batch sharding."""
+
+    def __init__(self, grid, params: Dict[str, Tuple[Spec, Tuple[int, ...]]]):
+        self.grid = grid
+        self.params = params
+
+    def full(self, name: str, block: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of parameter (or same-shaped state) ``name`` (a collective over the tp group)."""
+        spec, _ = self.params[name]
+        return self.grid.full(block, spec)
+
+    def block(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        spec, _ = self.params[name]
+        return self.grid.block(full, spec)
+
+    def full_shape(self, name: str) -> Tuple[int, ...]:
+        return self.params[name][1]
+
+    def shard_batch(self, batch: dict, input_key: str) -> dict:
+        """This rank's rows of a whole (data-parallel replica's) batch: ``batch[input_key]`` cut like
+        the model's input (the stream layout's batch pieces), every other tensor like the logits
+        (the inner layout's; the same in 2D/2.5D)."""
+        out = {}
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1:
+                lay = self.grid.stream if k == input_key else self.grid.inner
+                out[k] = self.grid.batch_piece(v, lay, f"batch[{k!r}]")
+            else:
+                out[k] = v
+        return out
