@@ -35,6 +35,11 @@ def _local(optim):
     return optim.optim if isinstance(optim, ZeroRedundancyOptimizer) else optim
 
 
+def _blocked(nd, name: str, p, v) -> bool:
+    """Whether optimizer state ``v`` of parameter ``p`` is a block of an N-d (2D/2.5D/3D) layout."""
+    return nd is not None and name in nd.params and isinstance(v, torch.Tensor) and v.shape == p.shape
+
+
 def _names(model) -> Dict[int, List[str]]:
     out: Dict[int, List[str]] = {}
     for n, p in model.named_model_parameters(remove_duplicate=False):
@@ -51,6 +56,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         sd = load_state_dict_shards(path)
+        nd = getattr(model, "nd", None)  # tp_mode 2d/2.5d/3d: parameters are blocks of the full tensors
         for mod in model.stage_modules:
             for name, t in mod.inner.state_dict().items():
                 if name not in sd:
@@ -58,11 +64,13 @@ class HybridCheckpointIO(GeneralCheckpointIO):
                         raise RuntimeError(f"load_model({path}): missing key {name!r}; pass strict=False to skip it")
                     continue
                 src = sd[name]
-                if tuple(src.shape) != tuple(t.shape):
+                blocked = nd is not None and name in nd.params
+                shape = nd.full_shape(name) if blocked else tuple(t.shape)
+                if tuple(src.shape) != shape:
                     raise RuntimeError(f"load_model({path}): {name!r} has shape {tuple(src.shape)} in the "
-                                       f"checkpoint but {tuple(t.shape)} in the model; was it saved from the "
+                                       f"checkpoint but {shape} in the model; was it saved from the "
                                        "same model configuration?")
-                src = src.to(dtype=t.dtype)
+                src = (nd.block(name, src) if blocked else src).to(dtype=t.dtype)
                 if isinstance(t, DTensor):
                     t.copy_(distribute_tensor(src.to(t.device), t.device_mesh, t.placements))
                 else:
@@ -80,9 +88,12 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             for n in (n for p in g["params"] for n in names.get(id(p), [])):
                 for k, v in hp.items():  # one leaf per hyper-parameter (DCP pickles non-tensors)
                     sd[f"param_groups.{n}.{k}"] = v
+        nd = getattr(model, "nd", None)
         for p in (p for g in local.param_groups for p in g["params"]):
             for n in names[id(p)]:
                 for k, v in local.state.get(p, {}).items():
+                    if _blocked(nd, n, p, v):  # N-d: saved whole (a collective over the tp group)
+                        v = nd.full(n, v)
                     sd[f"state.{n}.{k}"] = v
         scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None:
@@ -99,6 +110,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             dist.barrier()
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         local, names = _local(optim), _names(model)
+        nd = getattr(model, "nd", None)
         has_state = any(k.startswith("state.") for k in saved)
         if has_state:
             _init_optim_state(local)  # a zero-lr step: state tensors of the right shapes/placements
@@ -124,14 +136,16 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             for k, v in local.state.get(p, {}).items():
                 key = f"state.{saved_name[id(p)]}.{k}"
                 size = getattr(saved.get(key), "size", None)
+                blocked = _blocked(nd, names[id(p)][0], p, v)
+                shape = nd.full_shape(names[id(p)][0]) if blocked else tuple(getattr(v, "shape", ()))
                 if key not in saved:
                     error = error or (f"load_optimizer({path}): no {key!r} in the checkpoint ({type(local).__name__} "
                                       f"state has {sorted(local.state[p])}); {hint}")
-                elif isinstance(v, torch.Tensor) and size is not None and tuple(size) != tuple(v.shape):
+                elif isinstance(v, torch.Tensor) and size is not None and tuple(size) != shape:
                     error = error or (f"load_optimizer({path}): {key!r} has shape {tuple(size)} in the checkpoint "
-                                      f"but {tuple(v.shape)} here; {hint}")
-                else:
-                    want[key] = v
+                                      f"but {shape} here; {hint}")
+                else:  # N-d: read whole, this rank's block copied in below
+                    want[key] = v.new_empty(shape) if blocked else v
         # every rank learns of any rank's error before the collective load (else peers would hang)
         if comm.initialized():
             errors = [None] * dist.get_world_size()
@@ -148,7 +162,9 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             st = local.state.get(p, {})
             for k in list(st):
                 v = want[f"state.{saved_name[id(p)]}.{k}"]
-                if v is not st[k]:
+                if _blocked(nd, names[id(p)][0], p, st[k]):
+                    st[k].copy_(nd.block(names[id(p)][0], v))
+                elif v is not st[k]:
                     st[k] = v
         if not has_state:
             local.state.clear()

@@ -48,8 +48,10 @@ class SpanRecorder:
     # ---- recording ---------------------------------------------------------------------
     def add(self, kind: str, microbatch: int, start: float, end: float, hold: bool = False) -> StageSpan:
         """Record a span and emit it, or with ``hold`` keep it back until :meth:`flush` (the
-        last stage's ``F``, which :meth:`extend_last_forward` still stretches)."""
-        self.flush()
+        last stage's ``F``, which :meth:`extend_last_forward` still stretches). A ``comm`` span
+        (a collective inside a layer or the loss) leaves a held ``F`` held: it lies within it."""
+        if kind != "comm":
+            self.flush()
         span = StageSpan(rank=self.rank, stage=self.stage, step=self.step, microbatch=microbatch,
                          kind=kind, start=start, end=end, dp=self.dp, tp=self.tp)
         self.spans.append(span)

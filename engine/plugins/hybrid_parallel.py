@@ -7,6 +7,11 @@ sync at ``optimizer.step()`` (dp mean bucketed per dtype; the copies a split mad
 summed), the fp16 overflow vote over *all* ranks (a stage that skipped alone would desynchronise
 the pipeline), and measured timelines. Arguments, model contract and details: docs/hybrid.md.
 
+``tp_mode="2d" | "2.5d" | "3d"`` swaps DTensor for :mod:`..tp_nd` (SUMMA, Tesseract and 3D
+layers on explicit collectives over a grid cut from each tp group of the same mesh); each rank then
+takes its piece of every batch (``execute_pipeline`` cuts it) and the gradients are averaged over
+those pieces as over data parallelism (docs/hybrid.md, "N-dimensional tensor parallelism").
+
 Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
 Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
 measured bubble fraction per stage.
@@ -59,8 +64,13 @@ class HybridParallelModule(nn.Module):
         self.device = runtime.device
         self.tokens = 0  # tokens seen since the last optimizer step (StepMetrics)
         self.first_forward: Optional[float] = None
+        self.nd = None  # a tp_nd.NdParallel under tp_mode 2d/2.5d/3d (set by configure)
 
     def forward(self, *args, **kwargs):
+        if self.nd is not None:
+            raise RuntimeError(f"HybridParallelPlugin(tp_mode={self.nd.grid.mode!r}): each rank holds a piece of the "
+                               "batch and of the vocabulary; call booster.execute_pipeline(data_iter, model, criterion, "
+                               "optimizer), which cuts every batch and hands the criterion this rank's rows")
         if self._plugin_pp > 1:
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
@@ -97,6 +107,8 @@ class HybridParallelModule(nn.Module):
         for mod in self.stage_modules:
             for n, t in mod.inner.state_dict().items():
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                if self.nd is not None and n in self.nd.params:
+                    t = self.nd.full(n, t)  # a collective over the tp group, in state-dict order
                 local[n] = t.detach().to("cpu", copy=True)  # a snapshot, never the live tensor
         group = self.runtime.pp_group
         if group is None or dist.get_world_size(group) == 1:
@@ -145,9 +157,13 @@ class HybridParallelOptimizer(OptimizerWrapper):
             n = torch.linalg.vector_norm(g.float(), p)
             n = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
             acc = max(acc, n) if inf else acc + n ** p
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        nd = self.model.nd
+        if nd is not None and nd.grid.tp_group.pg is not None:  # N-d: each element has one owner in the grid
+            (acc,) = comm.reduce_values([acc], op=op, group=nd.grid.tp_group.pg)
         pp_group = self.model.runtime.pp_group
         if pp_group is not None:
-            (acc,) = comm.reduce_values([acc], op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pp_group)
+            (acc,) = comm.reduce_values([acc], op=op, group=pp_group)
         total = acc if inf else acc ** (1.0 / p)
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -175,7 +191,8 @@ class HybridParallelPlugin(Plugin):
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
                  precision: str = "fp32", activation_checkpointing: bool = False, *,
-                 tp_plan: Optional[dict] = None, input_key: str = "idx"):
+                 tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1):
+        from ..tp_nd.grid import factor
         for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
                         ("microbatch_size", microbatch_size)):
             optional = name in ("num_microbatches", "microbatch_size")
@@ -190,6 +207,11 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(pp_size={pp_size}): set num_microbatches (e.g. "
                              f"num_microbatches={2 * pp_size}) or microbatch_size")
         validate_schedule(pp_style, pp_size, num_model_chunks, num_microbatches)
+        self.tp_grid = factor(tp_mode, tp_size, tp_depth)  # ValueError naming sizes that factor
+        if tp_mode != "1d" and sequence_parallel:
+            raise ValueError(f"HybridParallelPlugin(tp_mode={tp_mode!r}, sequence_parallel=True): sequence parallelism "
+                             "is 1D's (Megatron-SP); 2D/2.5D/3D already cut every activation over the grid; set "
+                             "sequence_parallel=False")
         if sequence_parallel and tp_size == 1:
             raise ValueError("HybridParallelPlugin(sequence_parallel=True): needs tp_size > 1; "
                              "set tp_size=2 (or more) or sequence_parallel=False")
@@ -208,6 +230,8 @@ class HybridParallelPlugin(Plugin):
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
         self.tp_plan, self.input_key = tp_plan, input_key
+        self.tp_mode, self.tp_depth = tp_mode, tp_depth
+        self._nd_plan = None  # {module name: role} under tp_mode 2d/2.5d/3d, resolved in configure
         self.mesh = None
         self._dp_group = None
         self._scaler: Optional[DynamicLossScaler] = None
@@ -257,11 +281,18 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): {type(model).__name__} has no "
                              "enable_activation_checkpointing() (the model contract) and is not an nn.Sequential; "
                              "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
-        if self.tp_size > 1 and self.tp_plan is None and not callable(getattr(model, "tp_plan", None)):
+        nd = self.tp_mode != "1d" and self.tp_size > 1
+        if nd:
+            from ..tp_nd import apply as nd_apply
+
+            self._nd_plan = nd_apply.resolve_plan(model, self.tp_plan)
+            nd_apply.check(model, self._nd_plan, self.tp_mode, self.tp_grid, self.tp_size)
+        elif self.tp_size > 1 and self.tp_plan is None and not callable(getattr(model, "tp_plan", None)):
             raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}): {type(model).__name__} has no tp_plan() "
                              "(the model contract); pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
         if self.tp_size > 1 and callable(getattr(model, "check_tp", None)):
-            model.check_tp(self.tp_size)
+            # N-d: heads are cut over q ranks (a grid side), not over the whole tp group
+            model.check_tp(self.tp_size if not nd else self.tp_grid.get("row", self.tp_grid.get("y")))
         if not dist.is_initialized():
             raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
                                "with cl.launch(n=...) or torchrun")
@@ -285,12 +316,20 @@ class HybridParallelPlugin(Plugin):
         pp_group = self.mesh["pp"].get_group()
         pp_rank = self.mesh["pp"].get_local_rank()
         tp_mesh = self.mesh["tp"]
+        grid, nd_params = None, {}
+        if nd:
+            from ..tp_nd import Grid, NdParallel, convert, resolve_plan
+
+            grid = Grid(self.tp_mode, self.tp_grid, self.mesh.mesh.reshape(-1, self.tp_size).tolist(), dist.get_rank())
         autocast = autocast_dtype(self.precision)
         # one overflow vote over every rank (group=None): see HybridParallelOptimizer
         self._scaler = DynamicLossScaler() if self.precision == "fp16" else None
 
         def prepare(part: nn.Module) -> nn.Module:
-            part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
+            if grid is not None:  # N-d: this part's (a stage's) planned modules become their grid form
+                nd_params.update(convert(part, grid, resolve_plan(part, self.tp_plan)))
+            else:
+                part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
             if self.activation_checkpointing and not own_ac:
                 # each child of the (stage's) Sequential recomputes in backward; wrapped after
                 # tensor parallelism so a tp_plan sees the user's own module names
@@ -310,6 +349,8 @@ class HybridParallelPlugin(Plugin):
                                   input_key=self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
+        if grid is not None:
+            hp_model.nd = NdParallel(grid, nd_params)
         self._model = hp_model
         tied = [names for names in names_of.values() if len(names) > 1]
         if tied and self.pp_size > 1:
@@ -368,12 +409,19 @@ class HybridParallelPlugin(Plugin):
                 comm.all_reduce(_local(total), group=group)
             for g in grads:
                 g.copy_(total)  # a no-op on the one copy a rank holds alone
+        # N-d: each rank's loss is the mean over its piece of the batch and the grid's reductions sum
+        # the pieces, so gradients are averaged over the nb pieces as over data parallelism
+        nb = model.nd.grid.batch_shards if model.nd is not None else 1
+        if self._dp_group is None and nb > 1:
+            for _, p in named:
+                if p.grad is not None:
+                    p.grad.div_(nb)
         if self._dp_group is not None:
             grads = [_local(p.grad) for _, p in named if p.grad is not None]
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
             for g in grads:
                 by_dtype.setdefault(g.dtype, []).append(g)
-            n = dist.get_world_size(self._dp_group)
+            n = dist.get_world_size(self._dp_group) * nb
             for gs in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in gs])
                 comm.all_reduce(flat, group=self._dp_group)
@@ -405,11 +453,34 @@ class HybridParallelPlugin(Plugin):
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
-        out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        if model.nd is None:
+            out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        else:
+            out = self._run_nd(model, batch, criterion, m, return_outputs)
         if isinstance(optimizer, HybridParallelOptimizer):
             optimizer.record_loss(out["loss"])
         if not return_loss:
             out["loss"] = None
+        return out
+
+    def _run_nd(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool):
+        """One step under tp_mode 2d/2.5d/3d: this rank's rows of the batch, the criterion on its
+        logits block (a ``vocab_parallel`` criterion) or on whole-vocab logits of its rows, every
+        collective a ``comm`` span; the loss reported is the mean over the batch pieces."""
+        from ..tp_nd import comm_spans, gather_vocab
+
+        nd = model.nd
+        batch = nd.shard_batch(batch, self.input_key)
+        crit = criterion
+        if not getattr(criterion, "vocab_parallel", False):
+            def crit(outputs, mb):  # noqa: E306 - a criterion written for whole logits
+                return criterion(gather_vocab(outputs), mb)
+        with comm_spans(model.runtime.recorder):
+            out = model.runtime.run(batch, crit, m, return_outputs=return_outputs)
+        g = nd.grid.group(nd.grid.inner.batch)
+        if out["loss"] is not None and g.pg is not None:
+            (total,) = comm.reduce_values([float(out["loss"])], group=g.pg)
+            out["loss"] = torch.tensor(total / g.size, dtype=out["loss"].dtype)
         return out
 
     def get_checkpoint_io(self):

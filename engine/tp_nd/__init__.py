@@ -10,6 +10,7 @@ on torch.distributed collectives (issue #18). ``HybridParallelPlugin(tp_size=, t
 ``layers_2p5d.py``  ``Linear2p5D``: SUMMA per depth layer, weights sliced over the depth
 ``layers_3d.py``    ``Linear3D``: all-gather / reduce-scatter on three axes
 ``apply.py``        roles from the model contract, size checks, conversion, batch sharding
+``volume.py``       the textbook bytes per rank and step of 1D, 2D, 2.5D and 3D (what the bench checks)
 ==================  ==================================================================================
 
 Usage, layouts, the communication formulas and measured figures: docs/hybrid.md, "N-dimensional
@@ -20,7 +21,8 @@ from .apply import ROLES, NdParallel, check, convert, resolve_plan, specs
 from .counter import COUNTER, comm_spans, count_dtensor
 from .grid import MODES, Grid, Layout, factor, layouts
 from .layers_common import CrossEntropy, cross_entropy, gather_vocab, vocab_parallel
+from .volume import by_part, textbook
 
 __all__ = ["MODES", "ROLES", "COUNTER", "CrossEntropy", "Grid", "Layout", "NdParallel", "check", "comm_spans",
            "convert", "count_dtensor", "cross_entropy", "factor", "gather_vocab", "layouts", "resolve_plan",
-           "specs", "vocab_parallel"]
+           "specs", "textbook", "by_part", "vocab_parallel"]
