@@ -1,6 +1,6 @@
 """Reference models shared by tests, benchmarks and tutorials, and the contract any model may implement."""
 
 from .gpt import GPT, PRESETS, GPTConfig, KVCache
-from .protocol import ModelConfig, ModelContract
+from .protocol import ModelConfig, ModelContract, NdTensorParallelContract
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "ModelConfig", "ModelContract", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "ModelConfig", "ModelContract", "NdTensorParallelContract", "PRESETS"]

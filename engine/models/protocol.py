@@ -5,7 +5,8 @@ implements them without importing this file), and without one a model gets torch
 an error naming the method. The reference GPT implements them all, as torchtitan's models
 bring their own parallel plans. Tied weights need no method: the engine finds a parameter
 registered under two names itself. A pipeline stage keeps the full model's parameter names, so
-checkpoints, optimizers and tied copies line up across layouts.
+checkpoints, optimizers and tied copies line up across layouts. 2D/2.5D/3D tensor parallelism
+asks one more (:class:`NdTensorParallelContract`, ``tp_nd_plan``), kept in its own protocol.
 """
 
 from __future__ import annotations
@@ -26,15 +27,6 @@ class ModelContract(Protocol):
         """A ``parallelize_module`` plan (module name -> ``ParallelStyle``) for this module or a
         pipeline stage of it; with ``sequence_parallel`` the stream between layers is cut along
         dim 1 and enters and leaves whole. Default: ``HybridParallelPlugin(tp_plan=...)`` or an error."""
-
-    def tp_nd_plan(self) -> Dict[str, object]:
-        """Roles for 2D/2.5D/3D tensor parallelism (``HybridParallelPlugin(tp_mode=...)``) of this
-        module or a pipeline stage of it: module name -> ``"colwise"`` (``nn.Linear`` from the
-        residual stream into a sharded width), ``"rowwise"`` (back to the stream), ``"head"`` (the
-        LM head: vocab-parallel logits), ``"embedding"`` (``nn.Embedding``) or ``"rmsnorm"`` (or
-        ``("rmsnorm", eps)``); every parameter must belong to a named module. Default: the
-        ``Colwise``/``RowwiseParallel`` entries of ``tp_plan()`` plus every ``nn.Embedding``, and
-        an error naming any parameter left without a role (``engine/tp_nd/apply.py``)."""
 
     def check_tp(self, tp_size: int) -> None:
         """Raise ``ValueError`` if the model cannot be split over ``tp_size`` ranks (e.g. heads).
@@ -70,3 +62,19 @@ class ModelContract(Protocol):
 class ModelConfig(Protocol):
     def build(self) -> nn.Module:
         """The model this config describes (``load_quantized(config, ...)`` builds it lazily)."""
+
+
+@runtime_checkable
+class NdTensorParallelContract(Protocol):
+    """One more optional method, asked only under 2D/2.5D/3D tensor parallelism
+    (``HybridParallelPlugin(tp_mode="2d" | "2.5d" | "3d")``); kept apart from :class:`ModelContract`
+    so a model that never runs those modes satisfies that one without it."""
+
+    def tp_nd_plan(self) -> Dict[str, object]:
+        """Roles for 2D/2.5D/3D tensor parallelism (``HybridParallelPlugin(tp_mode=...)``) of this
+        module or a pipeline stage of it: module name -> ``"colwise"`` (``nn.Linear`` from the
+        residual stream into a sharded width), ``"rowwise"`` (back to the stream), ``"head"`` (the
+        LM head: vocab-parallel logits), ``"embedding"`` (``nn.Embedding``) or ``"rmsnorm"`` (or
+        ``("rmsnorm", eps)``); every parameter must belong to a named module. Default: the
+        ``Colwise``/``RowwiseParallel`` entries of ``tp_plan()`` plus every ``nn.Embedding``, and
+        an error naming any parameter left without a role (``engine/tp_nd/apply.py``)."""
