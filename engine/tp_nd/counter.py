@@ -2,8 +2,8 @@
 
 Built on torch: the collectives are ``torch.distributed``'s blocking ``broadcast``, ``reduce``,
 ``all_reduce``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on the grid's groups; 1D's
-DTensor collectives are seen through torch's ``CommDebugMode`` (a dispatch mode that sees the
-functional collectives DTensor issues, forward and backward). By hand: the byte count per call and
+DTensor collectives are seen through a torch dispatch mode (as torch's ``CommDebugMode`` sees them:
+the functional collectives DTensor issues, forward and backward). By hand: the byte count per call and
 the ``StageSpan(kind="comm")`` around each one.
 
 Bytes are what *this rank* sends under the bandwidth-optimal algorithm of each collective over a
@@ -149,27 +149,41 @@ def reduce_scatter(t: torch.Tensor, g, kind: str, dim: int = 0) -> torch.Tensor:
 # ---- 1D: DTensor's collectives ------------------------------------------------------------------
 
 def _dtensor_mode():
-    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class DTensorBytes(CommDebugMode):
-        """torch's ``CommDebugMode`` that also adds each functional collective's bytes (the
-        convention above) to ``COUNTER`` under ``dtensor.<op>``."""
+    class DTensorBytes(TorchDispatchMode):
+        """A dispatch mode like torch's ``CommDebugMode`` (without its module tracker): a DTensor
+        op is handed back to DTensor (``NotImplemented``), which issues plain ops and functional
+        collectives; each collective's bytes (the convention above) go to ``COUNTER`` under
+        ``dtensor.<op>`` and its count to ``counts``."""
+
+        def __init__(self):
+            super().__init__()
+            self.counts: Dict[str, int] = defaultdict(int)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            _count_funcol(func, args)
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **kwargs)
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            name = _count_funcol(func, args)
+            if name:
+                self.counts[name] += 1
+            return func(*args, **kwargs)
 
     return DTensorBytes()
 
 
-def _count_funcol(func, args) -> None:
+def _count_funcol(func, args) -> str:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     packet = getattr(func, "_overloadpacket", None)
     name = getattr(packet, "__name__", "")
     ns = getattr(packet, "_qualified_op_name", "") or ""
     if "c10d_functional" not in ns or not args or not isinstance(args[0], torch.Tensor):
-        return
+        return ""
     n = _nbytes(args[0])
     if name == "all_reduce":
         p = _resolve_process_group(args[2]).size()
@@ -186,12 +200,15 @@ def _count_funcol(func, args) -> None:
     elif name == "broadcast":
         pg = _resolve_process_group(args[2])
         COUNTER.add("dtensor.broadcast", n * (pg.size() - 1) if dist.get_rank(pg) == int(args[1]) else 0)
+    else:
+        return ""
+    return name
 
 
 @contextlib.contextmanager
 def count_dtensor() -> Iterator[object]:
     """Count 1D (DTensor) tensor parallelism's collectives, forward and backward, into
-    ``COUNTER`` (kinds ``dtensor.*``); yields torch's ``CommDebugMode`` (``get_comm_counts()``)."""
+    ``COUNTER`` (kinds ``dtensor.*``); yields the mode (``.counts``: calls per collective)."""
     mode = _dtensor_mode()
     with mode:
         yield mode
