@@ -1,0 +1,185 @@
+"""Activation checkpointing within a budget: the planned plan against every uniform policy.
+
+    python bench/activation_checkpoint.py [--preset small] [--n-layer 8] [--batch 8] [--seq 256]
+                                          [--budgets 9] [--rounds 5] [--json out.jsonl]
+
+One process, one GPT (``GPTConfig.preset(preset, n_layer=...)``, CPU), one fixed batch. Contenders:
+
+* uniform policies: checkpoint every k-th block (blocks ``i % k == 0``) for every k = 1..n_layer,
+  and none; each one's peak is measured once,
+* ours: ``autockpt.profile_checkpointing`` once, then ``solve`` per budget, for budgets spread
+  evenly from the measured peak of checkpointing every block to that of checkpointing none.
+
+A step is one forward + loss + backward with the parameters' gradients already allocated (as after
+a first step); its peak is ``colossal_lab.plan.measure`` (the profiler's allocator events: bytes
+allocated by the step and live, above what was live before it). Tokens/s: every distinct set of
+checkpointed blocks is timed in ``--rounds`` interleaved rounds (order shuffled per round, one
+untimed step before each timed one) and the median counts; a plan equal to a uniform policy's set
+is that policy's measurement. Tokens/s is per CPU second of this process (``time.process_time``:
+on a shared machine the wall clock mostly measures the neighbours) and, as ``*_wall``, per wall
+second. Per budget one JSON line: our plan, its predicted and measured peak, whether it held, our
+tokens/s, the best uniform policy whose measured peak fits the same budget, and the ratio
+ours / best uniform. A last line sums up (every peak held? the least ratio). A markdown table goes
+to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from colossal_lab.engine.autockpt import NONE, min_peak, profile_checkpointing, solve  # noqa: E402
+from colossal_lab.engine.models import GPT, GPTConfig  # noqa: E402
+from colossal_lab.plan import measure  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--budgets", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ap.add_argument("--json", default=None, help="also write the JSON lines here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(a.preset, n_layer=a.n_layer)
+    model = GPT(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
+    tgt = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
+    tokens = a.batch * a.seq
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step():
+        logits, loss = model(idx, tgt)
+        loss.backward()
+        del logits, loss
+
+    def use(layers):
+        model.enable_activation_checkpointing(list(layers))
+
+    def peak_of(layers) -> int:
+        use(layers)
+        step()
+        with measure() as m:
+            step()
+        return int(m.peak["cpu"])
+
+    L = cfg.n_layer
+    configs = {"none": ()}
+    for k in range(1, L + 1):
+        configs[f"k={k}"] = tuple(i for i in range(L) if i % k == 0)
+    uniform = {}  # distinct block sets of the uniform policies: set -> first name
+    for name, layers in configs.items():
+        uniform.setdefault(layers, name)
+    peaks = {layers: peak_of(layers) for layers in uniform}
+    full, none = peaks[configs["k=1"]], peaks[()]
+
+    t0 = time.perf_counter()
+    prof = profile_checkpointing(model, (idx, tgt), repeats=a.profile_repeats)
+    profile_s = time.perf_counter() - t0
+    print(prof.table(), file=sys.stderr)
+
+    budgets = [int(full + (none - full) * i / max(1, a.budgets - 1)) for i in range(a.budgets)]
+    plans = []
+    for b in budgets:
+        try:
+            plans.append(solve(prof, b))
+        except ValueError as e:  # below what the profile predicts any plan reaches: reported, not hidden
+            plans.append(e)
+    ours = {tuple(p.layers) for p in plans if not isinstance(p, Exception)}
+    for layers in ours:
+        if layers not in peaks:
+            peaks[layers] = peak_of(layers)
+
+    # tokens/s: every distinct set, interleaved rounds, median; per CPU second of this process
+    # (what a busy shared machine barely disturbs) and per wall second
+    sets = sorted(set(peaks), key=str)
+    cpu = {s: [] for s in sets}
+    wall = {s: [] for s in sets}
+    rng = random.Random(0)
+    for _ in range(a.rounds):
+        order = sets[:]
+        rng.shuffle(order)
+        for s in order:
+            use(s)
+            step()
+            t, c = time.perf_counter(), time.process_time()
+            step()
+            cpu[s].append(time.process_time() - c)
+            wall[s].append(time.perf_counter() - t)
+    tok = {"cpu": {s: tokens / statistics.median(v) for s, v in cpu.items()},
+           "wall": {s: tokens / statistics.median(v) for s, v in wall.items()}}
+
+    lines = []
+    for frac_i, (b, plan) in enumerate(zip(budgets, plans)):
+        row = {"bench": "activation_checkpoint", "preset": a.preset, "n_layer": L, "batch": a.batch, "seq": a.seq,
+               "budget": b, "budget_frac": round(frac_i / max(1, a.budgets - 1), 3)}
+        if isinstance(plan, Exception):
+            row.update(plan=None, error=str(plan), peak_ok=False)
+        else:
+            s = tuple(plan.layers)
+            row.update(plan=list(plan.layers), same_as_uniform=uniform.get(s), predicted_peak=plan.predicted_peak,
+                       measured_peak=peaks[s], peak_ok=peaks[s] <= b,
+                       predicted_recompute_ms=round(plan.predicted_recompute_s * 1e3, 2))
+        for clock in ("cpu", "wall"):
+            t = tok[clock]
+            fits = [(t[u], uniform[u]) for u in uniform if peaks[u] <= b]
+            best_tok, best_name = max(fits) if fits else (None, None)
+            ours_tok = None if isinstance(plan, Exception) else t[tuple(plan.layers)]
+            sfx = "" if clock == "cpu" else "_wall"
+            row.update({f"ours_tokens_s{sfx}": round(ours_tok, 1) if ours_tok else None,
+                        f"best_uniform{sfx}": best_name,
+                        f"best_uniform_tokens_s{sfx}": round(best_tok, 1) if best_tok else None,
+                        f"ratio{sfx}": round(ours_tok / best_tok, 4) if ours_tok and best_tok else None})
+        lines.append(row)
+    summary = {"bench": "activation_checkpoint", "summary": True, "budgets": len(lines),
+               "all_peaks_within_budget": all(r["peak_ok"] for r in lines)}
+    for sfx in ("", "_wall"):
+        ratios = [r[f"ratio{sfx}"] for r in lines if r[f"ratio{sfx}"] is not None]
+        summary.update({f"all_at_least_best_uniform{sfx}": all(x >= 1.0 for x in ratios) and len(ratios) == len(lines),
+                        f"min_ratio{sfx}": min(ratios) if ratios else None,
+                        f"median_ratio{sfx}": statistics.median(ratios) if ratios else None})
+    summary.update({"peak_none": none, "peak_every_block": full, "predicted_lowest_peak": min_peak(prof)[0],
+                    "profile_s": round(profile_s, 2), "rounds": a.rounds, "threads": a.threads,
+                    "uniform": {uniform[s]: {"blocks": list(s), "peak": peaks[s],
+                                             "tokens_s": round(tok["cpu"][s], 1),
+                                             "tokens_s_wall": round(tok["wall"][s], 1)} for s in uniform}})
+    out = open(a.json, "w") if a.json else None
+    for r in lines + [summary]:
+        print(json.dumps(r))
+        if out:
+            out.write(json.dumps(r) + "\n")
+    if out:
+        out.close()
+    # a readable table (stderr, so stdout stays JSON lines)
+    print("\n| budget MiB | plan (blocks recomputed) | predicted MiB | measured MiB | held | ours tok/s (CPU) "
+          "| best uniform | its tok/s | ratio | ratio (wall) |\n|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    for r in lines:
+        plan = r.get("plan")
+        plan = "none" if plan == [] else ", ".join(map(str, plan)) if plan else r.get("error", "")[:40]
+        print(f"| {r['budget'] / 2**20:.1f} | {plan} | {(r.get('predicted_peak') or 0) / 2**20:.1f} "
+              f"| {(r.get('measured_peak') or 0) / 2**20:.1f} | {'yes' if r['peak_ok'] else 'NO'} "
+              f"| {r['ours_tokens_s'] or 0:.0f} | {r['best_uniform']} | {r['best_uniform_tokens_s'] or 0:.0f} "
+              f"| {r['ratio'] or 0:.3f} | {r['ratio_wall'] or 0:.3f} |", file=sys.stderr)
+    return 0 if summary["all_peaks_within_budget"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
