@@ -1,4 +1,4 @@
-"""``HybridParallelPlugin``: tensor × pipeline × data parallelism on one ``(dp, pp, tp)`` device mesh.
+"""``HybridParallelPlugin``: tensor × pipeline × context × data parallelism on one ``(dp, pp, cp, tp)`` mesh.
 
 Built on torch: pipelines are ``torch.distributed.pipelining`` (:mod:`..pipeline`), tensor
 parallelism is DTensor's ``parallelize_module`` (:mod:`..tensor_parallel`), ZeRO-1 is torch's
@@ -11,6 +11,11 @@ the pipeline), and measured timelines. Arguments, model contract and details: do
 layers on explicit collectives over a grid cut from each tp group of the same mesh); each rank then
 takes its piece of every batch (``execute_pipeline`` cuts it) and the gradients are averaged over
 those pieces as over data parallelism (docs/hybrid.md, "N-dimensional tensor parallelism").
+
+``cp_size=k, cp_mode="ring" | "ulysses"`` is context parallelism (:mod:`..context_parallel`): each
+of ``k`` ranks holds a shard of every sequence (zig-zag for ring), the model's attention passes K/V
+around the ring or all-to-alls to heads, and gradients are averaged over dp × cp (every rank that
+holds the same parameters). ``execute_pipeline`` and a direct forward cut the batch themselves.
 
 Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
 Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
@@ -65,6 +70,7 @@ class HybridParallelModule(nn.Module):
         self.tokens = 0  # tokens seen since the last optimizer step (StepMetrics)
         self.first_forward: Optional[float] = None
         self.nd = None  # a tp_nd.NdParallel under tp_mode 2d/2.5d/3d (set by configure)
+        self.cp = None  # (group, mode) under context parallelism (set by configure)
 
     def forward(self, *args, **kwargs):
         if self.nd is not None:
@@ -75,6 +81,13 @@ class HybridParallelModule(nn.Module):
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
         args, kwargs = to_device((args, kwargs), self.device)
+        if self.cp is not None:  # context parallel: every (B, T, ...) argument cut to this rank's shard of T
+            from ..context_parallel import shard_sequence
+
+            group, mode = self.cp
+            r, n = dist.get_rank(group), dist.get_world_size(group)
+            cut = lambda a: shard_sequence(a, r, n, mode) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a  # noqa: E731
+            args, kwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
         self.count(args, kwargs)
         stage = self.stage_modules[0]
         if stage.autocast_dtype is None:
@@ -181,7 +194,7 @@ class HybridParallelOptimizer(OptimizerWrapper):
 
 
 class HybridParallelPlugin(Plugin):
-    """Tensor × pipeline × data parallelism: ``world = dp_size * pp_size * tp_size``. Every
+    """Tensor × pipeline × context × data parallelism: ``world = dp_size * pp_size * cp_size * tp_size``. Every
     argument, with what it needs of the model, is in docs/hybrid.md's table."""
 
     supports_pipeline = True
@@ -191,10 +204,12 @@ class HybridParallelPlugin(Plugin):
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
                  precision: str = "fp32", activation_checkpointing: bool = False, *,
-                 tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1):
+                 tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1,
+                 cp_size: int = 1, cp_mode: str = "ring"):
+        from ..context_parallel import MODES as CP_MODES
         from ..tp_nd.grid import factor
         for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
-                        ("microbatch_size", microbatch_size)):
+                        ("microbatch_size", microbatch_size), ("cp_size", cp_size)):
             optional = name in ("num_microbatches", "microbatch_size")
             if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
@@ -215,14 +230,22 @@ class HybridParallelPlugin(Plugin):
         if sequence_parallel and tp_size == 1:
             raise ValueError("HybridParallelPlugin(sequence_parallel=True): needs tp_size > 1; "
                              "set tp_size=2 (or more) or sequence_parallel=False")
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"HybridParallelPlugin(cp_mode={cp_mode!r}): choose one of {CP_MODES}")
+        if cp_size > 1 and tp_mode != "1d" and tp_size > 1:
+            raise ValueError(f"HybridParallelPlugin(cp_size={cp_size}, tp_mode={tp_mode!r}): context parallelism "
+                             "composes with 1D tensor parallelism; use tp_mode='1d' or cp_size=1")
+        if cp_size > 1 and sequence_parallel:
+            raise ValueError(f"HybridParallelPlugin(cp_size={cp_size}, sequence_parallel=True): both cut the "
+                             "sequence; context parallelism already holds 1/cp of it, set sequence_parallel=False")
         if zero_stage == 1 and tp_size > 1:
             raise ValueError("HybridParallelPlugin(zero_stage=1, tp_size>1): ZeRO-1 over DTensor "
                              "parameters is not supported; use zero_stage=0 with tensor parallelism")
         world = _world_size()
-        if world is not None and world % (tp_size * pp_size):
-            raise ValueError(f"HybridParallelPlugin(tp_size={tp_size}, pp_size={pp_size}): tp_size * pp_size = "
-                             f"{tp_size * pp_size} does not divide the world size {world}; choose sizes whose "
-                             f"product divides {world}")
+        if world is not None and world % (tp_size * pp_size * cp_size):
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp_size}, pp_size={pp_size}, cp_size={cp_size}): "
+                             f"tp_size * pp_size * cp_size = {tp_size * pp_size * cp_size} does not divide the world "
+                             f"size {world}; choose sizes whose product divides {world}")
         self.tp_size, self.pp_size, self.zero_stage = tp_size, pp_size, zero_stage
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
@@ -231,6 +254,9 @@ class HybridParallelPlugin(Plugin):
         self.activation_checkpointing = activation_checkpointing
         self.tp_plan, self.input_key = tp_plan, input_key
         self.tp_mode, self.tp_depth = tp_mode, tp_depth
+        self.cp_size, self.cp_mode = cp_size, cp_mode
+        self._cp_group = None    # this rank's context-parallel group (cp_size > 1)
+        self._grad_group = None  # the ranks that hold the same parameters: dp x cp
         self._nd_plan = None  # {module name: role} under tp_mode 2d/2.5d/3d, resolved in configure
         self.mesh = None
         self._dp_group = None
@@ -250,7 +276,7 @@ class HybridParallelPlugin(Plugin):
     def dp_size(self) -> int:
         if self.mesh is None:
             w = _world_size() or 1
-            return w // (self.tp_size * self.pp_size)
+            return w // (self.tp_size * self.pp_size * self.cp_size)
         return self.mesh["dp"].size()
 
     @property
@@ -293,13 +319,22 @@ class HybridParallelPlugin(Plugin):
         if self.tp_size > 1 and callable(getattr(model, "check_tp", None)):
             # N-d: heads are cut over q ranks (a grid side), not over the whole tp group
             model.check_tp(self.tp_size if not nd else self.tp_grid.get("row", self.tp_grid.get("y")))
+        if self.cp_size > 1:
+            if not callable(getattr(model, "enable_context_parallel", None)):
+                raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}): {type(model).__name__} has no "
+                                 "enable_context_parallel(group, mode) (the model contract); implement it or set cp_size=1")
+            heads = getattr(getattr(model, "cfg", None), "n_head", None)
+            if self.cp_mode == "ulysses" and heads is not None and (heads // self.tp_size) % self.cp_size:
+                raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}, cp_mode='ulysses'): each rank's "
+                                 f"{heads // self.tp_size} heads (n_head={heads} / tp_size={self.tp_size}) do not divide "
+                                 f"over cp_size; use a cp_size dividing {heads // self.tp_size} or cp_mode='ring'")
         if not dist.is_initialized():
             raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
                                "with cl.launch(n=...) or torchrun")
         world = dist.get_world_size()
-        if world % (self.tp_size * self.pp_size):
-            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}): "
-                             f"tp_size * pp_size does not divide the world size {world}")
+        if world % (self.tp_size * self.pp_size * self.cp_size):
+            raise ValueError(f"HybridParallelPlugin(tp_size={self.tp_size}, pp_size={self.pp_size}, cp_size="
+                             f"{self.cp_size}): their product does not divide the world size {world}")
         # parameter names by identity, taken now: tensor parallelism replaces the parameters
         names_of: Dict[int, List[str]] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -308,11 +343,26 @@ class HybridParallelPlugin(Plugin):
             model.enable_activation_checkpointing()
 
         # ---- groups ----
-        dp = world // (self.tp_size * self.pp_size)
+        dp = world // (self.tp_size * self.pp_size * self.cp_size)
         device = default_device()
-        self.mesh = init_device_mesh(device.type, (dp, self.pp_size, self.tp_size),
-                                     mesh_dim_names=("dp", "pp", "tp"))
+        # cp sits between pp and tp: a cp group's ranks are neighbours after tp's (tp is innermost)
+        self.mesh = init_device_mesh(device.type, (dp, self.pp_size, self.cp_size, self.tp_size),
+                                     mesh_dim_names=("dp", "pp", "cp", "tp"))
         self._dp_group = self.mesh["dp"].get_group() if dp > 1 else None
+        self._grad_group = self._dp_group
+        if self.cp_size > 1:
+            from ..context_parallel import apply_context_parallel
+
+            self._cp_group = self.mesh["cp"].get_group()
+            # gradients are averaged over every rank holding the same parameters: dp x cp
+            me = dist.get_rank()
+            for p_ in range(self.pp_size):
+                for t_ in range(self.tp_size):
+                    ranks = self.mesh.mesh[:, p_, :, t_].flatten().tolist()
+                    g = dist.new_group(ranks)  # every rank creates every group, in the same order
+                    if me in ranks:
+                        self._grad_group = g
+            apply_context_parallel(model, self._cp_group, self.cp_mode)  # before the stages copy it
         pp_group = self.mesh["pp"].get_group()
         pp_rank = self.mesh["pp"].get_local_rank()
         tp_mesh = self.mesh["tp"]
@@ -351,6 +401,8 @@ class HybridParallelPlugin(Plugin):
         hp_model = HybridParallelModule(modules, runtime, self)
         if grid is not None:
             hp_model.nd = NdParallel(grid, nd_params)
+        if self._cp_group is not None:
+            hp_model.cp = (self._cp_group, self.cp_mode)
         self._model = hp_model
         tied = [names for names in names_of.values() if len(names) > 1]
         if tied and self.pp_size > 1:
@@ -362,11 +414,11 @@ class HybridParallelPlugin(Plugin):
         hp_optim = None
         if optimizer is not None:
             cls = None
-            if self.zero_stage == 1 and self.dp_size > 1:
+            if self.zero_stage == 1 and self.dp_size * self.cp_size > 1:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
                 cls = functools.partial(ZeroRedundancyOptimizer, optimizer_class=type(optimizer),
-                                        process_group=self._dp_group)
+                                        process_group=self._grad_group)
             optim = rebuild_optimizer(optimizer, names_of, dict(hp_model.named_model_parameters()),
                                       optimizer_class=cls, partial=True)
             hp_optim = HybridParallelOptimizer(optim, hp_model, self)
@@ -388,8 +440,8 @@ class HybridParallelPlugin(Plugin):
                 local.setdefault(which[n], []).append((n, p))
         held: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(held, sorted(local))
-        ranks, me = self.mesh.mesh, dist.get_rank()  # (dp, pp, tp) tensor of global ranks
-        pipelines = ranks.transpose(1, 2).reshape(-1, ranks.shape[1]).tolist()  # one per (dp, tp)
+        ranks, me = self.mesh.mesh, dist.get_rank()  # (dp, pp, cp, tp) tensor of global ranks
+        pipelines = ranks.permute(0, 2, 3, 1).reshape(-1, ranks.shape[1]).tolist()  # one per (dp, cp, tp)
         for i in range(len(tied)):
             for pipeline in pipelines:
                 holders = [r for r in pipeline if i in held[r]]
@@ -412,19 +464,21 @@ class HybridParallelPlugin(Plugin):
         # N-d: each rank's loss is the mean over its piece of the batch and the grid's reductions sum
         # the pieces, so gradients are averaged over the nb pieces as over data parallelism
         nb = model.nd.grid.batch_shards if model.nd is not None else 1
-        if self._dp_group is None and nb > 1:
+        # (context parallelism likewise: each rank's loss is the mean over its shard of the sequence)
+        group = self._grad_group
+        if group is None and nb > 1:
             for _, p in named:
                 if p.grad is not None:
                     p.grad.div_(nb)
-        if self._dp_group is not None:
+        if group is not None:
             grads = [_local(p.grad) for _, p in named if p.grad is not None]
             by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
             for g in grads:
                 by_dtype.setdefault(g.dtype, []).append(g)
-            n = dist.get_world_size(self._dp_group) * nb
+            n = dist.get_world_size(group) * nb
             for gs in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for g in gs])
-                comm.all_reduce(flat, group=self._dp_group)
+                comm.all_reduce(flat, group=group)
                 flat.div_(n)
                 off = 0
                 for g in gs:
@@ -453,7 +507,9 @@ class HybridParallelPlugin(Plugin):
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
-        if model.nd is None:
+        if self._cp_group is not None:
+            out = self._run_cp(model, batch, criterion, m, return_outputs)
+        elif model.nd is None:
             out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
         else:
             out = self._run_nd(model, batch, criterion, m, return_outputs)
@@ -481,6 +537,20 @@ class HybridParallelPlugin(Plugin):
         if out["loss"] is not None and g.pg is not None:
             (total,) = comm.reduce_values([float(out["loss"])], group=g.pg)
             out["loss"] = torch.tensor(total / g.size, dtype=out["loss"].dtype)
+        return out
+
+    def _run_cp(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool):
+        """One step under context parallelism: this rank's shard of every sequence (input and
+        targets; zig-zag for ring), ring/all-to-all waits as ``comm`` spans; the loss reported is
+        the mean over the cp group's shards (outputs stay this rank's shard)."""
+        from .. import context_parallel as cp
+
+        batch = cp.shard_batch(batch, self._cp_group, self.cp_mode, keys=(self.input_key, "targets"))
+        with cp.comm_spans(model.runtime.recorder):
+            out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        if out["loss"] is not None:
+            (total,) = comm.reduce_values([float(out["loss"])], group=self._cp_group)
+            out["loss"] = torch.tensor(total / self.cp_size, dtype=out["loss"].dtype)
         return out
 
     def get_checkpoint_io(self):
