@@ -41,10 +41,12 @@ def _ar(p: int, n: float) -> float:
 
 
 def textbook(model: nn.Module, mode: str, tp_size: int, tokens: int, depth: int = 1, microbatches: int = 1,
-             elem: int = 4, vocab_parallel_loss: bool = True, tp_plan: Optional[dict] = None) -> Dict[str, float]:
+             elem: int = 4, vocab_parallel_loss: bool = True, tp_plan: Optional[dict] = None,
+             calls: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Bytes one rank sends per training step under ``mode`` at ``tp_size`` ranks, by part
     (``linear``, ``depth``, ``norm``, ``embedding``, ``loss``, ``bias``); ``model`` is the whole
-    (unsplit) model, whose layer roles come from the model contract."""
+    (unsplit) model, whose layer roles come from the model contract; ``calls`` names the modules
+    a forward calls more than once (``{name: times}``), every other planned module is called once."""
     from .apply import resolve_plan
 
     out: Dict[str, float] = defaultdict(float)
@@ -67,7 +69,7 @@ def textbook(model: nn.Module, mode: str, tp_size: int, tokens: int, depth: int 
     nb = tp_size // q
     r = N / nb / m  # rows per rank and microbatch
     for name, (role, _) in resolve_plan(model, tp_plan).items():
-        mod = mods[name]
+        mod, before = mods[name], dict(out)
         if role in ("colwise", "rowwise", "head"):
             i, o = mod.in_features, mod.out_features
             if mode == "3d":
@@ -87,6 +89,8 @@ def textbook(model: nn.Module, mode: str, tp_size: int, tokens: int, depth: int 
         else:
             h = mod.weight.shape[0]
             out["norm"] += m * (2 * _ar(q, r * 4) + 2 * (nb - 1) / nb * h / q * elem)
+        for k in out:  # a module called n times communicates n times
+            out[k] = before.get(k, 0.0) + (out[k] - before.get(k, 0.0)) * (calls or {}).get(name, 1)
     return dict(out)
 
 
