@@ -179,3 +179,23 @@ def _plan_on_ranks():
 def test_on_every_rank_of_a_process_group_the_ranks_calibrate_together_and_agree(cluster):
     got = cluster.run(_plan_on_ranks)
     assert len(got) == 2 and got[0] == got[1], got  # one merged calibration, one choice
+
+
+def _auto_plugin_on_ranks():
+    import torch
+
+    from colossal_lab.engine.models import GPTConfig
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin.auto(GPTConfig.preset("tiny"), batch=4, seq=32, device_memory=64 << 20, reps=1)
+    assert isinstance(plugin, HybridParallelPlugin)
+    return plugin.autoplan.best.label, plugin.tp_size * plugin.pp_size * plugin.dp_size
+
+
+def test_hybrid_parallel_plugin_auto_returns_the_chosen_layout_as_a_plugin(cluster):
+    got = cluster.run(_auto_plugin_on_ranks)
+    assert got[0] == got[1] and got[0][1] == 2, got
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    with pytest.raises(ValueError, match="world_size"):
+        HybridParallelPlugin.auto(TINY, batch=4)  # no process group here, no world_size

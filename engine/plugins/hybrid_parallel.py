@@ -267,6 +267,26 @@ class HybridParallelPlugin(Plugin):
         self._tie_skip: set = set()
         self._model: Optional[HybridParallelModule] = None
 
+    @classmethod
+    def auto(cls, model_or_config, *, batch: int, world_size: Optional[int] = None, seq: Optional[int] = None,
+             device_memory: Optional[int] = None, **kw) -> "HybridParallelPlugin":
+        """The layout ``cl.autoplan`` chooses for this model on ``world_size`` ranks (default: the
+        running process group's), as a plugin; its table is ``plugin.autoplan``. Call it on every rank
+        (the ranks calibrate together) or in the notebook with ``cluster=``. Arguments:
+        docs/autoplan.md. (The search lives beside ``cl.plan`` in ``colossal_lab.autoparallel``,
+        imported here on use: it measures, and the engine does not depend on it.)"""
+        from colossal_lab.autoparallel import autoplan
+
+        world_size = world_size if world_size is not None else _world_size()
+        if world_size is None:
+            raise ValueError("HybridParallelPlugin.auto(world_size=None): no process group is running; pass "
+                             "world_size= (and cluster=cl.launch(n=world_size) to calibrate on)")
+        plan = autoplan(model_or_config, world_size=world_size, batch=batch, seq=seq,
+                        device_memory=device_memory, **kw)
+        plugin = plan.plugin()
+        plugin.autoplan = plan
+        return plugin
+
     # ---- groups -------------------------------------------------------------------------
     @property
     def dp_group(self):
