@@ -415,6 +415,20 @@ class GPT(nn.Module):
             return {int(k): frozenset(("layer",)) for k in self.blocks}
         return layers
 
+    def _collectives_in_blocks(self) -> Optional[str]:
+        """What parallelism puts collectives inside the blocks (their recompute would run them too)."""
+        if self.context_parallel is not None:
+            return "context parallelism"
+        from torch.distributed.tensor import DTensor
+
+        base = __name__.rsplit(".", 2)[0]  # colossal_lab.engine
+        for m in self.blocks.modules():
+            if type(m).__module__.startswith(base + ".tp_nd"):
+                return "2D/2.5D/3D tensor parallelism"
+            if any(isinstance(p, DTensor) for p in m.parameters(recurse=False)):
+                return "tensor parallelism"
+        return None
+
     def _auto_layers(self, idx, targets) -> Dict[int, FrozenSet[str]]:
         """``activation_checkpointing="auto"``: the plan for this input shape, profiled on this batch
         the first time the shape is seen (engine/autockpt.py; the result is ``self.checkpoint_plan``)."""
@@ -422,6 +436,14 @@ class GPT(nn.Module):
         plan = self._auto_plans.get(key)
         if plan is None:
             from ..autockpt import plan_checkpointing
+
+            shared = self._collectives_in_blocks()
+            if shared:  # each rank times its own profile: two ranks may choose differently
+                raise ValueError(
+                    f"GPT: activation_checkpointing='auto' under {shared}: every rank would plan from its own timings "
+                    "and a block recomputed on one rank but not on another deadlocks the collectives inside it. Plan "
+                    "once before boost (autockpt.plan_checkpointing on one rank's batch) and give every rank the same "
+                    "enable_activation_checkpointing(plan.layers), or use activation_checkpointing=True")
 
             was = (self.cfg.activation_checkpointing, self.checkpoint_layers)
             try:
