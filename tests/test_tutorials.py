@@ -24,6 +24,7 @@ TINY = {
     "02_fine_tuning": dict(preset="tiny", steps=30),
     "03_quantized_inference": dict(preset="tiny"),
     "04_pipeline_timelines": dict(preset="tiny"),
+    "05_parallelism_zoo": dict(steps=2),
 }
 
 
