@@ -184,7 +184,9 @@ def _four(rank, world, ckpt_dir):
     from colossal_lab.engine.tp_nd import CrossEntropy
 
     return {"2d": _train(dict(tp_size=4, tp_mode="2d"), CrossEntropy(), after=_checkpoint_round_trip(ckpt_dir)),
-            "user_2d": _train(dict(tp_size=4, tp_mode="2d"), CrossEntropy(), steps=3, build=_user)}
+            "user_2d": _train(dict(tp_size=4, tp_mode="2d"), CrossEntropy(), steps=3, build=_user),
+            "2d_ac": _train(dict(tp_size=4, tp_mode="2d", activation_checkpointing=True), CrossEntropy(), steps=3),
+            "2d_bf16": _train(dict(tp_size=4, tp_mode="2d", precision="bf16"), CrossEntropy(), steps=3)}
 
 
 EIGHT = {
@@ -275,6 +277,21 @@ def test_2d_four_ranks_follows_one_process(four, reference):
 @pytest.mark.parametrize("name", ["2.5d", "3d", "2d_dp2", "2d_pp2"])
 def test_eight_ranks_follow_one_process(eight, reference, name):
     _check_curve([r[name] for r in eight], reference, name)
+
+
+def test_2d_with_activation_checkpointing_and_bf16(four, reference):
+    """Recomputed blocks rerun their collectives in backward (same curve, more bytes); bf16
+    autocast moves the linears' blocks in bf16 (half the bytes) and trains like fp32."""
+    results = four[0]
+    _check_curve([r["2d_ac"] for r in results], (reference[0][:3], reference[1][:3]), "2d ac", steps=3)
+    for r in results:
+        plain, ac, bf = (r[k]["steps"][0]["bytes"] for k in ("2d", "2d_ac", "2d_bf16"))
+        assert ac["summa.bcast_x"] > plain["summa.bcast_x"]  # the forward ran twice
+        assert bf["summa.bcast_w"] == plain["summa.bcast_w"] / 2
+        losses = [s["loss"] for s in r["2d_bf16"]["steps"]]
+        for got, want in zip(losses, reference[0]):
+            assert abs(got - want) <= 1e-2 * want, (losses, reference[0][:3])
+        assert losses[-1] < losses[0] - 0.2
 
 
 def test_a_user_model_follows_one_process_under_2d_and_3d(four, eight):
