@@ -4,10 +4,12 @@ A tiny GPT trained 5 steps under 2D (4 ranks), and on 8 ranks 2.5D (q=2, d=2), 3
 and 2D x pp=2, follows the one-process loss curve within 1e-4 relative and its gradients match per
 parameter at every step; the bytes counted at the collective calls equal the textbook volume of
 each scheme exactly (engine/tp_nd/volume.py) and every collective is one ``comm`` span inside an
-F or B span, on the telemetry bus; a 2D checkpoint loads into a plain GPT and into a 1D run (model
-and optimizer: the next step's loss is the 2D run's); sizes that do not factor are rejected before
-any process group exists, naming sizes that work. One process-group launch per world size (CI has
-2 cores); the tests below check its parts.
+F or B span, on the telemetry bus; a user model (biases, learned positions) does the same under 2D
+and 3D; 2D with activation checkpointing and under bf16 train; 2D checkpoints load into a plain
+GPT and into a 1D run (model and optimizer: its next steps' losses are the 2D run's), and the 1D
+run's back into 2D; sizes that do not factor are rejected before any process group exists,
+naming sizes that work. One process-group launch per world size (CI has 2 cores); the tests
+below check its parts.
 """
 
 import math
@@ -172,11 +174,22 @@ def _checkpoint_round_trip(ckpt_dir):
         booster1.load_optimizer(o1, os.path.join(ckpt_dir, "optim"))
         loaded = m1.full_state_dict()
         more_1d = []
-        for _ in range(2):
+        for i in range(3):
+            if i == 2:  # and back: a 2D run resumes from the 1D run's checkpoints
+                booster1.save_model(m1, os.path.join(ckpt_dir, "model_1d"))
+                booster1.save_optimizer(o1, os.path.join(ckpt_dir, "optim_1d"))
             more_1d.append(booster1.execute_pipeline(iter([_batch()]), m1, crit, o1)["loss"].item())
             o1.step()
             o1.zero_grad()
-        return {"state": state, "next_losses": more, "loaded_1d": loaded, "next_losses_1d": more_1d}
+        booster2 = Booster(plugin=HybridParallelPlugin(tp_size=4, tp_mode="2d"))
+        torch.manual_seed(321)
+        m2 = GPT(_cfg())
+        m2, o2, *_ = booster2.boost(m2, _optim(m2))
+        booster2.load_model(m2, os.path.join(ckpt_dir, "model_1d"))
+        booster2.load_optimizer(o2, os.path.join(ckpt_dir, "optim_1d"))
+        back = booster2.execute_pipeline(iter([_batch()]), m2, criterion, o2)["loss"].item()
+        return {"state": state, "next_losses": more, "loaded_1d": loaded, "next_losses_1d": more_1d[:2],
+                "third_loss_1d": more_1d[2], "back_in_2d": back}
     return after
 
 
@@ -364,7 +377,7 @@ def test_every_collective_is_a_comm_span_inside_its_f_or_b(four, eight):
         assert sorted(map(key, res["emitted"])) == sorted(map(key, spans))  # all on the bus, final ends
 
 
-def test_2d_checkpoint_loads_into_a_plain_model_and_a_1d_run(four):
+def test_2d_checkpoints_load_into_a_plain_model_and_a_1d_run_and_back(four):
     from colossal_lab.engine.checkpoint_io import load_state_dict_shards
     from colossal_lab.engine.models import GPT
 
@@ -379,6 +392,8 @@ def test_2d_checkpoint_loads_into_a_plain_model_and_a_1d_run(four):
         # the 1D run's next steps (model and SGD momentum from the 2D checkpoints) equal the 2D run's
         for got, want in zip(r["2d"]["next_losses_1d"], results[0]["2d"]["next_losses"]):
             assert abs(got - want) <= 1e-5 * want, (r["2d"]["next_losses_1d"], results[0]["2d"]["next_losses"])
+        # and a 2D run loads the 1D run's checkpoints: its step equals the 1D run's next one
+        assert abs(r["2d"]["back_in_2d"] - r["2d"]["third_loss_1d"]) <= 1e-5 * r["2d"]["third_loss_1d"]
     first, second = results[0]["2d"]["next_losses"]
     assert second < first  # the second step moved (with momentum), so the check above can fail
 
