@@ -343,11 +343,16 @@ class HybridParallelPlugin(Plugin):
             if not callable(getattr(model, "enable_context_parallel", None)):
                 raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}): {type(model).__name__} has no "
                                  "enable_context_parallel(group, mode) (the model contract); implement it or set cp_size=1")
-            heads = getattr(getattr(model, "cfg", None), "n_head", None)
-            if self.cp_mode == "ulysses" and heads is not None and (heads // self.tp_size) % self.cp_size:
-                raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}, cp_mode='ulysses'): each rank's "
-                                 f"{heads // self.tp_size} heads (n_head={heads} / tp_size={self.tp_size}) do not divide "
-                                 f"over cp_size; use a cp_size dividing {heads // self.tp_size} or cp_mode='ring'")
+            # Ulysses cuts each rank's heads (already cut over tp) over cp: asked through the contract's
+            # check_tp, as the heads must divide over tp_size * cp_size ranks
+            if self.cp_mode == "ulysses" and callable(getattr(model, "check_tp", None)):
+                try:
+                    model.check_tp(self.tp_size * self.cp_size)
+                except ValueError as exc:
+                    raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}, cp_mode='ulysses', tp_size="
+                                     f"{self.tp_size}): Ulysses cuts the heads over tp_size * cp_size = "
+                                     f"{self.tp_size * self.cp_size} ranks ({exc}); use cp_mode='ring' or smaller "
+                                     "sizes") from None
         if not dist.is_initialized():
             raise RuntimeError("HybridParallelPlugin: torch.distributed is not initialised; start the ranks "
                                "with cl.launch(n=...) or torchrun")
