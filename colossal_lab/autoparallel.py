@@ -30,7 +30,8 @@ once, so a CPU box's shared cores and a GPU box's links are what is measured), b
 A step is then (``m`` microbatches, ``pp`` stages, ``v`` model chunks per stage, the times those of
 one microbatch on one rank, i.e. ``1/pp`` of the model): ``(m + (pp-1)/v) · (t_F + t_B + AC·t_F +
 TP comm + 2·v·p2p)``, plus the data-parallel
-gradient all-reduce (ZeRO-1: and the parameters' broadcast), plus the optimizer step over this
+gradient all-reduce (ZeRO-1: and the parameters' broadcast, one collective per parameter tensor as
+``ZeroRedundancyOptimizer`` issues them), plus the optimizer step over this
 rank's parameters (ZeRO-1: its ``1/dp`` share). Tensor parallelism (1D, Megatron) costs two
 all-reduces of the microbatch's activations per layer forward and two backward (and the forward's
 again under checkpointing). Overlap of communication with compute is not modelled (gloo does not
@@ -407,8 +408,9 @@ class Costs:
 
 
 def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, layers: int,
-            params: int, act_bytes: int = 4, grad_bytes: int = 4) -> Dict[str, float]:
-    """Predicted seconds of one step of layout ``c`` (global ``batch``), by part."""
+            params: int, tensors: int = 0, act_bytes: int = 4, grad_bytes: int = 4) -> Dict[str, float]:
+    """Predicted seconds of one step of layout ``c`` (global ``batch``), by part; ``params`` the
+    model's parameter elements, ``tensors`` its parameter tensors."""
     local = batch // c.dp
     m = c.num_microbatches if c.pp > 1 else 1
     tok = local // m * seq                         # tokens of one microbatch
@@ -426,7 +428,10 @@ def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, la
     local_params = params / (c.tp * c.pp)
     dp_comm = costs.allreduce(c.dp, local_params * grad_bytes)
     if c.zero_stage == 1:
-        dp_comm += costs.allreduce(c.dp, local_params * grad_bytes) / 2  # the step's parameter broadcast
+        # ZeroRedundancyOptimizer broadcasts every parameter tensor from its owner after the step:
+        # one collective per tensor (latency each) carrying the parameters' bytes once
+        per_call = costs.allreduce(c.dp, 1.0)
+        dp_comm += tensors / (c.tp * c.pp) * per_call + costs.allreduce(c.dp, local_params * grad_bytes) / 2
     optim = costs.adam(local_params / (c.dp if c.zero_stage == 1 else 1))
     total = pipeline + dp_comm + optim
     return {"total": total, "pipeline": pipeline, "compute": slots * compute, "tp_comm": slots * tp_comm,
@@ -639,7 +644,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         raise ValueError(f"autoplan(cluster=...): it has {cluster.n} ranks, world_size={world_size}; "
                          f"launch cl.launch(n={world_size}) or pass world_size={cluster.n}")
     cands = candidates(model_or_config, world_size, batch, **space)
-    params = sum(p.numel() for p in {id(p): p for p in meta.parameters()}.values())
+    unique = {id(p): p for p in meta.parameters()}.values()
+    params, tensors = sum(p.numel() for p in unique), len(unique)
 
     t0 = time.perf_counter()
     peaks: Dict[Candidate, Tuple[int, bool]] = {}
@@ -652,7 +658,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     t_mem = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params)
+    dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params, tensors=tensors)
     if calibration is None:
         args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
                 sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
