@@ -447,6 +447,7 @@ class ContextParallel:
         self.group, self.mode, self.backend = group, mode, backend
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._positions: Dict[tuple, torch.Tensor] = {}
+        self._constants: Dict[tuple, torch.Tensor] = {}
 
     def __call__(self, q, k, v, causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
         fn = ring_attention if self.mode == "ring" else ulysses_attention
@@ -465,6 +466,19 @@ class ContextParallel:
         """This rank's shard of a whole-sequence tensor (e.g. rotary tables, ``dim=0``): a view for
         Ulysses' contiguous shard, a copy of two chunks for the ring's zig-zag."""
         return shard_sequence(x, self.rank, self.size, self.mode, dim)
+
+    def shard_constant(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """:meth:`shard` of a tensor that does not change between steps (a buffer such as the
+        rotary tables), kept: the ring's zig-zag shard is a copy, and made once it is model state,
+        not a new allocation in every forward. Keyed by storage, offset, shape and version, so an
+        in-place change or a move to another device makes a new shard."""
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x._version, dim, str(x.device))
+        got = self._constants.get(key)
+        if got is None:
+            if len(self._constants) >= 8:  # a few lengths at a time; old devices' entries go
+                self._constants.pop(next(iter(self._constants)))
+            got = self._constants[key] = self.shard(x.detach(), dim)
+        return got
 
     def check_heads(self, heads: int) -> None:
         """``ValueError`` (naming the cp sizes that would work) if Ulysses cannot split ``heads``."""

@@ -262,7 +262,7 @@ class GPT(nn.Module):
         if cp is None:
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # a shard of the sequence: the rows of its tokens' global positions, sharded alike
-            cos, sin = (cp.shard(t[:T * cp.size], dim=0) for t in (self.rope_cos, self.rope_sin))
+            cos, sin = (cp.shard_constant(t[:T * cp.size], dim=0) for t in (self.rope_cos, self.rope_sin))
         recompute = self._recompute(idx, targets, cache)
         h = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx
         for key, block in self.blocks.items():
