@@ -10,7 +10,9 @@ SDPA's fused CPU flash kernel here); cp>1 is the same model after ``apply_contex
 ``shard_batch``'s shards. Each rank measures itself with ``colossal_lab.plan.measure``: the peak of
 live tensor bytes held through PyTorch's CPU allocator during the step, every thread included
 (c10's process-wide allocation counter read from ``torch.profiler``'s memory events; gloo's
-buffers count), from a baseline taken just before the step. A warm-up step at a short length
+buffers count), from a baseline taken just before the step (by default the second step at each
+length: the first also makes what is kept per length, e.g. the ring's rotary-table shards;
+``--first-step`` measures that one). A warm-up step at a short length
 first allocates the parameters' ``.grad``; the measured step accumulates into them, so the peak is
 activations, temporaries and communication buffers, not weights or gradients.
 
@@ -78,6 +80,8 @@ def _worker(rank, world, port, args, modes, q):
             _step(model, batch_of(2 * world * 16))  # warm-up: allocates every .grad
             for T in args.seqs:
                 b = batch_of(T)
+                if not args.first_step:  # steady state: what every later step at this length holds
+                    _step(model, b)
                 gc.collect()
                 dist.barrier()
                 cp.COMM.reset()
@@ -125,6 +129,9 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--first-step", action="store_true",
+                    help="measure the first step at each length (default: a second one, after an unmeasured "
+                         "step at that length: what training holds at every later step)")
     args = ap.parse_args()
     args.seqs = [int(s) for s in args.seqs.split(",")]
     cps = [int(c) for c in args.cps.split(",")]
