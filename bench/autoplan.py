@@ -77,6 +77,7 @@ def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: 
     for i in range(steps):
         step(booster, model, opt, data[i % 2])
     seconds = _t.perf_counter() - t0
+    booster.plugin.close()  # every layout's process groups, or the ranks pile up gloo threads
     del model, opt, booster
     gc.collect()
     return {"seconds": seconds, "peak": peak}

@@ -474,7 +474,8 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 1
         out = out[0] if isinstance(out, tuple) else out
         return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
 
-    booster = Booster(plugin=c.plugin())
+    plugin = c.plugin()
+    booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
     x = torch.randint(0, vocab, (batch // c.dp, seq), generator=torch.Generator().manual_seed(0))
 
@@ -488,7 +489,9 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 1
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - t0) / steps
+    seconds = (time.perf_counter() - t0) / steps
+    plugin.close()  # its process groups: a search boosts many layouts on the same ranks
+    return seconds
 
 
 def choose_probes(rows: Sequence[Dict[str, Any]], layers: int) -> List[Candidate]:

@@ -578,6 +578,32 @@ class HybridParallelPlugin(Plugin):
             out["loss"] = torch.tensor(total / self.cp_size, dtype=out["loss"].dtype)
         return out
 
+    def close(self) -> None:
+        """Destroy the process groups this plugin made (its mesh's, dp × cp, tied copies', the N-d
+        grid's): every boost makes new ones, and gloo keeps threads and sockets per group, so a
+        notebook that boosts again and again (a search, a sweep) should close the plugin it is done
+        with. Every rank calls it; the boosted model and optimizer cannot step afterwards."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        groups: List[Any] = []
+        if self.mesh is not None:
+            groups += [self.mesh.get_group(n) for n in self.mesh.mesh_dim_names]
+        groups += [self._grad_group, self._cp_group] + [g for _, g in self._ties]
+        nd = getattr(self._model, "nd", None)
+        if nd is not None:
+            groups += [g.pg for g in nd.grid.groups.values()]
+        seen = set()
+        for g in groups:
+            if g is None or g is dist.group.WORLD or id(g) in seen:
+                continue
+            seen.add(id(g))
+            try:
+                dist.destroy_process_group(g)
+            except (ValueError, RuntimeError):  # already gone (torch tears down a mesh's own groups too)
+                pass
+        self.mesh, self._dp_group, self._grad_group, self._cp_group, self._ties = None, None, None, None, []
+        self._model = None
+
     def get_checkpoint_io(self):
         from ..pipeline.checkpoint import HybridCheckpointIO
 
