@@ -51,3 +51,15 @@ def test_close_gives_back_what_each_boost_made():
         closed, kept = r[True], r[False]
         assert closed[-1] <= closed[0] + 2, closed           # flat: each boost's groups are gone
         assert kept[-1] - kept[0] > closed[-1] - closed[0], (kept, closed)  # what close() saved
+
+
+def _rank_again(rank, world):
+    # dp2 x tp2: the tp groups are not the world, so close() destroys them; the next boost's
+    # mesh equals the closed one, and DTensor's cached shardings must not name the old groups
+    for _ in range(3):
+        _boost_step(dict(tp_size=2), close=True)
+    return True
+
+
+def test_boost_after_close_with_equal_mesh():
+    assert run_distributed(_rank_again, 4, timeout=240) == [True] * 4

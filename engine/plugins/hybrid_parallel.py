@@ -603,8 +603,33 @@ class HybridParallelPlugin(Plugin):
                 pass
         self.mesh, self._dp_group, self._grad_group, self._cp_group, self._ties = None, None, None, None, []
         self._model = None
+        _forget_dtensor_shardings()
 
     def get_checkpoint_io(self):
         from ..pipeline.checkpoint import HybridCheckpointIO
 
         return HybridCheckpointIO()
+
+
+def _forget_dtensor_shardings() -> None:
+    """Drop DTensor's cached sharding propagations (the Python LRU and the C++ fast path's).
+
+    A ``DeviceMesh`` compares equal to any mesh of the same shape and names, so a cached output
+    spec made under a closed plugin's mesh is a hit for the next plugin's equal mesh, and its
+    collectives then name a process group that ``close()`` destroyed ("Could not resolve the
+    process group registered under the name ...")."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        return
+    except ImportError:  # an older torch: clear what it has
+        pass
+    from torch.distributed.tensor import DTensor
+
+    clear = getattr(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear", None)
+    if clear is not None:
+        clear()
+    fast = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if fast is not None:
+        fast()
