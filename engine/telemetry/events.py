@@ -103,8 +103,60 @@ class StepMetrics:
     seconds: float
 
 
-Event = Union[ChunkEvent, StageSpan, MemorySample, StepMetrics]
-EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample, StepMetrics)}
+CHECKPOINT_OPTIONS = ("none", "layer", "attn", "mlp")  # what GPT's blocks can recompute (a model may list other parts)
+
+
+@dataclass(frozen=True)
+class CheckpointPlanEvent:
+    """The activation-checkpoint plan one rank chose (``engine/autockpt.py``), emitted when a plan
+    is made (``autockpt.solve``, which ``plan_checkpointing``, GPT's ``activation_checkpointing="auto"``
+    (once per batch shape) and the plugins' agreed plans end in) and when one is applied
+    (``autockpt.apply``).
+
+    ``stage`` is the model's pipeline stage where it says (an int ``stage_index`` attribute, else 0);
+    ``time`` the wall clock of
+    the emit (``time.time()``), which orders two plans of one ``(rank, stage)``: the later wins.
+    Bytes: ``budget``, ``predicted_peak`` (the plan's predicted peak activation memory of a
+    training step), ``peak_none`` (checkpointing nothing), ``peak_min`` (the lowest any plan
+    reaches), ``prefix_keep`` (what the layers before the chain, e.g. the embedding, keep).
+    Per layer of the chain, in order (equal lengths): ``names`` (``"blocks.3"``), ``options``
+    (``"none"``, ``"layer"`` or a part such as ``"attn"`` / ``"mlp"``), ``keep`` (bytes it keeps for
+    backward under its option), ``recompute_s`` (its predicted recompute seconds). ``layers`` is
+    what ``enable_activation_checkpointing(layers=...)`` got, as strings (``"0"``, ``"3.mlp"``).
+    ``device`` is where it was profiled (``"cpu"``, ``"cuda:0"``)."""
+
+    rank: int
+    stage: int
+    time: float
+    budget: int
+    predicted_peak: int
+    predicted_recompute_s: float
+    peak_none: int
+    peak_min: int
+    layers: Tuple[str, ...] = ()
+    names: Tuple[str, ...] = ()
+    options: Tuple[str, ...] = ()
+    keep: Tuple[int, ...] = ()
+    recompute_s: Tuple[float, ...] = ()
+    prefix_keep: int = 0
+    forward_s: float = 0.0
+    device: str = "cpu"
+
+    def __post_init__(self):
+        # JSON gives lists back (a trace, the relay's rows): the event holds tuples so it stays
+        # hashable and equal to the one emitted
+        for name in ("layers", "names", "options", "keep", "recompute_s"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "layers", tuple(str(x) for x in self.layers))
+        n = len(self.options)
+        bad = [f for f in ("names", "keep", "recompute_s") if len(getattr(self, f)) not in (0, n)]
+        if bad:
+            raise ValueError(f"CheckpointPlanEvent: {bad} must have one entry per layer ({n} options), "
+                             f"got lengths {[len(getattr(self, f)) for f in bad]}")
+
+
+Event = Union[ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent]
+EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent)}
 
 
 # field names per event type, read once: ``to_dict``/``from_dict`` run per event on the relay's
@@ -117,6 +169,8 @@ _NAMES = {name: (cls, frozenset(_FIELDS[cls])) for name, cls in EVENT_TYPES.item
 # every reader of these traces knows
 _OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),), StageSpan: (("dp", 0), ("tp", 0)),
                     MemorySample: (("peak", 0), ("reserved", 0), ("util", None))}
+# tuple fields written as JSON lists by ``to_dict`` (``__post_init__`` turns them back)
+_TUPLES = {CheckpointPlanEvent: ("layers", "names", "options", "keep", "recompute_s")}
 
 
 def to_dict(event: Event) -> dict:
@@ -128,6 +182,8 @@ def to_dict(event: Event) -> dict:
         d = {n: getattr(event, n) for n in names}
     if "params" in d:
         d["params"] = list(d["params"])
+    for name in _TUPLES.get(type(event), ()):
+        d[name] = list(d[name])
     for name, default in _OMIT_IF_DEFAULT.get(type(event), ()):
         if d.get(name) == default:
             del d[name]
@@ -149,7 +205,8 @@ def from_dict(d: dict[str, Any]) -> Event:
 # ``code`` the type's index in ``ROW_TYPES``. JSON of a row carries no key names (a dict per
 # event repeats every key), and a row is read back positionally. For the relay, whose ranks
 # and kernel run the same package; JSONL traces keep ``to_dict``'s self-describing dicts.
-ROW_TYPES = (ChunkEvent, StageSpan, MemorySample, StepMetrics)
+# append only: a type's index is its code on the relay's wire
+ROW_TYPES = (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent)
 _ROW_CODE = {cls: i for i, cls in enumerate(ROW_TYPES)}
 _GETTERS = {cls: operator.attrgetter(*_FIELDS[cls]) for cls in ROW_TYPES}
 
