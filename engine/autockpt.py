@@ -78,6 +78,12 @@ brute force). Were a front ever to exceed ``MAX_STATES`` states (long chains of 
 ``s`` is rounded up to a grid, which only overestimates memory. The same program with "max" in
 place of "+" gives the lowest peak any plan reaches (:func:`min_peak`), named in the error when a
 budget is below it.
+
+**Telemetry.** :func:`solve` (so :func:`plan_checkpointing` and everything planning through it) and
+:func:`apply` put the plan on this process's telemetry bus as a ``CheckpointPlanEvent`` (rank from
+``torch.distributed``, stage from the module's ``stage_index`` where it has one, per layer the option,
+kept bytes and recompute seconds); nothing is built while nobody listens. ``solve(..., report=False)``
+solves without reporting. ``colossal_lab.widgets.CheckpointPlanView`` draws it.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["CheckpointPlan", "CheckpointProfile", "OptionCost", "apply", "min_peak", "plan_checkpointing",
-           "profile_checkpointing", "solve"]
+           "plan_event", "profile_checkpointing", "solve"]
 
 NONE, LAYER = "none", "layer"
 MAX_STATES = 20000
@@ -156,6 +162,7 @@ class CheckpointProfile:
     device: str
     inputs: str
     profile_s: float = 0.0
+    stage: int = 0                   # the model's pipeline stage, where it says (telemetry reports it)
 
     @property
     def options(self) -> Tuple[str, ...]:
@@ -631,7 +638,7 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
                                  saved=saved_none.get((u, None), 0),
                                  parts={p: (saved_none.get((u, p), 0), fwd_time.get((u, p), 0.0)) for p in parts}))
     return CheckpointProfile(units=units, parts=parts, device=str(device), inputs=_describe(args, kwargs),
-                             profile_s=time.perf_counter() - t_start, **fixed)
+                             profile_s=time.perf_counter() - t_start, stage=_stage_of(model), **fixed)
 
 
 def _collect(meter: _Meter, probe: _Probe, choice: List[str], n: int, got: dict, fixed: Dict[str, int]) -> None:
@@ -787,8 +794,13 @@ def min_peak(profile: CheckpointProfile) -> Tuple[int, Tuple[str, ...]]:
     return profile.predict(choice)[0], choice
 
 
-def solve(profile: CheckpointProfile, budget: int) -> CheckpointPlan:
-    """The plan with the least predicted recompute time whose predicted peak is <= ``budget`` bytes."""
+def solve(profile: CheckpointProfile, budget: int, *, report: bool = True) -> CheckpointPlan:
+    """The plan with the least predicted recompute time whose predicted peak is <= ``budget`` bytes.
+
+    With ``report`` (the default) the plan goes on this process's telemetry bus as a
+    ``CheckpointPlanEvent`` (nothing is built when nobody listens): every route to a plan in use
+    (``plan_checkpointing``, GPT's ``"auto"``, a plugin's agreed plan) ends here. A caller that
+    solves what-ifs (a planner's search, a table over budgets) passes ``report=False``."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0 or math.isinf(budget):
         raise ValueError(f"solve: budget={budget!r} must be a number of bytes > 0 (the peak activation memory of "
                          "a training step), e.g. budget=512 << 20")
@@ -804,9 +816,12 @@ def solve(profile: CheckpointProfile, budget: int) -> CheckpointPlan:
     _, choice = res
     peak, t = profile.predict(choice)
     entries = [e for u, o in zip(profile.units, choice) if (e := u.entry(o)) is not None]
-    return CheckpointPlan(budget=budget, choice=choice, layers=entries, predicted_peak=peak, predicted_recompute_s=t,
+    plan = CheckpointPlan(budget=budget, choice=choice, layers=entries, predicted_peak=peak, predicted_recompute_s=t,
                           peak_none=profile.predict([NONE] * len(profile.units))[0], peak_min=lowest,
                           forward_s=profile.forward_s, names=tuple(u.name for u in profile.units), profile=profile)
+    if report:
+        _emit(plan, profile.stage)
+    return plan
 
 
 def plan_checkpointing(model: nn.Module, sample_inputs, budget: int, loss_fn: Optional[Callable] = None, *,
@@ -816,7 +831,7 @@ def plan_checkpointing(model: nn.Module, sample_inputs, budget: int, loss_fn: Op
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(f"plan_checkpointing: budget={budget!r} must be a number of bytes > 0 (the peak activation "
                          "memory of a training step), e.g. budget=512 << 20")
-    return solve(profile_checkpointing(model, sample_inputs, loss_fn, repeats=repeats), budget)
+    return solve(profile_checkpointing(model, sample_inputs, loss_fn, repeats=repeats), budget)  # reports it
 
 
 def apply(model: nn.Module, plan: CheckpointPlan) -> nn.Module:
@@ -827,4 +842,49 @@ def apply(model: nn.Module, plan: CheckpointPlan) -> nn.Module:
                         "(plan_checkpointing's result)")
     _setter(model)(plan.layers)
     model.checkpoint_plan = plan
+    _emit(plan, _stage_of(model, plan.profile.stage if plan.profile is not None else 0))
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# telemetry
+# ---------------------------------------------------------------------------------------------
+def _stage_of(model: nn.Module, default: int = 0) -> int:
+    """The model's pipeline stage where it says (an int ``stage_index``, as torch's
+    ``PipelineStage`` names it, or ``pipeline_stage_index``), else ``default``."""
+    for name in ("stage_index", "pipeline_stage_index"):
+        v = getattr(model, name, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return default
+
+
+def plan_event(plan: CheckpointPlan, rank: int = 0, stage: int = 0):  # -> telemetry CheckpointPlanEvent
+    """``plan`` as a telemetry ``CheckpointPlanEvent`` (per layer: option, bytes kept and recompute
+    seconds under it, from the plan's profile; without a profile those two are left empty)."""
+    from .telemetry.events import CheckpointPlanEvent
+
+    prof = plan.profile
+    units = prof.units if prof is not None and len(prof.units) == len(plan.choice) else None
+    return CheckpointPlanEvent(
+        rank=int(rank), stage=int(stage), time=time.time(), budget=int(plan.budget),
+        predicted_peak=int(plan.predicted_peak), predicted_recompute_s=float(plan.predicted_recompute_s),
+        peak_none=int(plan.peak_none), peak_min=int(plan.peak_min), layers=tuple(str(e) for e in plan.layers),
+        names=tuple(plan.names), options=tuple(plan.choice),
+        keep=tuple(int(u.options[o].keep) for u, o in zip(units, plan.choice)) if units else (),
+        recompute_s=tuple(float(u.options[o].recompute_s) for u, o in zip(units, plan.choice)) if units else (),
+        prefix_keep=int(prof.prefix_keep) if prof is not None else 0, forward_s=float(plan.forward_s),
+        device=prof.device if prof is not None else "cpu")
+
+
+def _emit(plan: CheckpointPlan, stage: int) -> None:
+    """Put the plan on this process's telemetry bus (rank: this process's in the default group,
+    else 0); one list check when nobody listens."""
+    from .telemetry import bus
+
+    if not bus.has_subscribers():
+        return
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    bus.emit(plan_event(plan, rank, stage))
