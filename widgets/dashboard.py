@@ -4,9 +4,12 @@
 the three other views are ``.chunk_map``, ``.timeline`` and ``.gauges``, each with its own
 ``figure`` and state. ``Dashboard(plan=cl.plan(...))`` adds a fifth, ``.fit_plan``: the predicted
 bytes per rank and tier as stacked bars, with each rank's measured peak (from ``MemorySample``
-events) marked on them once the run starts. One bus subscription and one redraw thread serve all four: each wake
+events) marked on them once the run starts. ``.checkpoint_plan`` (a ``CheckpointPlanView``) is
+always fed but shown (in ``views``, the widget, the static HTML and the summary) only from the
+first ``CheckpointPlanEvent`` on, so a run that never plans activation checkpointing gets no empty
+panel for it. One bus subscription and one redraw thread serve all the views: each wake
 it routes the queued events by type to the views that draw them and redraws only the views
-whose state changed (one thread for all four keeps the wake-ups and GIL hand-offs down, and
+whose state changed (one thread for all of them keeps the wake-ups and GIL hand-offs down, and
 the emitting thread pays one queue append per event whatever the number of views).
 ``%colossal dashboard`` attaches the relay to the running cluster and shows one of these.
 """
@@ -20,6 +23,7 @@ import plotly.graph_objects as go
 from colossal_lab.engine.telemetry import StepMetrics
 
 from ._live import LiveView, columns_layout, template_json
+from .checkpoint_plan import CheckpointPlanView
 from .chunk_map import ChunkMap
 from .fit_plan import FitPlan
 from .gauges import MemoryGauges
@@ -73,13 +77,14 @@ def metrics_figure(metrics: MetricsState) -> go.Figure:
 
 
 class Dashboard(LiveView):
-    """The four views in one layout, all fed from this process's telemetry bus through one
-    subscription and one redraw thread (``_throttle``, shared by the four views).
+    """The views in one layout (metrics, chunk map, timeline, gauges; the fit plan when given a
+    plan; the checkpoint plan once one arrives), all fed from this process's telemetry bus
+    through one subscription and one redraw thread (``_throttle``, shared by every view).
 
-    ``max_hz`` (5 by default) bounds the redraws of each of the four views: a tick redraws
-    only the views whose state changed, and in the browser each redraw is one ``Plotly.react``
-    on a plot that already exists (``_frontend.py``), cheap enough for the page to keep up
-    with four views at that rate."""
+    ``max_hz`` (5 by default) bounds the redraws of each view: a tick redraws only the views
+    whose state changed, and in the browser each redraw is one ``Plotly.react`` on a plot that
+    already exists (``_frontend.py``), cheap enough for the page to keep up with every view at
+    that rate."""
 
     accepts = (StepMetrics,)
 
@@ -91,16 +96,31 @@ class Dashboard(LiveView):
         self.gauges = MemoryGauges(**kw)
         # the prediction (``cl.plan``'s FitPlan or its to_dict()), measured peaks laid over it
         self.fit_plan = FitPlan(plan, **kw) if plan is not None else None
+        # fed from the start (it keeps measured peaks), shown once a plan arrives
+        self.checkpoint_plan = CheckpointPlanView(**kw)
+        self.checkpoint_plan.on_first_plan = self._show_checkpoint_plan
         self._box = None
         super().__init__(subscribe=subscribe, live=live, max_hz=max_hz)
 
     def _parts(self) -> List[LiveView]:
-        """The views besides this one (the metrics), in display order."""
+        """The views shown besides this one (the metrics), in display order."""
         parts: List[LiveView] = [self.chunk_map, self.timeline, self.gauges]
-        return parts + ([self.fit_plan] if self.fit_plan is not None else [])
+        parts += [self.fit_plan] if self.fit_plan is not None else []
+        return parts + ([self.checkpoint_plan] if self.checkpoint_plan.plans.plans else [])
+
+    def _fed_parts(self) -> List[LiveView]:
+        """Every view besides this one that events are routed to, shown or not yet."""
+        parts = self._parts()
+        return parts if self.checkpoint_plan in parts else parts + [self.checkpoint_plan]
 
     def _served_views(self) -> List[LiveView]:
-        return [self] + self._parts()
+        return [self] + self._fed_parts()
+
+    def _show_checkpoint_plan(self, view: LiveView) -> None:
+        """The first plan arrived: add the view to the live widget (if one is shown already)."""
+        box, w = self._box, view.widget()
+        if box is not None and w is not None and w not in box.children:
+            box.children = tuple(box.children) + (w,)
 
     @property
     def views(self) -> Dict[str, LiveView]:
@@ -108,6 +128,8 @@ class Dashboard(LiveView):
                "gauges": self.gauges}
         if self.fit_plan is not None:
             out["fit_plan"] = self.fit_plan
+        if self.checkpoint_plan.plans.plans:
+            out["checkpoint_plan"] = self.checkpoint_plan
         return out
 
     @property
@@ -124,7 +146,7 @@ class Dashboard(LiveView):
         return metrics_dict(self.metrics)
 
     def feed(self, event) -> None:
-        """Queue one event for whichever of the four views draws its type."""
+        """Queue one event for whichever of the views draws its type."""
         for v in self._served_views():
             if isinstance(event, v.accepts):
                 v._queue.append(event)
@@ -132,12 +154,12 @@ class Dashboard(LiveView):
     def update(self, events: Iterable) -> None:
         events = list(events)
         super().update(events)
-        for v in self._parts():
+        for v in self._fed_parts():
             v.update([e for e in events if isinstance(e, v.accepts)])
 
     def flush(self) -> None:
         super().flush()  # the shared queue, into every view
-        for v in self._parts():
+        for v in self._fed_parts():
             with v._lock:
                 v._take([])
             v.redraw()
@@ -168,6 +190,6 @@ class Dashboard(LiveView):
         return "\n".join([head] + [v.summary() for v in self._parts()])
 
     def close(self) -> None:
-        for v in self._parts():
+        for v in self._fed_parts():
             v.close()
         super().close()

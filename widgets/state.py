@@ -19,6 +19,8 @@ ranks over a lossy relay and can be replayed:
   ``telemetry``'s bubble functions, so the widget and the pipeline runtime report one number.
 * ``MemoryState``: latest ``MemorySample`` per ``(rank, tier)`` by its own ``time``.
 * ``MetricsState``: one ``StepMetrics`` per ``(rank, step)``.
+* ``CheckpointPlanState``: latest ``CheckpointPlanEvent`` per ``(rank, stage)`` by its own
+  ``time``, and the highest ``MemorySample.peak`` measured per ``(rank, tier)``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
+from colossal_lab.engine.telemetry.events import CheckpointPlanEvent
 from colossal_lab.engine.telemetry import (
     TIERS,
     ChunkEvent,
@@ -260,10 +263,42 @@ class MetricsState:
         return [m.step for m in ms], [m.tokens / m.seconds for m in ms]
 
 
+@dataclass
+class CheckpointPlanState:
+    """The activation-checkpoint plans seen, one per ``(rank, stage)`` (a later ``time`` replaces
+    an earlier one: a new batch shape's plan, or the plan applied after the one made), and the
+    highest ``MemorySample.peak`` per ``(rank, tier)`` (samples without a measured peak, 0, are
+    left out: ``used`` is not a peak)."""
+
+    plans: Dict[Tuple[int, int], CheckpointPlanEvent] = field(default_factory=dict)
+    peaks: Dict[Tuple[int, str], int] = field(default_factory=dict)
+
+    def apply(self, e) -> bool:
+        if isinstance(e, CheckpointPlanEvent):
+            key = (e.rank, e.stage)
+            old = self.plans.get(key)
+            if old is not None and (e.time < old.time or e == old):
+                return False  # older, or the same plan again
+            self.plans[key] = e
+            return True
+        if isinstance(e, MemorySample) and e.peak > self.peaks.get((e.rank, e.tier), 0):
+            self.peaks[(e.rank, e.tier)] = int(e.peak)
+            return True
+        return False
+
+    def keys(self) -> List[Tuple[int, int]]:
+        """``(rank, stage)`` of the plans, in drawing order: by stage, then rank."""
+        return sorted(self.plans, key=lambda k: (k[1], k[0]))
+
+    def measured_peak(self, rank: int, tier: str) -> Optional[int]:
+        return self.peaks.get((rank, tier))
+
+
 def reduce_all(events: Iterable, chunk: Optional[ChunkState] = None,
                timeline: Optional[TimelineState] = None, memory: Optional[MemoryState] = None,
-               metrics: Optional[MetricsState] = None) -> int:
-    """Fold ``events`` into whichever states are given; returns how many changed something."""
+               metrics: Optional[MetricsState] = None, plans: Optional[CheckpointPlanState] = None) -> int:
+    """Fold ``events`` into whichever states are given; returns how many changed something.
+    Event types no state given here reads (a newer writer's, say) are skipped."""
     changed = 0
     for e in events:
         if isinstance(e, ChunkEvent) and chunk is not None:
@@ -273,6 +308,10 @@ def reduce_all(events: Iterable, chunk: Optional[ChunkState] = None,
         elif isinstance(e, MemorySample):
             if memory is not None:
                 changed += memory.apply(e)
+            if plans is not None:
+                changed += plans.apply(e)
         elif isinstance(e, StepMetrics) and metrics is not None:
             changed += metrics.apply(e)
+        elif isinstance(e, CheckpointPlanEvent) and plans is not None:
+            changed += plans.apply(e)
     return changed
