@@ -12,8 +12,10 @@ with two model chunks; GPipe is left out: same time as 1F1B, more memory), micro
 (``pp`` or ``2·pp`` per step), ZeRO stage 0/1 (1 only without tensor parallelism), activation
 checkpointing off/on, and the tensor-parallel modes the plugin offers.
 
-Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, nothing allocated);
-a candidate over ``device_memory`` is kept in the table but never chosen.
+Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, nothing allocated),
+and is never less than the whole model's bytes, which every rank holds once after building it
+and before ``boost()`` cuts it; a candidate over ``device_memory`` is kept in the table but never
+chosen. A layout the search ran (below) is judged by its measured peak instead.
 
 Time: a model of one step, its constants measured on the ranks that will train (all of them at
 once, so a CPU box's shared cores and a GPU box's links are what is measured), by
@@ -39,10 +41,19 @@ overlap).
 
 Overheads: what that leaves out (the pipeline runtime's Python per scheduled action, DTensor's
 dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: up to three
-layouts (:func:`choose_probes`) are boosted and stepped for real, and non-negative coefficients
-for those three (:func:`features`) are fitted to what the model did not explain
-(:func:`fit_overheads`). The remaining error shows in ``bench/autoplan.py``'s table of predicted vs
-measured for every layout.
+layouts (:func:`choose_probes`) are boosted and stepped for real (:func:`probe_step`: the first
+step under ``cl.plan.measure`` for its peak, then timed steps, the median of the slowest rank's),
+and non-negative coefficients for those three (:func:`features`) are fitted to what the model did
+not explain (:func:`fit_overheads`).
+
+Verification: the model ranks, the machine decides. While probes remain (``max_probes``), the
+layout the model now ranks first among those that could fit is run for real, as long as its
+predicted time is under the best measured time times ``1 + verify_margin`` (the model's error
+is of that order); each run refits the overheads and, where cl.plan over-estimated a peak, lets a
+layout a little over the budget on paper be tried (a layout's plan times the least measured ÷
+planned peak seen). The answer is the fastest layout that fits, measured where it ran (time and
+peak), modelled where it did not. This is what makes the choice hold up where the model is off
+(bench/autoplan.py prints both, per layout).
 
 Built on: ``cl.plan`` (memory), torch.distributed collectives (calibration), the model contract
 (``tp_plan``, ``check_tp``, ``num_layers``). Written by hand: the enumeration, the calibration
@@ -453,9 +464,11 @@ def features(c: Candidate, layers: int) -> List[float]:
     return [1.0, actions, tp_passes]
 
 
-def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 1) -> float:
-    """On every rank: boost layout ``cand`` on a real model, one warm-up step, then the seconds
-    per step of ``steps`` more (the slowest rank's is the step's)."""
+def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3) -> Dict[str, Any]:
+    """On every rank: boost layout ``cand`` on a real model and train it: the first step (model
+    build, boost and step) under ``cl.plan.measure`` for its peak bytes, one warm-up step, then
+    ``steps`` timed ones. Returns ``{"peak": bytes, "step_seconds": [s, ...]}`` for this rank
+    (:func:`merge_probe` makes one figure of the ranks': a step waits for its slowest rank)."""
     import copy
 
     import torch
@@ -463,35 +476,47 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 1
     import torch.nn.functional as F
 
     from colossal_lab.engine import Booster
+    from colossal_lab.plan import measure
 
     c = Candidate(**cand)
-    torch.manual_seed(0)
-    model = model_or_config.build() if callable(getattr(model_or_config, "build", None)) \
-        else copy.deepcopy(model_or_config)
-    vocab = model.cfg.vocab_size
 
     def crit(out, b):
         out = out[0] if isinstance(out, tuple) else out
         return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
 
-    plugin = c.plugin()
-    booster = Booster(plugin=plugin)
-    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
-    x = torch.randint(0, vocab, (batch // c.dp, seq), generator=torch.Generator().manual_seed(0))
+    with measure() as meter:
+        torch.manual_seed(0)
+        model = model_or_config.build() if callable(getattr(model_or_config, "build", None)) \
+            else copy.deepcopy(model_or_config)
+        vocab = model.cfg.vocab_size
+        plugin = c.plugin()
+        booster = Booster(plugin=plugin)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
+        x = torch.randint(0, vocab, (batch // c.dp, seq), generator=torch.Generator().manual_seed(0))
 
-    def step():
-        booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
-        opt.step()
-        opt.zero_grad()
+        def step():
+            booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+            opt.step()
+            opt.zero_grad()
 
-    step()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
         step()
-    seconds = (time.perf_counter() - t0) / steps
+    peak = max(meter.peak.values(), default=0)
+    step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()  # every rank starts the step together: its time is the step's, not a wait
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
     plugin.close()  # its process groups: a search boosts many layouts on the same ranks
-    return seconds
+    return {"peak": int(peak), "step_seconds": times}
+
+
+def merge_probe(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """One probe's figures for the job: per step the slowest rank's seconds, their median (a
+    shared machine's hiccups land in one step, not in the figure), and the largest peak."""
+    steps = [max(r["step_seconds"][i] for r in per_rank) for i in range(len(per_rank[0]["step_seconds"]))]
+    return {"seconds": statistics.median(steps), "peak": max(r["peak"] for r in per_rank)}
 
 
 def choose_probes(rows: Sequence[Dict[str, Any]], layers: int) -> List[Candidate]:
@@ -571,8 +596,11 @@ class AutoPlan:
     def table(self, top: Optional[int] = None) -> str:
         from colossal_lab.plan import _fmt
 
-        head = ("layout", "step (pred)", "tokens/s", "peak/rank", "fits")
-        rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms", f"{r['tokens_per_s']:.0f}", _fmt(r["peak_bytes"]),
+        head = ("layout", "step (model)", "step (run)", "tokens/s", "peak/rank (plan)", "peak (run)", "fits")
+        rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms",
+                 f"{r['measured_s'] * 1e3:.1f} ms" if r.get("measured_s") is not None else "-",
+                 f"{r['tokens_per_s']:.0f}", _fmt(r["peak_bytes"]),
+                 _fmt(r["measured_peak"]) if r.get("measured_peak") is not None else "-",
                  "yes" if r["fits"] else "no") for r in self.rows[:top]]
         w = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
         lines = [f"AutoPlan: world {self.world_size} · batch {self.batch} × seq {self.seq} · device_memory "
@@ -619,8 +647,8 @@ def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int,
 
 def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int] = None,
              device_memory: Optional[int] = None, host_memory: Optional[int] = None, cluster=None,
-             calibration: Optional[Dict[str, Any]] = None, reps: int = 3, probe_steps: int = 1,
-             **space) -> AutoPlan:
+             calibration: Optional[Dict[str, Any]] = None, reps: int = 3, probe_steps: int = 3,
+             max_probes: int = 7, verify_margin: float = 0.25, **space) -> AutoPlan:
     """Search the layouts of ``world_size`` ranks for the fastest predicted step that fits.
 
     ``batch``: samples per step over all data-parallel ranks; ``seq``: tokens per sample (default
@@ -628,8 +656,12 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     limit). ``cluster``: a running ``cl.Cluster`` of ``world_size`` ranks to calibrate on (None:
     one is launched for the calibration and stopped); ``calibration``: reuse an earlier
     ``AutoPlan.calibration`` instead. Called on every rank of an initialised process group (no
-    ``cluster``), the ranks calibrate together and all return the same plan; ``reps``: timings per calibration probe; ``probe_steps``:
-    timed steps of each layout run for real to fit the overheads (:func:`choose_probes`). ``space``: narrows :func:`candidates` (``schedules``,
+    ``cluster``), the ranks calibrate together and all return the same plan; ``reps``: timings per
+    calibration probe; ``probe_steps``: timed steps of each layout run for real; ``max_probes``:
+    layouts run for real at most (the overhead probes, then verification; 0 with a reused
+    ``calibration`` and no ``cluster``: the model alone, plus what the calibration measured);
+    ``verify_margin``: a layout is verified while predicted within this fraction of the best
+    measured time. ``space``: narrows :func:`candidates` (``schedules``,
     ``microbatch_factors``, ``zero_stages``, ``activation_checkpointing``, ``tp_modes``)."""
     import colossal_lab as cl
     from colossal_lab.plan import plan as fit_plan
@@ -653,61 +685,112 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     t0 = time.perf_counter()
     peaks: Dict[Candidate, Tuple[int, bool]] = {}
     shared: dict = {}  # cl.plan's traces, shared by the layouts with the same per-rank batch
+    # every rank builds the whole model before boost() cuts it (as probe_step does, and a user who
+    # calls model = GPT(cfg) on each rank): whatever the layout, a rank holds that much once
+    built = sum(p.numel() * p.element_size() for p in unique) + sum(b.numel() * b.element_size()
+                                                                   for b in meta.buffers())
     for c in cands:
         fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
                       device_memory=device_memory, host_memory=host_memory, _search=shared)
         tier = fp.tiers[0]
-        peaks[c] = (fp.peak(tier), fp.fits)
+        peak = max(fp.peak(tier), built)
+        peaks[c] = (peak, fp.fits and (device_memory is None or peak <= device_memory))
     t_mem = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params, tensors=tensors)
-    if calibration is None:
-        args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
-                sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if cluster is None and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() != world_size:
-                raise ValueError(f"autoplan(world_size={world_size}): this process group has "
-                                 f"{dist.get_world_size()} ranks; plan for those")
-            cluster = _InProcess()  # every rank is here: calibrate together
-        own = cluster is None
-        if own:
-            cluster = cl.launch(n=world_size, threads=1)
-        try:
+    if cluster is None and dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(f"autoplan(world_size={world_size}): this process group has "
+                             f"{dist.get_world_size()} ranks; plan for those")
+        cluster = _InProcess()  # every rank is here: calibrate and probe together
+    own = cluster is None and calibration is None
+    if own:
+        cluster = cl.launch(n=world_size, threads=1)
+    # layouts run for real, this search's and any an earlier search measured (``calibration=``)
+    measured: Dict[Candidate, Dict[str, float]] = {}
+    try:
+        def run_probe(c: Candidate) -> None:
+            measured[c] = merge_probe(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps))
+
+        if calibration is None:
+            args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
+                    sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
             calibration = merge_calibrations(cluster.run(calibrate, *args))
-            # the framework's own overheads: a few layouts run for real, the rest explained
-            modelled = Costs(calibration)
-            first = [{"candidate": c, "fits": peaks[c][1]} for c in cands]
-            probes = choose_probes(first, layers)
-            measured = [max(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps))
-                        for c in probes]
-            calibration["probes"] = [(asdict(c), t) for c, t in zip(probes, measured)]
-            calibration["overheads"] = fit_overheads(
-                [features(c, layers) for c in probes],
-                [t - predict(c, modelled, **dims)["total"] for c, t in zip(probes, measured)])
-        finally:
-            if own:
-                cluster.stop()
+            # the framework's own overheads: layouts that tell them apart, run for real
+            for c in choose_probes([{"candidate": c, "fits": peaks[c][1]} for c in cands], layers):
+                if len(measured) < max_probes:
+                    run_probe(c)
+        else:
+            calibration = dict(calibration)
+            for entry in calibration.get("measured", []):
+                c = Candidate(**entry["candidate"])
+                if c in peaks:
+                    measured[c] = {"seconds": entry["seconds"], "peak": entry["peak"]}
+        costs = Costs(calibration)
+        modelled = {c: predict(c, costs, **dims) for c in cands}
+
+        def refit() -> List[float]:
+            probed = list(measured)
+            if not probed:
+                return list(calibration.get("overheads") or [0.0, 0.0, 0.0])
+            return fit_overheads([features(c, layers) for c in probed],
+                                 [measured[c]["seconds"] - modelled[c]["total"] for c in probed])
+
+        def estimate(over) -> Dict[Candidate, Tuple[float, bool]]:
+            """Seconds and fit per layout: measured where it ran, else the model's."""
+            out = {}
+            for c in cands:
+                if c in measured:
+                    out[c] = (measured[c]["seconds"], device_memory is None or measured[c]["peak"] <= device_memory)
+                else:
+                    t = modelled[c]["total"] + sum(x * f for x, f in zip(over, features(c, layers)))
+                    out[c] = (t, peaks[c][1])
+            return out
+
+        # verify: run the layout the model ranks first among those that could fit, while it could beat
+        # the best layout measured so far (cl.plan's peak is an estimate: a layout a little over the
+        # budget on paper may fit for real, by the least ratio of measured to planned peak seen)
+        while cluster is not None and len(measured) < max_probes:
+            over = refit()
+            est = estimate(over)
+            ratio = min([1.0] + [measured[c]["peak"] / peaks[c][0] for c in measured if peaks[c][0] > 0])
+            best_meas = min((est[c][0] for c in measured if est[c][1]), default=math.inf)
+            pool = [c for c in cands if c not in measured
+                    and (device_memory is None or peaks[c][0] * ratio <= device_memory)
+                    and est[c][0] < best_meas * (1 + verify_margin)]
+            if not pool:
+                break
+            run_probe(min(pool, key=lambda c: est[c][0]))
+    finally:
+        if own:
+            cluster.stop()
+    over = refit()
+    calibration["overheads"] = over
+    calibration["measured"] = [{"candidate": asdict(c), **v} for c, v in measured.items()]
+    calibration["probes"] = [(asdict(c), v["seconds"]) for c, v in measured.items()]
     t_cal = time.perf_counter() - t0
-    costs = Costs(calibration)
-    over = calibration.get("overheads") or [0.0, 0.0, 0.0]
+    est = estimate(over)
 
     rows = []
     for c in cands:
-        parts = predict(c, costs, **dims)
+        parts = dict(modelled[c])
         parts["overhead"] = sum(a * b for a, b in zip(over, features(c, layers)))
         parts["total"] += parts["overhead"]
-        peak, fits = peaks[c]
-        rows.append({"label": c.label, "candidate": c, "predicted_s": parts["total"],
-                     "tokens_per_s": batch * seq / parts["total"], "parts": parts,
-                     "peak_bytes": peak, "fits": fits})
-    rows.sort(key=lambda r: (not r["fits"], r["predicted_s"]))
+        peak, _ = peaks[c]
+        seconds, fits = est[c]
+        m = measured.get(c)
+        rows.append({"label": c.label, "candidate": c, "predicted_s": parts["total"], "seconds": seconds,
+                     "tokens_per_s": batch * seq / seconds, "parts": parts, "peak_bytes": peak,
+                     "measured_s": m["seconds"] if m else None, "measured_peak": m["peak"] if m else None,
+                     "fits": fits})
+    rows.sort(key=lambda r: (not r["fits"], r["seconds"]))
     best = rows[0]["candidate"] if rows and rows[0]["fits"] else None
     return AutoPlan(rows, best, world_size, batch, seq, device_memory, calibration,
                     {"memory": t_mem, "calibration": t_cal})
 
 
 __all__ = ["AutoPlan", "Candidate", "Costs", "autoplan", "calibrate", "candidates", "choose_probes", "features",
-           "fit_overheads", "merge_calibrations", "predict", "probe_step"]
+           "fit_overheads", "merge_calibrations", "merge_probe", "predict", "probe_step"]

@@ -89,6 +89,14 @@ def test_the_step_model_is_the_documented_formula():
     assert tp["tp_comm"] == pytest.approx(4 * 2 * (1e-3 + 1e-3 * 200 * 10 * 4 / 1e6))
 
 
+def test_a_probe_is_the_median_of_the_slowest_rank_per_step():
+    from colossal_lab.autoparallel import merge_probe
+
+    got = merge_probe([{"peak": 10, "step_seconds": [1.0, 0.2, 0.3]},
+                       {"peak": 30, "step_seconds": [0.1, 0.4, 0.35]}])
+    assert got == {"seconds": 0.4, "peak": 30}  # steps take 1.0, 0.4, 0.35: median 0.4
+
+
 def test_merged_calibration_takes_the_slowest_rank():
     a, b = _cal(), _cal()
     b["compute"][1]["fb"] = [x * 2 for x in b["compute"][1]["fb"]]
@@ -148,11 +156,27 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     cal = plan.calibration
     assert set(cal["compute"]) == {1, 2} and all(v > 0 for row in cal["compute"].values() for v in row["fb"])
     assert cal["allreduce"][2][1][1] > 0 and cal["p2p"] and cal["adam_s_per_elem"] > 0
-    assert 1 <= len(cal["probes"]) <= 3 and all(t > 0 for _, t in cal["probes"])
+    assert 1 <= len(cal["probes"]) <= 7 and all(t > 0 for _, t in cal["probes"])
     assert len(cal["overheads"]) == 3 and all(x >= 0 for x in cal["overheads"])
     fits = [r for r in plan.rows if r["fits"]]
     assert plan.best is not None and plan.best == fits[0]["candidate"]
-    assert [r["predicted_s"] for r in fits] == sorted(r["predicted_s"] for r in fits)
+    # verified: the chosen layout ran for real, its figures are the run's (time and peak)
+    ran = {Candidate(**m["candidate"]): m for m in cal["measured"]}
+    assert plan.best in ran and fits[0]["measured_s"] == ran[plan.best]["seconds"] == fits[0]["seconds"]
+    assert 0 < fits[0]["measured_peak"] <= 64 << 20
+    # ... and every layout that ran is judged by its run, the others by the model
+    for r in plan.rows:
+        assert (r["measured_s"] is not None) == (r["candidate"] in ran)
+        if r["candidate"] not in ran:
+            assert r["seconds"] == r["predicted_s"]
+    # no layout the model ranked ahead of the chosen one (and that fits on paper) was left unrun
+    # while probes remained: each was run, or predicted slower than the best run by the margin
+    if len(ran) < 7:
+        best_run = ran[plan.best]["seconds"]
+        for r in plan.rows:
+            if r["candidate"] not in ran and r["fits"]:
+                assert r["predicted_s"] >= best_run * 1.25, (r["label"], r["predicted_s"], best_run)
+    assert [r["seconds"] for r in fits] == sorted(r["seconds"] for r in fits)
     assert "best: " + plan.best.label in plan.table()
     losses = cluster.run(_train_one_step, asdict(plan.best), 4, 32)
     assert any(l is not None and math.isfinite(l) for l in losses)
@@ -164,8 +188,15 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     # the budget decides: the tightest layout that fits a budget just above its peak is chosen
     low = min(plan.rows, key=lambda r: r["peak_bytes"])
     snug = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=low["peak_bytes"], calibration=cal)
-    assert all(r["peak_bytes"] <= low["peak_bytes"] for r in snug.rows if r["fits"])
-    assert snug.best is not None and snug.rows[0]["peak_bytes"] <= low["peak_bytes"]
+    def judged(r):  # a layout that ran is judged by its measured peak, the others by the plan's
+        return r["measured_peak"] if r["measured_s"] is not None else r["peak_bytes"]
+
+    assert all(judged(r) <= low["peak_bytes"] for r in snug.rows if r["fits"])
+    assert not any(judged(r) > low["peak_bytes"] for r in snug.rows if r["fits"])
+    assert snug.best is not None and judged(snug.rows[0]) <= low["peak_bytes"]
+    # the reused calibration carries the runs: the same layouts count as measured, nothing new ran
+    assert {m["candidate"]["dp"] for m in snug.calibration["measured"]} <= {m["candidate"]["dp"] for m in cal["measured"]}
+    assert len(snug.calibration["measured"]) == len(cal["measured"])
 
 
 def _plan_on_ranks():
