@@ -431,23 +431,21 @@ class GPT(nn.Module):
 
     def _auto_layers(self, idx, targets) -> Dict[int, FrozenSet[str]]:
         """``activation_checkpointing="auto"``: the plan for this input shape, profiled on this batch
-        the first time the shape is seen (engine/autockpt.py; the result is ``self.checkpoint_plan``)."""
+        the first time the shape is seen (engine/autockpt.py; the result is ``self.checkpoint_plan``).
+        Where the blocks hold collectives (tensor, sequence or context parallelism) every rank of their
+        groups profiles, the profiles are merged to their worst case over those ranks and each solves
+        the merged one, so all choose the same plan (engine/autockpt_dist.py): a block recomputed on
+        one rank but not on another would deadlock the collectives inside it."""
         key = (tuple(idx.shape), idx.dtype, targets is not None, torch.is_autocast_enabled(idx.device.type))
         plan = self._auto_plans.get(key)
         if plan is None:
-            from ..autockpt import plan_checkpointing
+            from ..autockpt_dist import collective_groups, plan_agreed
 
-            shared = self._collectives_in_blocks()
-            if shared:  # each rank times its own profile: two ranks may choose differently
-                raise ValueError(
-                    f"GPT: activation_checkpointing='auto' under {shared}: every rank would plan from its own timings "
-                    "and a block recomputed on one rank but not on another deadlocks the collectives inside it. Plan "
-                    "once before boost (autockpt.plan_checkpointing on one rank's batch) and give every rank the same "
-                    "enable_activation_checkpointing(plan.layers), or use activation_checkpointing=True")
-
+            # [] when nothing is shared; None (2D/2.5D/3D layers, groups unknown here): the world
+            groups = collective_groups(self) if self._collectives_in_blocks() else []
             was = (self.cfg.activation_checkpointing, self.checkpoint_layers)
             try:
-                plan = plan_checkpointing(self, (idx, targets), self.cfg.activation_budget)
+                plan = plan_agreed(self, (idx, targets), self.cfg.activation_budget, groups=groups)
             finally:
                 self.cfg.activation_checkpointing, self.checkpoint_layers = was
             self._auto_plans[key] = plan

@@ -4,14 +4,27 @@ Colossal-AI's argument names and order; what each argument does and the trade-of
 in docs/gemini.md ("Arguments and their trade-offs"), lazily built models ("Models larger than
 RAM") included. The plugin validates its arguments before any work and hands the boost to
 ``gemini.build.build``. Call ``plugin.close()`` (or let the process exit) to remove the NVMe files.
+
+``activation_checkpointing``: ``True`` recomputes every layer (``enable_activation_checkpointing()``, or
+``checkpoint_wrapper`` on a Sequential's children); ``"auto"`` plans which layers recompute at the
+first training forward (engine/autockpt.py) for ``activation_budget`` bytes, or, without one, for
+what the compute tier has left: ``device_memory_limit`` (or the device's memory) minus the bytes
+Gemini keeps resident there (chunk homes and optimizer state on the compute tier) minus its
+run-time working set (``placement.working_set_bytes``: chunks being computed and prefetched,
+gradient buffers, optimizer windows). A model whose own config asks for ``"auto"`` (GPT's
+``activation_checkpointing="auto"``) is planned here the same way, with its ``activation_budget``.
+The profile runs with Gemini's hooks off and every chunk's parameters gathered for its few steps
+(the whole model live once, as ``state_dict`` gathers it), on every data-parallel rank, merged over
+them (a recompute gathers chunks again: the ranks must recompute the same layers).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import contextlib
 from dataclasses import dataclass, field, fields
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -40,6 +53,8 @@ class GeminiPlugin(Plugin):
     pin_memory: bool = True
     nvme_direct_io: bool = False
     pack_order: str = "execution"
+    activation_checkpointing: Union[bool, str] = False
+    activation_budget: Optional[int] = None
     _managers: List = field(default_factory=list, init=False, repr=False)
 
     controls_precision = True
@@ -76,6 +91,15 @@ class GeminiPlugin(Plugin):
         if self.nvme_direct_io and not self.nvme_offload_dir:
             raise ValueError("GeminiPlugin(nvme_direct_io=True): needs nvme_offload_dir=... (a directory on a "
                              "local disk), or set nvme_direct_io=False")
+        from ..autockpt_dist import check_budget
+
+        check_budget("GeminiPlugin", self.activation_checkpointing, self.activation_budget, budget_optional=True)
+        if self.activation_checkpointing == "auto" and self.activation_budget is None \
+                and self.device_memory_limit is None and not torch.cuda.is_available():
+            raise ValueError("GeminiPlugin(activation_checkpointing='auto'): without activation_budget the budget is "
+                             "what device_memory_limit leaves after Gemini's resident chunks, and on a CPU-only machine "
+                             "no limit is set; pass activation_budget=<bytes> (e.g. 2 << 30) or "
+                             "device_memory_limit=<bytes>")
         if self.nvme_offload_dir is not None:
             self._check_dir(self.nvme_offload_dir)
             if self.nvme_direct_io:
@@ -94,11 +118,51 @@ class GeminiPlugin(Plugin):
     # ---- the boost -----------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision=None):
         precision = resolve_precision(mixed_precision, self.precision, "GeminiPlugin")
-        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "precision"}
+        ac, budget = self.activation_checkpointing, self.activation_budget
+        cfg = getattr(model, "cfg", None)
+        if ac is not True and getattr(cfg, "activation_checkpointing", None) == "auto":
+            # the model asks for "auto" itself: planned here, outside Gemini's hooks, with its own budget
+            ac, budget = "auto", budget if ac == "auto" and budget is not None else cfg.activation_budget
+        if ac:
+            _check_checkpoint_contract(model, ac)
+        if ac is True:
+            if callable(getattr(model, "enable_activation_checkpointing", None)):
+                model.enable_activation_checkpointing()
+            else:
+                from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                for i in range(len(model)):
+                    model[i] = checkpoint_wrapper(model[i])
+        skip = ("precision", "activation_checkpointing", "activation_budget")
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
         gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
                                         group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
         self._managers.append(manager)
+        if ac == "auto":
+            if budget is None:
+                budget = self.resident_budget(manager)
+            gmodel.register_forward_pre_hook(_AutoCheckpoint(gmodel, manager, budget, self.dp_group),
+                                             with_kwargs=True)
         return gmodel, goptim, criterion, dataloader, lr_scheduler
+
+    def resident_budget(self, manager) -> int:
+        """The activation budget left on the compute tier: its capacity (``device_memory_limit``, or
+        the device's memory) minus what Gemini keeps resident there now (chunk homes, optimizer state)
+        minus its run-time working set. ``ValueError`` when nothing is left."""
+        from ..gemini.placement import working_set_bytes
+        from ..gemini.tiers import UNLIMITED
+
+        tier = manager.stack.compute
+        if tier.capacity >= UNLIMITED:
+            raise ValueError("GeminiPlugin(activation_checkpointing='auto'): the compute tier has no capacity to take "
+                             "a budget from; pass activation_budget=<bytes> or device_memory_limit=<bytes>")
+        reserve = working_set_bytes(manager.chunks, self.max_prefetch, tier.capacity)
+        left = tier.capacity - tier.used - reserve
+        if left <= 0:
+            raise ValueError(f"GeminiPlugin(activation_checkpointing='auto'): device_memory_limit={tier.capacity} "
+                             f"bytes leaves nothing for activations: Gemini keeps {tier.used} bytes resident on the "
+                             f"{tier.name} tier and reserves {reserve} for its working set; raise device_memory_limit, "
+                             "offload more (placement_policy='cpu'/'static', offload_*_frac) or pass activation_budget")
+        return int(left)
 
     def get_checkpoint_io(self):
         return GeminiCheckpointIO(self.dp_group)
@@ -108,3 +172,93 @@ class GeminiPlugin(Plugin):
         for m in self._managers:
             m.close()
         self._managers.clear()
+
+
+def _check_checkpoint_contract(model: nn.Module, ac) -> None:
+    """The model must take the layers to recompute (the model contract) or be an ``nn.Sequential``."""
+    import inspect
+
+    own = getattr(model, "enable_activation_checkpointing", None)
+    if callable(own):
+        if ac is True:
+            return
+        try:
+            takes = "layers" in inspect.signature(own).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            return
+        raise ValueError(f"GeminiPlugin(activation_checkpointing='auto'): {type(model).__name__}."
+                         "enable_activation_checkpointing() takes no `layers`; extend it as the model contract says "
+                         "(engine/models/protocol.py) or use activation_checkpointing=True")
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"GeminiPlugin(activation_checkpointing={ac!r}): {type(model).__name__} has no "
+                         "enable_activation_checkpointing(layers=...) (the model contract) and is not an nn.Sequential; "
+                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
+
+
+@contextlib.contextmanager
+def _every_chunk_live(manager):
+    """Every parameter readable for a while, outside Gemini's schedule: a chunk not gathered gets its
+    full buffer back and filled from its home (all-gathered when sharded: the same chunks in the same
+    order on every rank), and is released again after; the tier accounting is not touched (the
+    caller holds the model whole for a few profiling steps, outside any training step)."""
+    filled = []
+    manager.flush_writes()
+    try:
+        for c in manager.chunks:
+            if c.gathered:
+                continue
+            if c.param_home == "nvme":
+                src = manager.nvme.read(f"c{c.id}.param", torch.empty(c.shard_size, dtype=c.dtype)).result()
+            else:
+                src = c.shard
+            full = manager.gather_full(c, src.to(manager.device))
+            c.full.untyped_storage().resize_(c.full_bytes)
+            filled.append(c)
+            c.full.copy_(full.reshape(-1)[:c.size])
+        yield
+    finally:
+        for c in filled:
+            c.full.untyped_storage().resize_(0)
+
+
+class _AutoCheckpoint:
+    """A forward pre-hook on the Gemini model: at the first training forward of each input shape,
+    profile the inner model on that batch with Gemini's hooks off and every chunk live (profiling
+    runs on detached aliases of the parameters: no gradient reaches a chunk), merge the profile over
+    the data-parallel ranks, solve it for ``budget`` and apply the plan."""
+
+    def __init__(self, gmodel, manager, budget: int, group):
+        self.gmodel, self.manager, self.budget, self.group = gmodel, manager, int(budget), group
+        self.plans: Dict[tuple, Any] = {}
+
+    def __call__(self, gmodel, args, kwargs):
+        inner = gmodel.module
+        if not (inner.training and torch.is_grad_enabled()) or self.manager._in_backward:
+            return None
+        from ..autockpt import apply
+        from ..autockpt_dist import plan_agreed
+        from ..device import to_device
+
+        args, kwargs = to_device((args, kwargs), gmodel.device)
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        plan = self.plans.get(key)
+        if plan is None:
+            if kwargs:
+                import inspect
+
+                sample = dict(inspect.signature(inner.forward).bind(*args, **kwargs).arguments)
+            else:
+                sample = tuple(args)
+            gmodel.remove_hooks()
+            try:
+                with _every_chunk_live(self.manager):
+                    plan = plan_agreed(inner, sample, self.budget, groups=[self.group])
+            finally:
+                gmodel.install_hooks()
+            self.plans[key] = plan
+        if getattr(inner, "checkpoint_plan", None) is not plan:
+            apply(inner, plan)
+        return None

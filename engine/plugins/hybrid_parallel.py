@@ -28,7 +28,7 @@ import functools
 import math
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,101 @@ def _world_size() -> Optional[int]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _Groups(tuple):
+    """Process groups a stage module carries (``_checkpoint_groups``): a deep copy of the module
+    shares them (a process group cannot be copied)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _check_checkpoint_contract(model: nn.Module) -> None:
+    """``activation_checkpointing="auto"`` switches layers through the model contract: a ``ValueError``
+    before any group exists when the model cannot take a list of layers."""
+    import inspect
+
+    own = getattr(model, "enable_activation_checkpointing", None)
+    if callable(own):
+        try:
+            takes = "layers" in inspect.signature(own).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes:
+            return
+        raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {type(model).__name__}."
+                         "enable_activation_checkpointing() takes no `layers`; extend it as the model contract says "
+                         "(engine/models/protocol.py: enable_activation_checkpointing(layers=None)) or use "
+                         "activation_checkpointing=True")
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {type(model).__name__} has no "
+                         "enable_activation_checkpointing(layers=...) (the model contract) and is not an nn.Sequential; "
+                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
+
+
+class _AutoCheckpoint:
+    """``HybridParallelPlugin(activation_checkpointing="auto")``: a forward pre-hook on a stage's module
+    that, at its first training forward of each input shape, profiles the stage on that very input
+    (a microbatch, or a received activation), merges the profile over the stage's tp and cp ranks,
+    solves it for the stage's share of the budget (``activation_budget // in-flight microbatches``)
+    and applies the plan (``autockpt.apply``: ``module.checkpoint_plan``). The last stage's loss is
+    the criterion on the microbatch being run; an earlier stage's stands for the gradient it will
+    receive (an output-sized tensor held through backward)."""
+
+    def __init__(self, plugin: "HybridParallelPlugin", runtime, groups, pp_rank: int, is_last: bool):
+        self.plugin, self.runtime, self.groups = plugin, runtime, groups
+        self.pp_rank, self.is_last = pp_rank, is_last
+        self.plans: Dict[tuple, Any] = {}
+        self.busy = False  # profiling calls the module: the hook stays out of its own steps
+
+    def budget(self) -> int:
+        from ..autockpt_dist import stage_budget
+
+        p = self.plugin
+        m = p._pipeline_m or 1
+        return stage_budget(p.activation_budget, p.pp_style, p.pp_size, self.pp_rank, m, p.num_model_chunks)
+
+    def loss_fn(self):
+        if self.plugin._pipeline_m is None:
+            return None  # a direct forward (pp_size == 1): the model's own loss, as the caller's backward
+        rt = self.runtime
+        if self.is_last:
+            crit, mb = rt._criterion, rt._mbs[0]
+            return lambda out, inputs: crit(out[0] if isinstance(out, tuple) else out, mb)
+
+        def received(out, inputs):  # the next stage's gradient: an output-sized tensor through backward
+            o = out[0] if isinstance(out, tuple) else out
+            return (o * torch.ones_like(o)).sum()
+        return received
+
+    def __call__(self, module: nn.Module, args, kwargs):
+        if self.busy or not (module.training and torch.is_grad_enabled()):
+            return None
+        from ..autockpt import apply
+        from ..autockpt_dist import plan_agreed
+
+        tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
+        if not tensors or any(t.is_meta for t in tensors):
+            return None  # torch's shape inference, on meta tensors
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors) + (torch.is_autocast_enabled(tensors[0].device.type),)
+        plan = self.plans.get(key)
+        if plan is None:
+            if kwargs:
+                import inspect
+
+                sample = dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+            else:
+                sample = tuple(args)
+            self.busy = True
+            try:
+                plan = plan_agreed(module, sample, self.budget(), self.loss_fn(), groups=self.groups)
+            finally:
+                self.busy = False
+            self.plans[key] = plan
+        if getattr(module, "checkpoint_plan", None) is not plan:
+            apply(module, plan)
+        return None
 
 
 class HybridParallelModule(nn.Module):
@@ -203,9 +298,10 @@ class HybridParallelPlugin(Plugin):
     def __init__(self, tp_size: int = 1, pp_size: int = 1, zero_stage: int = 0,
                  num_microbatches: Optional[int] = None, microbatch_size: Optional[int] = None,
                  pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
-                 precision: str = "fp32", activation_checkpointing: bool = False, *,
+                 precision: str = "fp32", activation_checkpointing: Union[bool, str] = False, *,
                  tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1,
-                 cp_size: int = 1, cp_mode: str = "ring"):
+                 cp_size: int = 1, cp_mode: str = "ring", activation_budget: Optional[int] = None):
+        from ..autockpt_dist import check_budget
         from ..context_parallel import MODES as CP_MODES
         from ..tp_nd.grid import factor
         for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
@@ -213,6 +309,7 @@ class HybridParallelPlugin(Plugin):
             optional = name in ("num_microbatches", "microbatch_size")
             if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
+        check_budget("HybridParallelPlugin", activation_checkpointing, activation_budget)
         if zero_stage not in (0, 1):
             raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
                              "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
@@ -252,6 +349,8 @@ class HybridParallelPlugin(Plugin):
         self.sequence_parallel = sequence_parallel
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
+        self.activation_budget = activation_budget
+        self._pipeline_m: Optional[int] = None  # microbatches of the execute_pipeline call in progress
         self.tp_plan, self.input_key = tp_plan, input_key
         self.tp_mode, self.tp_depth = tp_mode, tp_depth
         self.cp_size, self.cp_mode = cp_size, cp_mode
@@ -322,8 +421,11 @@ class HybridParallelPlugin(Plugin):
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
             check_divisible(model, spec.num_stages)
-        own_ac = self.activation_checkpointing and callable(getattr(model, "enable_activation_checkpointing", None))
-        if self.activation_checkpointing and not own_ac and not isinstance(model, nn.Sequential):
+        auto_ac = self.activation_checkpointing == "auto"
+        if auto_ac:
+            _check_checkpoint_contract(model)
+        own_ac = self.activation_checkpointing is True and callable(getattr(model, "enable_activation_checkpointing", None))
+        if self.activation_checkpointing is True and not own_ac and not isinstance(model, nn.Sequential):
             raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): {type(model).__name__} has no "
                              "enable_activation_checkpointing() (the model contract) and is not an nn.Sequential; "
                              "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
@@ -397,6 +499,10 @@ class HybridParallelPlugin(Plugin):
 
             grid = Grid(self.tp_mode, self.tp_grid, self.mesh.mesh.reshape(-1, self.tp_size).tolist(), dist.get_rank())
         autocast = autocast_dtype(self.precision)
+        # the ranks whose collectives run inside a stage's layers: its tp group, then its cp group;
+        # every "auto" plan (the plugin's or the model's own) is agreed over them (autockpt_dist)
+        ac_groups = _Groups(g for g, n in ((tp_mesh.get_group(), self.tp_size), (self._cp_group, self.cp_size))
+                            if n > 1)
         # one overflow vote over every rank (group=None): see HybridParallelOptimizer
         self._scaler = DynamicLossScaler() if self.precision == "fp16" else None
 
@@ -405,7 +511,8 @@ class HybridParallelPlugin(Plugin):
                 nd_params.update(convert(part, grid, resolve_plan(part, self.tp_plan)))
             else:
                 part = apply_tensor_parallel(part, tp_mesh, self.tp_plan, self.sequence_parallel)
-            if self.activation_checkpointing and not own_ac:
+            part._checkpoint_groups = ac_groups
+            if self.activation_checkpointing is True and not own_ac:
                 # each child of the (stage's) Sequential recomputes in backward; wrapped after
                 # tensor parallelism so a tp_plan sees the user's own module names
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -424,6 +531,12 @@ class HybridParallelPlugin(Plugin):
                                   input_key=self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
+        if auto_ac:
+            ids = spec.stage_indices(pp_rank) if self.pp_size > 1 else [0]
+            for sid, mod in zip(ids, modules):
+                mod.inner.register_forward_pre_hook(
+                    _AutoCheckpoint(self, runtime, ac_groups, pp_rank, is_last=sid == spec.num_stages - 1),
+                    with_kwargs=True)
         if grid is not None:
             hp_model.nd = NdParallel(grid, nd_params)
         if self._cp_group is not None:
@@ -532,12 +645,16 @@ class HybridParallelPlugin(Plugin):
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
-        if self._cp_group is not None:
-            out = self._run_cp(model, batch, criterion, m, return_outputs)
-        elif model.nd is None:
-            out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
-        else:
-            out = self._run_nd(model, batch, criterion, m, return_outputs)
+        self._pipeline_m = m  # an "auto" plan made in this call divides the budget by what is in flight
+        try:
+            if self._cp_group is not None:
+                out = self._run_cp(model, batch, criterion, m, return_outputs)
+            elif model.nd is None:
+                out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+            else:
+                out = self._run_nd(model, batch, criterion, m, return_outputs)
+        finally:
+            self._pipeline_m = None
         if isinstance(optimizer, HybridParallelOptimizer):
             optimizer.record_loss(out["loss"])
         if not return_loss:

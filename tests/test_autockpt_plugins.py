@@ -1,0 +1,306 @@
+"""Activation checkpointing within a budget under the plugins (engine/autockpt_dist.py): tensor-parallel
+ranks agree on one plan (their profiles merged to the worst case), a pipeline stage plans its share
+of the step's budget (divided by the microbatches it holds in flight) and its measured step peak
+stays within the budget, Gemini plans with its chunks gathered outside its hooks (and takes the
+budget from what device_memory_limit leaves), and bad arguments are named before any work.
+
+Every multi-rank case runs real gloo processes and follows a single-process plain run's losses."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _dist import run_distributed
+from colossal_lab.engine.autockpt import min_peak, profile_checkpointing
+from colossal_lab.engine.autockpt_dist import in_flight, merge_profiles, stage_budget
+from colossal_lab.engine.models import GPT, GPTConfig
+
+BATCH, SEQ, LR = 8, 32, 0.1
+
+
+def crit(out, b):
+    return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+
+
+def _data(steps=3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+        out.append({"idx": x, "targets": torch.roll(x, -1, 1)})
+    return out
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset("tiny", n_layer=4, **kw))
+
+
+def _adamw(params):  # Gemini's optimizer (it runs fused AdamW on chunk shards)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _reference_losses(steps=3, make_opt=_sgd):
+    """One process, no checkpointing, the whole batch: the curve every layout must follow."""
+    model = _model()
+    opt = make_opt(model.parameters())
+    out = []
+    for b in _data(steps):
+        loss = crit(model(b["idx"])[0], b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def _figures(prof):
+    """Every number of a profile, for comparing two ranks' profiles exactly."""
+    from colossal_lab.engine.autockpt_dist import _flat
+
+    return _flat(prof)
+
+
+def _inner_gpt(model):
+    return next(m for m in model.modules() if isinstance(m, GPT))
+
+
+# ---- tensor parallelism: one plan over the ranks --------------------------------------------------
+def _tp_worker(rank, world, budget):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    # the model's own "auto" under tp2 + sequence parallelism (collectives inside every block)
+    model = _model(activation_checkpointing="auto", activation_budget=budget)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    plugin = HybridParallelPlugin(tp_size=2, sequence_parallel=True)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, opt)
+    losses = []
+    for b in _data():
+        _, loss = model(b["idx"], b["targets"])
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    plan = _inner_gpt(model).checkpoint_plan
+    plugin.close()
+
+    # a budget below what any plan reaches: the same error on both ranks (they solve one merged profile)
+    model = _model()
+    plugin = HybridParallelPlugin(tp_size=2, activation_checkpointing="auto", activation_budget=1)
+    hp, *_ = Booster(plugin=plugin).boost(model)
+    try:
+        hp(_data(1)[0]["idx"], _data(1)[0]["targets"])
+        low = None
+    except ValueError as e:
+        low = str(e)
+    plugin.close()
+    return losses, list(plan.layers), plan.predicted_peak, plan.budget, _figures(plan.profile), low
+
+
+def test_tensor_parallel_ranks_agree_on_one_plan_and_follow_one_process():
+    ref = _reference_losses()
+    b = _data(1)[0]
+    prof = profile_checkpointing(_model(), (b["idx"], b["targets"]))
+    # one process's lowest peak: each tp rank holds half of every block's activations, so this lies
+    # between the lowest and the highest peak of a rank: a plan recomputing some blocks, not all
+    budget = min_peak(prof)[0]
+    r0, r1 = run_distributed(_tp_worker, 2, budget, timeout=300)
+    for losses, layers, peak, got_budget, _, low in (r0, r1):
+        assert losses == pytest.approx(ref, abs=1e-5)
+        assert got_budget == budget and peak <= budget
+        assert 0 < len(layers) < 2 * 4  # something recomputes, not everything
+        assert low is not None and "Raise the budget to at least" in low
+    assert r0[1] == r1[1]  # the same layers on both ranks
+    # the ranks solved the very same profile: their own timings were merged (no two CPU clocks agree)
+    assert r0[4] == r1[4]
+    assert r0[5] == r1[5]  # the same lowest peak named on both
+
+
+# ---- a pipeline: each stage plans its share of the budget -----------------------------------------
+def _pp_worker(rank, world, budget, m):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+    from colossal_lab.plan import measure
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=m, activation_checkpointing="auto",
+                                  activation_budget=budget)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, opt)
+    losses = []
+    for b in _data():
+        out = booster.execute_pipeline(iter([b]), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if out["loss"] is None else out["loss"].item())
+    # one more step's forward and backward, measured: the gradients exist (as after a first step),
+    # so what it allocates is activations, their gradients and the pipeline's buffers
+    b = _data(1)[0]
+    booster.execute_pipeline(iter([b]), model, crit, opt)
+    with measure() as meter:
+        booster.execute_pipeline(iter([b]), model, crit, opt)
+    plan = model.stage_modules[0].inner.checkpoint_plan
+    plugin.close()
+    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"]
+
+
+def _stage_profile(stage, m):
+    """A stage's profile on one microbatch, as the plugin takes it (its input; the criterion on the
+    last stage, an output-sized gradient on the first)."""
+    model = _model().pipeline_stage(stage, 2)
+    b = {k: v[:BATCH // m] for k, v in _data(1)[0].items()}
+    if stage == 0:
+        return profile_checkpointing(model, (b["idx"],), lambda out, inp: (out[0] * torch.ones_like(out[0])).sum())
+    h = torch.randn(BATCH // m, SEQ, model.cfg.n_embd, requires_grad=True)
+    return profile_checkpointing(model, (h,), lambda out, inp: crit(out[0], b))
+
+
+def test_pipeline_stages_plan_their_share_and_hold_the_budget():
+    m = 4
+    ref = _reference_losses()
+    # 1F1B on 2 stages: stage 0 holds 2 microbatches in flight, stage 1 one. The budget puts stage 0's
+    # share halfway between its lowest and its highest peak per microbatch, so it must choose.
+    p0 = _stage_profile(0, m)
+    budget = min_peak(p0)[0] + p0.predict(["none"] * 2)[0]
+    r0, r1 = run_distributed(_pp_worker, 2, budget, m, timeout=300)
+    assert r1[0] == pytest.approx(ref, abs=1e-5) and r0[0] == [None] * 3  # the loss lives on the last stage
+    for stage, (_, layers, got, peak, measured) in enumerate((r0, r1)):
+        assert got == budget // in_flight("1f1b", 2, stage, m) == stage_budget(budget, "1f1b", 2, stage, m)
+        assert peak <= got
+        # the step's measured peak on this stage (every microbatch in flight) is within the budget
+        assert measured <= budget, (stage, measured, budget)
+    assert r0[2] == budget // 2 and r1[2] == budget
+    assert 0 < len(r0[1])  # stage 0's half share forces recompute
+
+
+# ---- Gemini: planned outside its hooks, with its chunks gathered ------------------------------------
+def _gemini_overhead(limit):
+    """What Gemini keeps on the compute tier under ``limit`` (resident chunks and optimizer state, and
+    its working-set reserve), from a boost that does not train."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.gemini.placement import working_set_bytes
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    plugin = GeminiPlugin(placement_policy="static", precision="fp32", device_memory_limit=limit)
+    model = _model()
+    gm, *_ = Booster(plugin=plugin, mixed_precision="fp32").boost(model, _adamw(model.parameters()))
+    tier = gm.manager.stack.compute
+    used = tier.used + working_set_bytes(gm.manager.chunks, plugin.max_prefetch, tier.capacity)
+    plugin.close()
+    return used
+
+
+def _gemini_worker(rank, world, budget, limit):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.gemini.placement import working_set_bytes
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    # a device_memory_limit leaving about ``budget`` for activations once Gemini has its share
+    limit = _gemini_overhead(limit) + budget
+    out = {"limit": limit}
+    for name, plugin in (
+            ("given", GeminiPlugin(placement_policy="cpu", precision="fp32", activation_checkpointing="auto",
+                                   activation_budget=budget)),
+            ("derived", GeminiPlugin(placement_policy="static", precision="fp32", device_memory_limit=limit,
+                                     activation_checkpointing="auto"))):
+        model = _model()
+        opt = _adamw(model.parameters())
+        gm, gopt, *_ = Booster(plugin=plugin, mixed_precision="fp32").boost(model, opt)
+        mgr = gm.manager
+        tier = mgr.stack.compute
+        left = tier.capacity - tier.used - working_set_bytes(mgr.chunks, plugin.max_prefetch, tier.capacity)
+        losses = []
+        n = BATCH // world
+        for b in _data():
+            _, loss = gm(b["idx"][rank * n:(rank + 1) * n], b["targets"][rank * n:(rank + 1) * n])
+            gopt.backward(loss)
+            gopt.step()
+            gopt.zero_grad()
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t)
+            losses.append(t.item() / world)
+        plan = gm.checkpoint_plan
+        out[name] = dict(losses=losses, layers=list(plan.layers), budget=plan.budget, left=left,
+                         peak=plan.predicted_peak, figures=_figures(plan.profile))
+        plugin.close()
+    return out
+
+
+def test_gemini_plans_with_gathered_chunks_and_follows_one_process():
+    ref = _reference_losses(make_opt=_adamw)
+    b = {k: v[:BATCH // 2] for k, v in _data(1)[0].items()}
+    prof = profile_checkpointing(_model(), (b["idx"], b["targets"]))
+    budget = (min_peak(prof)[0] + prof.predict(["none"] * 4)[0]) // 2
+    limit = 8 << 20
+    r0, r1 = run_distributed(_gemini_worker, 2, budget, limit, timeout=300)
+    for r in (r0, r1):
+        for name in ("given", "derived"):
+            assert r[name]["losses"] == pytest.approx(ref, abs=1e-5), name
+            assert r[name]["peak"] <= r[name]["budget"]
+            assert 0 < len(r[name]["layers"]) < 8  # halfway between the extremes: some parts recompute
+        assert r["given"]["budget"] == budget
+        # without a budget: what device_memory_limit leaves after Gemini's resident chunks and working set
+        assert 0 < r["derived"]["budget"] == r["derived"]["left"] < r["limit"]
+    for name in ("given", "derived"):
+        assert r0[name]["layers"] == r1[name]["layers"] and r0[name]["figures"] == r1[name]["figures"]
+
+
+# ---- bad arguments, before any work -----------------------------------------------------------------
+class _NoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+    def num_layers(self):
+        return 1
+
+    def enable_activation_checkpointing(self):
+        pass
+
+
+def test_bad_arguments_are_named():
+    from colossal_lab.engine.plugins import GeminiPlugin, HybridParallelPlugin
+
+    for cls in (HybridParallelPlugin, GeminiPlugin):
+        name = cls.__name__
+        if cls is HybridParallelPlugin:  # Gemini can take the budget from device_memory_limit
+            with pytest.raises(ValueError, match=rf"{name}\(activation_checkpointing='auto'\) needs activation_budget"):
+                cls(activation_checkpointing="auto")
+        for bad in (0, -5, True, "1GB", float("inf")):
+            with pytest.raises(ValueError, match=rf"{name}\(activation_budget=.*\): must be a number of bytes > 0"):
+                cls(activation_checkpointing="auto", activation_budget=bad)
+        with pytest.raises(ValueError, match=rf"{name}\(activation_checkpointing='yes'\): choose False, True"):
+            cls(activation_checkpointing="yes")
+        with pytest.raises(ValueError, match=r"activation_budget=1024\) is read only with activation_checkpointing='auto'"):
+            cls(activation_budget=1024)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"pass activation_budget=<bytes> .* or device_memory_limit=<bytes>"):
+            GeminiPlugin(activation_checkpointing="auto")
+    # a model that cannot take a list of layers: refused at configure, before any process group
+    with pytest.raises(ValueError, match=r"enable_activation_checkpointing\(\) takes no `layers`"):
+        HybridParallelPlugin(activation_checkpointing="auto", activation_budget=1 << 20).configure(_NoLayers())
+    with pytest.raises(ValueError, match=r"enable_activation_checkpointing\(\) takes no `layers`"):
+        GeminiPlugin(activation_checkpointing="auto", activation_budget=1 << 20).configure(_NoLayers(), None, None,
+                                                                                         None, None)
+
+
+def test_merge_and_budget_rules_without_a_process_group():
+    b = _data(1)[0]
+    prof = profile_checkpointing(_model(), (b["idx"], b["targets"]))
+    assert merge_profiles(prof) is prof  # one process: nothing to merge with
+    # the schedules' in-flight counts (cl.plan's rule): GPipe all, 1F1B pp - s, times the chunks
+    assert [in_flight("gpipe", 4, s, 8) for s in range(4)] == [8] * 4
+    assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert in_flight("1f1b", 4, 0, 2) == 2 and in_flight("interleaved", 2, 0, 4, chunks=2) == 4
+    assert in_flight("1f1b", 1, 0, 8) == 1 and stage_budget(1000, "1f1b", 4, 1, 8) == 333
