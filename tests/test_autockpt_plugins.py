@@ -91,6 +91,19 @@ def _tp_worker(rank, world, budget):
     plan = _inner_gpt(model).checkpoint_plan
     plugin.close()
 
+    # context parallelism: each rank holds half of every sequence and attention passes K/V around
+    model = _model(activation_checkpointing="auto", activation_budget=budget // 2)
+    plugin = HybridParallelPlugin(cp_size=2)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=LR))
+    cp_losses = []
+    for b in _data():
+        cp_losses.append(booster.execute_pipeline(iter([b]), model, crit, opt)["loss"].item())
+        opt.step()
+        opt.zero_grad()
+    cp_plan = _inner_gpt(model).checkpoint_plan
+    plugin.close()
+
     # a budget below what any plan reaches: the same error on both ranks (they solve one merged profile)
     model = _model()
     plugin = HybridParallelPlugin(tp_size=2, activation_checkpointing="auto", activation_budget=1)
@@ -101,7 +114,8 @@ def _tp_worker(rank, world, budget):
     except ValueError as e:
         low = str(e)
     plugin.close()
-    return losses, list(plan.layers), plan.predicted_peak, plan.budget, _figures(plan.profile), low
+    return (losses, list(plan.layers), plan.predicted_peak, plan.budget, _figures(plan.profile), low,
+            (cp_losses, list(cp_plan.layers), cp_plan.predicted_peak, _figures(cp_plan.profile)))
 
 
 def test_tensor_parallel_ranks_agree_on_one_plan_and_follow_one_process():
@@ -112,7 +126,7 @@ def test_tensor_parallel_ranks_agree_on_one_plan_and_follow_one_process():
     # between the lowest and the highest peak of a rank: a plan recomputing some blocks, not all
     budget = min_peak(prof)[0]
     r0, r1 = run_distributed(_tp_worker, 2, budget, timeout=300)
-    for losses, layers, peak, got_budget, _, low in (r0, r1):
+    for losses, layers, peak, got_budget, _, low, _ in (r0, r1):
         assert losses == pytest.approx(ref, abs=1e-5)
         assert got_budget == budget and peak <= budget
         assert 0 < len(layers) < 2 * 4  # something recomputes, not everything
@@ -121,10 +135,30 @@ def test_tensor_parallel_ranks_agree_on_one_plan_and_follow_one_process():
     # the ranks solved the very same profile: their own timings were merged (no two CPU clocks agree)
     assert r0[4] == r1[4]
     assert r0[5] == r1[5]  # the same lowest peak named on both
+    # context parallelism: the same, over the cp group
+    for cp_losses, layers, peak, _ in (r0[6], r1[6]):
+        assert cp_losses == pytest.approx(ref, abs=1e-5) and peak <= budget // 2 and 0 < len(layers) < 8
+    assert r0[6][1] == r1[6][1] and r0[6][3] == r1[6][3]
 
 
 # ---- a pipeline: each stage plans its share of the budget -----------------------------------------
-def _pp_worker(rank, world, budget, m):
+class Res(nn.Module):
+    """x + w2(relu(w1(x))): a user's layer, no model contract beyond being a Sequential's child."""
+
+    def __init__(self, d=32, h=128):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+def _user_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(256, 32), Res(), Res(), Res(), Res(), nn.Linear(32, 256))
+
+
+def _pp_worker(rank, world, budget, m, user_budget):
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
     from colossal_lab.plan import measure
@@ -149,18 +183,41 @@ def _pp_worker(rank, world, budget, m):
         booster.execute_pipeline(iter([b]), model, crit, opt)
     plan = model.stage_modules[0].inner.checkpoint_plan
     plugin.close()
-    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"]
+
+    # a user's nn.Sequential, split by its children: its stage's children are wrapped (checkpoint_wrapper)
+    user = _user_model()
+    opt = torch.optim.SGD(user.parameters(), lr=LR)
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=m, activation_checkpointing="auto",
+                                  activation_budget=user_budget)
+    booster = Booster(plugin=plugin)
+    user, opt, *_ = booster.boost(user, opt)
+    out = booster.execute_pipeline(iter([_data(1)[0]]), user, crit, opt)
+    stage = user.stage_modules[0].inner
+    wrapped = [i for i, c in enumerate(stage) if hasattr(c, "_checkpoint_wrapped_module")]
+    user_out = (None if out["loss"] is None else out["loss"].item(), list(stage.checkpoint_plan.layers), wrapped,
+                stage.checkpoint_plan.budget)
+    plugin.close()
+    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"], user_out
 
 
-def _stage_profile(stage, m):
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _stage_profile(stage, m, model=None):
     """A stage's profile on one microbatch, as the plugin takes it (its input; the criterion on the
     last stage, an output-sized gradient on the first)."""
-    model = _model().pipeline_stage(stage, 2)
+    if model is None:
+        model, width = _model().pipeline_stage(stage, 2), _model().cfg.n_embd
+    else:  # a Sequential: half of its children
+        width, half = model[0].embedding_dim, len(model) // 2
+        model = model[:half] if stage == 0 else model[half:]
     b = {k: v[:BATCH // m] for k, v in _data(1)[0].items()}
     if stage == 0:
-        return profile_checkpointing(model, (b["idx"],), lambda out, inp: (out[0] * torch.ones_like(out[0])).sum())
-    h = torch.randn(BATCH // m, SEQ, model.cfg.n_embd, requires_grad=True)
-    return profile_checkpointing(model, (h,), lambda out, inp: crit(out[0], b))
+        return profile_checkpointing(model, (b["idx"],),
+                                     lambda out, inp: (_first(out) * torch.ones_like(_first(out))).sum())
+    h = torch.randn(BATCH // m, SEQ, width, requires_grad=True)
+    return profile_checkpointing(model, (h,), lambda out, inp: crit(_first(out), b))
 
 
 def test_pipeline_stages_plan_their_share_and_hold_the_budget():
@@ -170,15 +227,27 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     # share halfway between its lowest and its highest peak per microbatch, so it must choose.
     p0 = _stage_profile(0, m)
     budget = min_peak(p0)[0] + p0.predict(["none"] * 2)[0]
-    r0, r1 = run_distributed(_pp_worker, 2, budget, m, timeout=300)
+    # the user's Sequential: stage 1's share (the whole budget) halfway between its extremes; stage 0's
+    # half of it must still be reachable (else stage 0 would fail alone while stage 1 waits for it)
+    u0, u1 = _stage_profile(0, m, _user_model()), _stage_profile(1, m, _user_model())
+    user_budget = (min_peak(u1)[0] + u1.predict(["none"] * 3)[0]) // 2
+    assert min_peak(u0)[0] <= user_budget // 2
+    user = _user_model()
+    user_ref = crit(user(_data(1)[0]["idx"]), _data(1)[0]).item()
+    r0, r1 = run_distributed(_pp_worker, 2, budget, m, user_budget, timeout=300)
     assert r1[0] == pytest.approx(ref, abs=1e-5) and r0[0] == [None] * 3  # the loss lives on the last stage
-    for stage, (_, layers, got, peak, measured) in enumerate((r0, r1)):
+    for stage, (_, layers, got, peak, measured, _) in enumerate((r0, r1)):
         assert got == budget // in_flight("1f1b", 2, stage, m) == stage_budget(budget, "1f1b", 2, stage, m)
         assert peak <= got
         # the step's measured peak on this stage (every microbatch in flight) is within the budget
         assert measured <= budget, (stage, measured, budget)
     assert r0[2] == budget // 2 and r1[2] == budget
     assert 0 < len(r0[1])  # stage 0's half share forces recompute
+    # the user's model through the contract (a Sequential): planned per stage, its children wrapped
+    (_, layers0, wrapped0, b0), (loss1, layers1, wrapped1, b1) = r0[5], r1[5]
+    assert loss1 == pytest.approx(user_ref, abs=1e-5)
+    assert (b0, b1) == (user_budget // 2, user_budget)
+    assert wrapped0 == layers0 and wrapped1 == layers1 and 0 < len(layers1) < 3
 
 
 # ---- Gemini: planned outside its hooks, with its chunks gathered ------------------------------------
@@ -210,8 +279,9 @@ def _gemini_worker(rank, world, budget, limit):
             ("given", GeminiPlugin(placement_policy="cpu", precision="fp32", activation_checkpointing="auto",
                                    activation_budget=budget)),
             ("derived", GeminiPlugin(placement_policy="static", precision="fp32", device_memory_limit=limit,
-                                     activation_checkpointing="auto"))):
-        model = _model()
+                                     activation_checkpointing="auto")),
+            ("model", GeminiPlugin(placement_policy="cpu", precision="fp32"))):
+        model = _model(activation_checkpointing="auto", activation_budget=budget) if name == "model" else _model()
         opt = _adamw(model.parameters())
         gm, gopt, *_ = Booster(plugin=plugin, mixed_precision="fp32").boost(model, opt)
         mgr = gm.manager
@@ -242,14 +312,16 @@ def test_gemini_plans_with_gathered_chunks_and_follows_one_process():
     limit = 8 << 20
     r0, r1 = run_distributed(_gemini_worker, 2, budget, limit, timeout=300)
     for r in (r0, r1):
-        for name in ("given", "derived"):
+        for name in ("given", "derived", "model"):
             assert r[name]["losses"] == pytest.approx(ref, abs=1e-5), name
             assert r[name]["peak"] <= r[name]["budget"]
             assert 0 < len(r[name]["layers"]) < 8  # halfway between the extremes: some parts recompute
         assert r["given"]["budget"] == budget
         # without a budget: what device_memory_limit leaves after Gemini's resident chunks and working set
         assert 0 < r["derived"]["budget"] == r["derived"]["left"] < r["limit"]
-    for name in ("given", "derived"):
+    # the model's own "auto" is planned by the plugin the same way, with the model's budget
+    assert r0["model"]["budget"] == budget and r0["model"]["layers"] == r0["given"]["layers"]
+    for name in ("given", "derived", "model"):
         assert r0[name]["layers"] == r1[name]["layers"] and r0[name]["figures"] == r1[name]["figures"]
 
 
