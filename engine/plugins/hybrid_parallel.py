@@ -88,7 +88,8 @@ def _check_checkpoint_contract(model: nn.Module) -> None:
 
 
 class _AutoCheckpoint:
-    """``HybridParallelPlugin(activation_checkpointing="auto")``: a forward pre-hook on a stage's module
+    """``HybridParallelPlugin(activation_checkpointing="auto")`` (or a model whose config asks for
+    ``"auto"``): a forward pre-hook on a stage's module
     that, at its first training forward of each input shape, profiles the stage on that very input
     (a microbatch, or a received activation), merges the profile over the stage's tp and cp ranks,
     solves it for the stage's share of the budget (``activation_budget // in-flight microbatches``)
@@ -96,9 +97,9 @@ class _AutoCheckpoint:
     the criterion on the microbatch being run; an earlier stage's stands for the gradient it will
     receive (an output-sized tensor held through backward)."""
 
-    def __init__(self, plugin: "HybridParallelPlugin", runtime, groups, pp_rank: int, is_last: bool):
+    def __init__(self, plugin: "HybridParallelPlugin", runtime, groups, pp_rank: int, budget: int, is_last: bool):
         self.plugin, self.runtime, self.groups = plugin, runtime, groups
-        self.pp_rank, self.is_last = pp_rank, is_last
+        self.pp_rank, self.step_budget, self.is_last = pp_rank, int(budget), is_last
         self.plans: Dict[tuple, Any] = {}
         self.busy = False  # profiling calls the module: the hook stays out of its own steps
 
@@ -107,7 +108,7 @@ class _AutoCheckpoint:
 
         p = self.plugin
         m = p._pipeline_m or 1
-        return stage_budget(p.activation_budget, p.pp_style, p.pp_size, self.pp_rank, m, p.num_model_chunks)
+        return stage_budget(self.step_budget, p.pp_style, p.pp_size, self.pp_rank, m, p.num_model_chunks)
 
     def loss_fn(self):
         if self.plugin._pipeline_m is None:
@@ -421,7 +422,12 @@ class HybridParallelPlugin(Plugin):
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
             check_divisible(model, spec.num_stages)
-        auto_ac = self.activation_checkpointing == "auto"
+        auto_ac, ac_budget = self.activation_checkpointing == "auto", self.activation_budget
+        cfg = getattr(model, "cfg", None)
+        if self.activation_checkpointing is not True and getattr(cfg, "activation_checkpointing", None) == "auto":
+            # the model asks for "auto" itself (GPTConfig): planned here like the plugin's, with the criterion
+            # a pipeline runs and the stage's share, for the model's budget unless the plugin gives one
+            auto_ac, ac_budget = True, ac_budget if ac_budget is not None else cfg.activation_budget
         if auto_ac:
             _check_checkpoint_contract(model)
         own_ac = self.activation_checkpointing is True and callable(getattr(model, "enable_activation_checkpointing", None))
@@ -535,7 +541,7 @@ class HybridParallelPlugin(Plugin):
             ids = spec.stage_indices(pp_rank) if self.pp_size > 1 else [0]
             for sid, mod in zip(ids, modules):
                 mod.inner.register_forward_pre_hook(
-                    _AutoCheckpoint(self, runtime, ac_groups, pp_rank, is_last=sid == spec.num_stages - 1),
+                    _AutoCheckpoint(self, runtime, ac_groups, pp_rank, ac_budget, is_last=sid == spec.num_stages - 1),
                     with_kwargs=True)
         if grid is not None:
             hp_model.nd = NdParallel(grid, nd_params)
