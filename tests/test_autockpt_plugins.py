@@ -311,7 +311,8 @@ def _gemini_worker(rank, world, budget, limit):
                                    activation_budget=budget)),
             ("derived", GeminiPlugin(placement_policy="static", precision="fp32", device_memory_limit=limit,
                                      activation_checkpointing="auto")),
-            ("model", GeminiPlugin(placement_policy="cpu", precision="fp32"))):
+            ("model", GeminiPlugin(placement_policy="cpu", precision="fp32")),
+            ("every", GeminiPlugin(placement_policy="cpu", precision="fp32", activation_checkpointing=True))):
         model = _model(activation_checkpointing="auto", activation_budget=budget) if name == "model" else _model()
         opt = _adamw(model.parameters())
         gm, gopt, *_ = Booster(plugin=plugin, mixed_precision="fp32").boost(model, opt)
@@ -328,6 +329,12 @@ def _gemini_worker(rank, world, budget, limit):
             t = loss.detach().clone()
             torch.distributed.all_reduce(t)
             losses.append(t.item() / world)
+        if name == "every":  # every block recomputes, as before "auto"
+            inner = gm.unwrap()
+            out[name] = dict(losses=losses, every=inner.cfg.activation_checkpointing is True
+                             and inner.checkpoint_layers is None and inner.checkpoint_plan is None)
+            plugin.close()
+            continue
         plan = gm.checkpoint_plan
         out[name] = dict(losses=losses, layers=list(plan.layers), budget=plan.budget, left=left,
                          peak=plan.predicted_peak, figures=_figures(plan.profile))
@@ -343,6 +350,7 @@ def test_gemini_plans_with_gathered_chunks_and_follows_one_process():
     limit = 8 << 20
     r0, r1 = run_distributed(_gemini_worker, 2, budget, limit, timeout=300)
     for r in (r0, r1):
+        assert r["every"]["every"] and r["every"]["losses"] == pytest.approx(ref, abs=1e-5)
         for name in ("given", "derived", "model"):
             assert r[name]["losses"] == pytest.approx(ref, abs=1e-5), name
             assert r[name]["peak"] <= r[name]["budget"]

@@ -125,18 +125,18 @@ class GeminiPlugin(Plugin):
             ac, budget = "auto", budget if ac == "auto" and budget is not None else cfg.activation_budget
         if ac:
             _check_checkpoint_contract(model, ac)
-        if ac is True:
+        skip = ("precision", "activation_checkpointing", "activation_budget")
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
+        gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
+                                        group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
+        self._managers.append(manager)
+        if ac is True:  # after packing: chunks keep the model's own parameter names (no wrapper infix)
             if callable(getattr(model, "enable_activation_checkpointing", None)):
                 model.enable_activation_checkpointing()
             else:
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
                 for i in range(len(model)):
                     model[i] = checkpoint_wrapper(model[i])
-        skip = ("precision", "activation_checkpointing", "activation_budget")
-        options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
-        gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
-                                        group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
-        self._managers.append(manager)
         if ac == "auto":
             if budget is None:
                 budget = self.resident_budget(manager)
