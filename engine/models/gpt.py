@@ -33,7 +33,8 @@ class GPTConfig:
     dropout: float = 0.0
     tie_embeddings: bool = False
     # True: every block recomputes in backward; "auto": the blocks (or their attention/MLP) chosen by
-    # engine/autockpt.py so a training step's activations stay under activation_budget bytes
+    # engine/autockpt.py so a training step's activations stay under activation_budget bytes (under
+    # HybridParallelPlugin / GeminiPlugin the plugin makes that plan: a pipeline stage gets its share)
     activation_checkpointing: Union[bool, str] = False
     activation_budget: Optional[int] = None
     rope_theta: float = 10000.0

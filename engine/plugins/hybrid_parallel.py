@@ -17,6 +17,14 @@ of ``k`` ranks holds a shard of every sequence (zig-zag for ring), the model's a
 around the ring or all-to-alls to heads, and gradients are averaged over dp × cp (every rank that
 holds the same parameters). ``execute_pipeline`` and a direct forward cut the batch themselves.
 
+``activation_checkpointing=True`` recomputes every layer; ``"auto"`` with ``activation_budget=<bytes>``
+(the peak activation memory of one training step on one rank) plans, per stage and at its first
+training forward, which layers recompute (:mod:`..autockpt`): a stage plans one microbatch for the
+budget divided by the microbatches it holds in flight, and the ranks of its tp and cp groups merge
+their profiles so they recompute the same layers (:mod:`..autockpt_dist`). A model whose own config
+asks for ``"auto"`` (``GPTConfig(activation_checkpointing="auto", activation_budget=...)``) is planned the
+same way, with its budget.
+
 Where we differ from Colossal-AI on purpose: ``precision`` defaults to ``"fp32"`` (CPU-first;
 Colossal-AI defaults to fp16), and ``execute_pipeline`` also returns ``"bubble"`` — this step's
 measured bubble fraction per stage.
