@@ -40,10 +40,11 @@ again under checkpointing). Overlap of communication with compute is not modelle
 overlap).
 
 Overheads: what that leaves out (the pipeline runtime's Python per scheduled action, DTensor's
-dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: up to three
-layouts (:func:`choose_probes`) are boosted and stepped for real (:func:`probe_step`: the first
+dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: two
+layouts (:func:`choose_probes`; tensor-parallel ones only as verification picks them) are
+boosted and stepped for real (:func:`probe_step`: the first
 step under ``cl.plan.measure`` for its peak, then timed steps, the median of the slowest rank's),
-and non-negative coefficients for those three (:func:`features`) are fitted to what the model did
+and non-negative coefficients for three features (:func:`features`) are fitted to what the model did
 not explain (:func:`fit_overheads`).
 
 Verification: the model ranks, the machine decides. While probes remain (``max_probes``), the
@@ -466,8 +467,8 @@ def features(c: Candidate, layers: int) -> List[float]:
 
 def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3) -> Dict[str, Any]:
     """On every rank: boost layout ``cand`` on a real model and train it: the first step (model
-    build, boost and step) under ``cl.plan.measure`` for its peak bytes, one warm-up step, then
-    ``steps`` timed ones. Returns ``{"peak": bytes, "step_seconds": [s, ...]}`` for this rank
+    build, boost and step) under ``cl.plan.measure`` for its peak bytes, then ``steps`` timed
+    ones. Returns ``{"peak": bytes, "step_seconds": [s, ...]}`` for this rank
     (:func:`merge_probe` makes one figure of the ranks': a step waits for its slowest rank)."""
     import copy
 
@@ -501,8 +502,7 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
 
         step()
     peak = max(meter.peak.values(), default=0)
-    step()
-    times = []
+    times = []  # the measured step was the warm-up (a median over the steps shrugs off a slow one)
     for _ in range(steps):
         dist.barrier()  # every rank starts the step together: its time is the step's, not a wait
         t0 = time.perf_counter()
@@ -519,10 +519,13 @@ def merge_probe(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, float]:
     return {"seconds": statistics.median(steps), "peak": max(r["peak"] for r in per_rank)}
 
 
-def choose_probes(rows: Sequence[Dict[str, Any]], layers: int) -> List[Candidate]:
-    """Up to three layouts that tell the overheads apart: the fewest scheduled actions without
-    tensor parallelism, the most, and the widest tensor parallelism (from the layouts that fit
-    when there are any: a probe must not run out of memory)."""
+def choose_probes(rows: Sequence[Dict[str, Any]], layers: int, widest_tp: bool = False) -> List[Candidate]:
+    """Layouts that tell the overheads apart: the fewest scheduled actions without tensor
+    parallelism and the most (from the layouts that fit when there are any: a probe must not run
+    out of memory); the widest tensor parallelism too with ``widest_tp``, or when every layout
+    has it. :func:`autoplan` leaves the tensor-parallel probe to its verification: it runs a
+    tensor-parallel layout when the model ranks one near the top, and the fit then learns its
+    overhead, rather than paying for one up front that the model would not have chosen."""
     pool = [r["candidate"] for r in rows if r["fits"]] or [r["candidate"] for r in rows]
     plain = [c for c in pool if not c.activation_checkpointing and c.zero_stage == 0] or pool
     out: List[Candidate] = []
@@ -531,7 +534,7 @@ def choose_probes(rows: Sequence[Dict[str, Any]], layers: int) -> List[Candidate
         out.append(min(no_tp, key=lambda c: features(c, layers)[1]))
         out.append(max(no_tp, key=lambda c: features(c, layers)[1]))
     with_tp = [c for c in plain if c.tp > 1]
-    if with_tp:
+    if with_tp and (widest_tp or not no_tp):
         wide = max(c.tp for c in with_tp)
         out.append(min((c for c in with_tp if c.tp == wide), key=lambda c: features(c, layers)[1]))
     return list(dict.fromkeys(out))
@@ -648,7 +651,7 @@ def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int,
 def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int] = None,
              device_memory: Optional[int] = None, host_memory: Optional[int] = None, cluster=None,
              calibration: Optional[Dict[str, Any]] = None, reps: int = 3, probe_steps: int = 3,
-             max_probes: int = 7, verify_margin: float = 0.25, **space) -> AutoPlan:
+             max_probes: int = 7, verify_margin: float = 0.5, **space) -> AutoPlan:
     """Search the layouts of ``world_size`` ranks for the fastest predicted step that fits.
 
     ``batch``: samples per step over all data-parallel ranks; ``seq``: tokens per sample (default

@@ -117,7 +117,9 @@ def test_overheads_are_fitted_non_negative_from_what_the_model_left_unexplained(
     got = fit_overheads([[1.0, 2.0, 0.0], [1.0, 22.0, 0.0]], [-0.01, 0.02])
     assert all(x >= 0 for x in got) and got[1] > 0
     rows = [{"candidate": c, "fits": True} for c in probes + [Candidate(4, 1, 1, activation_checkpointing=True)]]
-    assert choose_probes(rows, layers) == probes  # fewest actions, most actions, widest tp
+    assert choose_probes(rows, layers, widest_tp=True) == probes  # fewest actions, most actions, widest tp
+    assert choose_probes(rows, layers) == probes[:2]  # tensor parallelism left to verification
+    assert choose_probes([r for r in rows if r["candidate"].tp > 1], layers) == probes[2:]  # unless all have it
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,7 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
         best_run = ran[plan.best]["seconds"]
         for r in plan.rows:
             if r["candidate"] not in ran and r["fits"]:
-                assert r["predicted_s"] >= best_run * 1.25, (r["label"], r["predicted_s"], best_run)
+                assert r["predicted_s"] >= best_run * 1.5, (r["label"], r["predicted_s"], best_run)
     assert [r["seconds"] for r in fits] == sorted(r["seconds"] for r in fits)
     assert "best: " + plan.best.label in plan.table()
     losses = cluster.run(_train_one_step, asdict(plan.best), 4, 32)
