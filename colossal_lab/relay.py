@@ -304,7 +304,9 @@ def _install(address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = 
         if _rank_sink is None:
             _rank_sink = _RankSink(address, sndhwm, interval, coalesce)
         _ensure_sampler(memory_interval)
-        return _rank_sink.stats()
+        import socket
+
+        return {**_rank_sink.stats(), "host": socket.gethostname(), "session": telemetry.bus.session_group()}
 
 
 def _uninstall(address: str) -> Optional[Dict[str, Any]]:
@@ -349,6 +351,7 @@ class Relay:
                              "address of this machine that the engines can reach") from None
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._receive, name="colossal-relay", daemon=True)
+        self._session_prev: Optional[int] = None  # this session's autogroup nice before attach
         self._thread.start()
         self.attached = False
 
@@ -410,6 +413,7 @@ class Relay:
                 telemetry.emit(event)
 
     def _close_after_stop(self) -> None:
+        self._step_forward()
         self.attached = False
         self._unhook()
         self._stop.set()
@@ -420,7 +424,28 @@ class Relay:
         out = self.cluster.run(_install, self.address, self.config.sndhwm, self.config.interval,
                                self.config.coalesce, self.config.memory_interval)
         self.attached = True
+        self._step_back(out)
         return out
+
+    def _step_back(self, installed: List[Dict[str, Any]]) -> None:
+        """While attached, this process (it decodes and draws for ranks that train) takes the CPU
+        the ranks leave: its threads at ``background_priority``, and, where ranks on this machine
+        run in other sessions than this one (``cl.launch``'s engines each have their own), its
+        session's scheduling autogroup too (``telemetry.bus.session_background``: Linux shares the
+        CPU between sessions before it looks at a thread's nice). Put back at detach."""
+        import socket
+
+        if self._session_prev is not None:
+            return
+        mine, host = telemetry.bus.session_group(), socket.gethostname()
+        local = [r for r in installed if isinstance(r, dict) and r.get("host") == host]
+        if mine is None or not local or any(r.get("session") == mine for r in local):
+            return  # ranks elsewhere, or in this very session: ordering by thread nice suffices
+        self._session_prev = telemetry.bus.session_background()
+
+    def _step_forward(self) -> None:
+        prev, self._session_prev = self._session_prev, None
+        telemetry.bus.session_restore(prev)
 
     def _on_restart(self, cluster) -> None:
         """Restart hook: the new ranks get the sink and the memory sampler again."""
@@ -456,6 +481,7 @@ class Relay:
         except Exception:
             pass  # a stopped cluster has no subscribers left to remove
         finally:
+            self._step_forward()
             self.attached = False
             self._unhook()
             self._stop.set()

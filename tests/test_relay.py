@@ -393,3 +393,32 @@ def test_the_kernel_side_threads_step_back_and_the_rank_side_ones_do_not():
     finally:
         redraw.close()
         relay.detach()
+
+
+def _autogroup_nice():
+    with open("/proc/self/autogroup") as f:
+        return int(f.read().split()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="Linux scheduling autogroups")
+def test_the_kernel_session_steps_back_while_attached_to_ranks_in_other_sessions(cluster):
+    # cl.launch's engines run in sessions of their own: Linux shares the CPU between sessions
+    # before it reads a thread's nice, so the kernel's whole session steps back while it draws
+    # for them, and comes back at detach
+    from colossal_lab.engine.telemetry import bus
+
+    sessions = cluster.run(bus.session_group)
+    assert bus.session_group() not in sessions  # the premise: the ranks are elsewhere
+    before = _autogroup_nice()
+    relay = relay_mod.attach(cluster, interval=0.05, **QUIET)
+    try:
+        assert _autogroup_nice() == max(before, bus.BACKGROUND_NICE)
+    finally:
+        relay.detach()
+    assert _autogroup_nice() == before or os.geteuid() != 0  # unprivileged: lowering only
+    # ranks in this very session (here: this process itself) leave the session alone
+    relay = relay_mod.attach(_ThisProcess(), interval=0.05, **QUIET)
+    try:
+        assert _autogroup_nice() == before
+    finally:
+        relay.detach()

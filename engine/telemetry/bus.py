@@ -79,3 +79,53 @@ def background_priority(nice: Optional[int] = None) -> bool:
         return True
     except (OSError, AttributeError):
         return False
+
+
+_AUTOGROUP = "/proc/self/autogroup"
+
+
+def session_group() -> Optional[str]:
+    """This process's Linux scheduling autogroup (``"/autogroup-N"``), None where there is none."""
+    try:
+        with open(_AUTOGROUP) as f:
+            return f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def session_background(nice: Optional[int] = None) -> Optional[int]:
+    """Step this process's scheduling *autogroup* back to ``nice`` (default ``BACKGROUND_NICE``);
+    returns the nice it had (for :func:`session_restore`), None when nothing changed.
+
+    Why, beside :func:`background_priority`: Linux shares the CPU first between autogroups (one
+    per session) and only then between the threads of each, by their nice. ``cl.launch``'s
+    ranks are ipyparallel engines, each started in a session of its own, so a kernel thread at
+    nice 10 still weighs as much as a whole rank whenever it runs: on a box whose cores the
+    ranks fill, each redraw takes its CPU from training at full weight. Lowering the kernel's
+    autogroup (the kernel's own session under Jupyter) while it only draws for ranks elsewhere
+    makes its threads take what the ranks leave. Unprivileged processes may lower, not raise:
+    the restore can fail, and then the kernel stays at the lower weight (it only matters while
+    other work wants the CPU)."""
+    nice = BACKGROUND_NICE if nice is None else nice
+    try:
+        with open(_AUTOGROUP) as f:
+            now = int(f.read().split()[-1])
+        if now >= nice:
+            return None
+        with open(_AUTOGROUP, "w") as f:
+            f.write(str(nice))
+        return now
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def session_restore(previous: Optional[int]) -> bool:
+    """Put back the autogroup nice :func:`session_background` returned; False if not allowed."""
+    if previous is None:
+        return False
+    try:
+        with open(_AUTOGROUP, "w") as f:
+            f.write(str(previous))
+        return True
+    except OSError:
+        return False
