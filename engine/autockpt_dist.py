@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .autockpt import CheckpointPlan, CheckpointProfile, OptionCost, UnitProfile, apply, profile_checkpointing, solve
+from .autockpt import CheckpointPlan, CheckpointProfile, OptionCost, UnitProfile, profile_checkpointing, solve
 
-__all__ = ["check_budget", "collective_groups", "in_flight", "merge_profiles", "plan_agreed", "stage_budget"]
+__all__ = ["agreed_profile", "check_budget", "collective_groups", "in_flight", "merge_profiles", "plan_agreed",
+           "stage_budget"]
 
 _FIXED = ("prefix_keep", "prefix_peak", "prefix_bwd_peak", "tail_keep", "tail_peak", "tail_bwd_delta", "tail_bwd_peak")
 _COST = ("keep", "fwd_peak", "bwd_delta", "bwd_peak", "recompute_s", "saved")
@@ -125,16 +126,23 @@ def collective_groups(model: nn.Module) -> Optional[List]:
     return None if unknown else groups
 
 
-def plan_agreed(model: nn.Module, sample_inputs, budget: int, loss_fn=None, groups: Optional[Iterable] = (),
-                *, repeats: int = 1) -> CheckpointPlan:
-    """:func:`autockpt.plan_checkpointing` whose profile is first merged over each of ``groups``
-    (``None``: the world; ``()``: planned alone), so every rank of them gets the same plan. Every rank
-    of each group calls it at the same point (its collectives and the profiling steps' match)."""
+def agreed_profile(model: nn.Module, sample_inputs, loss_fn=None, groups: Optional[Iterable] = (),
+                   *, repeats: int = 1) -> CheckpointProfile:
+    """:func:`autockpt.profile_checkpointing` merged over each of ``groups`` (``None``: the world;
+    ``()``: this rank alone). Every rank of each group calls it at the same point (its collectives and
+    the profiling steps' match)."""
     with _dtensor_storages():
         prof = profile_checkpointing(model, sample_inputs, loss_fn, repeats=repeats)
     for g in ([None] if groups is None else list(groups)):
         prof = merge_profiles(prof, g)
-    return solve(prof, budget)
+    return prof
+
+
+def plan_agreed(model: nn.Module, sample_inputs, budget: int, loss_fn=None, groups: Optional[Iterable] = (),
+                *, repeats: int = 1) -> CheckpointPlan:
+    """:func:`autockpt.plan_checkpointing` on :func:`agreed_profile`: every rank of ``groups`` gets
+    the same plan (or the same ``ValueError``)."""
+    return solve(agreed_profile(model, sample_inputs, loss_fn, groups, repeats=repeats), budget)
 
 
 @contextlib.contextmanager
@@ -189,24 +197,3 @@ def check_budget(owner: str, activation_checkpointing, activation_budget, *, bud
     if ac != "auto" and b is not None:
         raise ValueError(f"{owner}(activation_budget={b!r}) is read only with activation_checkpointing='auto'; "
                          "set activation_checkpointing='auto' or drop activation_budget")
-
-
-def apply_plan(model: nn.Module, plan: CheckpointPlan) -> nn.Module:
-    """:func:`autockpt.apply` (re-exported so plugins import one module)."""
-    return apply(model, plan)
-
-
-def first_tensor_device(obj) -> Optional[torch.device]:
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            d = first_tensor_device(o)
-            if d is not None:
-                return d
-    if isinstance(obj, dict):
-        for o in obj.values():
-            d = first_tensor_device(o)
-            if d is not None:
-                return d
-    return None

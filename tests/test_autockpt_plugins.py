@@ -189,7 +189,7 @@ def _user_model():
     return nn.Sequential(nn.Embedding(256, 32), Res(), Res(), Res(), Res(), nn.Linear(32, 256))
 
 
-def _pp_worker(rank, world, budget, m, user_budget):
+def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
     from colossal_lab.plan import measure
@@ -228,7 +228,20 @@ def _pp_worker(rank, world, budget, m, user_budget):
     user_out = (None if out["loss"] is None else out["loss"].item(), list(stage.checkpoint_plan.layers), wrapped,
                 stage.checkpoint_plan.budget)
     plugin.close()
-    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"], user_out
+
+    # stage 0's share below its lowest peak, stage 1's not: both ranks get the error after the step
+    model = _model()
+    plugin = HybridParallelPlugin(pp_size=2, num_microbatches=m, activation_checkpointing="auto",
+                                  activation_budget=low_budget)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, _sgd(model.parameters()))
+    try:
+        booster.execute_pipeline(iter([_data(1)[0]]), model, crit, opt)
+        low = None
+    except ValueError as e:
+        low = str(e)
+    plugin.close()
+    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"], user_out, low
 
 
 def _first(out):
@@ -265,9 +278,11 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     assert min_peak(u0)[0] <= user_budget // 2
     user = _user_model()
     user_ref = crit(user(_data(1)[0]["idx"]), _data(1)[0]).item()
-    r0, r1 = run_distributed(_pp_worker, 2, budget, m, user_budget, timeout=300)
+    low_budget = 2 * min_peak(p0)[0] - 2  # stage 0's half just below its lowest peak; stage 1's whole is not
+    assert min_peak(_stage_profile(1, m))[0] <= low_budget
+    r0, r1 = run_distributed(_pp_worker, 2, budget, m, user_budget, low_budget, timeout=300)
     assert r1[0] == pytest.approx(ref, abs=1e-5) and r0[0] == [None] * 3  # the loss lives on the last stage
-    for stage, (_, layers, got, peak, measured, _) in enumerate((r0, r1)):
+    for stage, (_, layers, got, peak, measured, _, _) in enumerate((r0, r1)):
         assert got == budget // in_flight("1f1b", 2, stage, m) == stage_budget(budget, "1f1b", 2, stage, m)
         assert peak <= got
         # the step's measured peak on this stage (every microbatch in flight) is within the budget
@@ -279,6 +294,10 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     assert loss1 == pytest.approx(user_ref, abs=1e-5)
     assert (b0, b1) == (user_budget // 2, user_budget)
     assert wrapped0 == layers0 and wrapped1 == layers1 and 0 < len(layers1) < 3
+    # a stage that cannot hold its share: the same error on every rank, after the step (no rank hangs)
+    assert r0[6] == r1[6] and r0[6] is not None
+    assert "1 pipeline stage(s) cannot hold their share" in r0[6] and "pp rank 0" in r0[6]
+    assert "at least that" in r0[6] and "pp rank 1" not in r0[6]
 
 
 # ---- Gemini: planned outside its hooks, with its chunks gathered ------------------------------------

@@ -103,7 +103,12 @@ class _AutoCheckpoint:
     solves it for the stage's share of the budget (``activation_budget // in-flight microbatches``)
     and applies the plan (``autockpt.apply``: ``module.checkpoint_plan``). The last stage's loss is
     the criterion on the microbatch being run; an earlier stage's stands for the gradient it will
-    receive (an output-sized tensor held through backward)."""
+    receive (an output-sized tensor held through backward).
+
+    In a pipeline a stage whose share is below the lowest peak any plan reaches does not raise inside
+    the schedule (the other stages would wait for its activations until the collective timeout): it
+    runs this step under that lowest-peak plan, and ``execute_pipeline`` raises the error on every
+    rank after the step (``HybridParallelPlugin._vote_checkpoint_errors``)."""
 
     def __init__(self, plugin: "HybridParallelPlugin", runtime, groups, pp_rank: int, budget: int, is_last: bool):
         self.plugin, self.runtime, self.groups = plugin, runtime, groups
@@ -134,8 +139,8 @@ class _AutoCheckpoint:
     def __call__(self, module: nn.Module, args, kwargs):
         if self.busy or not (module.training and torch.is_grad_enabled()):
             return None
-        from ..autockpt import apply
-        from ..autockpt_dist import plan_agreed
+        from ..autockpt import apply, min_peak, solve
+        from ..autockpt_dist import agreed_profile
 
         tensors = [t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors or any(t.is_meta for t in tensors):
@@ -151,9 +156,17 @@ class _AutoCheckpoint:
                 sample = tuple(args)
             self.busy = True
             try:
-                plan = plan_agreed(module, sample, self.budget(), self.loss_fn(), groups=self.groups)
+                prof = agreed_profile(module, sample, self.loss_fn(), groups=self.groups)
             finally:
                 self.busy = False
+            try:
+                plan = solve(prof, self.budget())
+            except ValueError as exc:
+                if self.plugin._pipeline_m is None or self.plugin.pp_size == 1:
+                    raise  # every rank of this stage (all of them, without a pipeline) raises alike
+                self.plugin._ac_errors.append(f"pipeline stage on pp rank {self.pp_rank}: {exc}")
+                apply(module, solve(prof, min_peak(prof)[0]))  # this step runs; execute_pipeline raises after
+                return None
             self.plans[key] = plan
         if getattr(module, "checkpoint_plan", None) is not plan:
             apply(module, plan)
@@ -360,6 +373,8 @@ class HybridParallelPlugin(Plugin):
         self.activation_checkpointing = activation_checkpointing
         self.activation_budget = activation_budget
         self._pipeline_m: Optional[int] = None  # microbatches of the execute_pipeline call in progress
+        self._ac_errors: List[str] = []  # "auto" plans that failed on this rank's stages in this call
+        self._ac_vote = False  # "auto" under a pipeline: every execute_pipeline votes on _ac_errors
         self.tp_plan, self.input_key = tp_plan, input_key
         self.tp_mode, self.tp_depth = tp_mode, tp_depth
         self.cp_size, self.cp_mode = cp_size, cp_mode
@@ -545,6 +560,7 @@ class HybridParallelPlugin(Plugin):
                                   input_key=self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
+        self._ac_vote = auto_ac and self.pp_size > 1
         if auto_ac:
             ids = spec.stage_indices(pp_rank) if self.pp_size > 1 else [0]
             for sid, mod in zip(ids, modules):
@@ -660,6 +676,7 @@ class HybridParallelPlugin(Plugin):
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
         self._pipeline_m = m  # an "auto" plan made in this call divides the budget by what is in flight
+        self._ac_errors = []
         try:
             if self._cp_group is not None:
                 out = self._run_cp(model, batch, criterion, m, return_outputs)
@@ -669,11 +686,27 @@ class HybridParallelPlugin(Plugin):
                 out = self._run_nd(model, batch, criterion, m, return_outputs)
         finally:
             self._pipeline_m = None
+        if self._ac_vote:
+            self._vote_checkpoint_errors()
         if isinstance(optimizer, HybridParallelOptimizer):
             optimizer.record_loss(out["loss"])
         if not return_loss:
             out["loss"] = None
         return out
+
+    def _vote_checkpoint_errors(self) -> None:
+        """After a pipeline step: if any stage could not plan within its share of the budget, raise its
+        error on every rank (one MAX all-reduce per step; the messages gathered only then)."""
+        (bad,) = comm.reduce_values([float(bool(self._ac_errors))], op=dist.ReduceOp.MAX)
+        if not bad:
+            return
+        msgs: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(msgs, self._ac_errors)
+        seen = list(dict.fromkeys(m for part in msgs for m in part))
+        raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {len(seen)} pipeline stage(s) cannot "
+                         f"hold their share of the activation budget (this step ran under their lowest-peak plans): "
+                         + " | ".join(seen) + ". Raise activation_budget (a stage plans one microbatch for the budget "
+                         "divided by the microbatches it holds in flight), or use fewer microbatches in flight")
 
     def _run_nd(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool):
         """One step under tp_mode 2d/2.5d/3d: this rank's rows of the batch, the criterion on its
