@@ -241,7 +241,8 @@ def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     except ValueError as e:
         low = str(e)
     plugin.close()
-    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"], user_out, low
+    return losses, list(plan.layers), plan.budget, plan.predicted_peak, meter.peak["cpu"], user_out, low, \
+        plan.profile.stage
 
 
 def _first(out):
@@ -282,7 +283,8 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     assert min_peak(_stage_profile(1, m))[0] <= low_budget
     r0, r1 = run_distributed(_pp_worker, 2, budget, m, user_budget, low_budget, timeout=300)
     assert r1[0] == pytest.approx(ref, abs=1e-5) and r0[0] == [None] * 3  # the loss lives on the last stage
-    for stage, (_, layers, got, peak, measured, _, _) in enumerate((r0, r1)):
+    for stage, (_, layers, got, peak, measured, _, _, planned_stage) in enumerate((r0, r1)):
+        assert planned_stage == stage  # the plan says which stage it is for (telemetry reports it)
         assert got == budget // in_flight("1f1b", 2, stage, m) == stage_budget(budget, "1f1b", 2, stage, m)
         assert peak <= got
         # the step's measured peak on this stage (every microbatch in flight) is within the budget

@@ -561,8 +561,10 @@ class HybridParallelPlugin(Plugin):
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         hp_model = HybridParallelModule(modules, runtime, self)
         self._ac_vote = auto_ac and self.pp_size > 1
+        ids = spec.stage_indices(pp_rank) if self.pp_size > 1 else [0]
+        for sid, mod in zip(ids, modules):
+            mod.inner.stage_index = sid  # which stage a plan (and its CheckpointPlanEvent) belongs to
         if auto_ac:
-            ids = spec.stage_indices(pp_rank) if self.pp_size > 1 else [0]
             for sid, mod in zip(ids, modules):
                 mod.inner.register_forward_pre_hook(
                     _AutoCheckpoint(self, runtime, ac_groups, pp_rank, ac_budget, is_last=sid == spec.num_stages - 1),
