@@ -468,12 +468,23 @@ class GPT(nn.Module):
         return [per * i for i in range(1, num_stages)]
 
     def pipeline_stage(self, stage: int, num_stages: int) -> "GPT":
-        """A deep copy holding only stage ``stage``'s blocks (and the embedding/head at the ends)."""
+        """A copy holding only stage ``stage``'s blocks (and the embedding/head at the ends).
+
+        Only the stage's own part is copied: the other stages' modules are mapped to ``None`` in
+        the deep copy's memo, so splitting a model holds it once plus one stage (not twice)."""
         if not 0 <= stage < num_stages:
             raise ValueError(f"pipeline_stage: stage={stage} must be in [0, {num_stages})")
         bounds = [0] + self.split_points(num_stages) + [self.cfg.n_layer]
         lo, hi = bounds[stage], bounds[stage + 1]
-        m = copy.deepcopy(self)
+        drop = [b for key, b in self.blocks.items() if not lo <= int(key) < hi]
+        if stage != 0:
+            drop.append(self.tok_emb)
+        if stage != num_stages - 1:
+            drop += [self.norm, self.lm_head]
+        # memo[id(x)] = None: deepcopy puts None wherever it meets x (a tied weight reached through
+        # a module that is kept is still copied, through that module)
+        memo = {id(mod): None for mod in drop if mod is not None}
+        m = copy.deepcopy(self, memo)
         for key in list(m.blocks.keys()):
             if not lo <= int(key) < hi:
                 del m.blocks[key]
