@@ -10,7 +10,11 @@ Search space (:func:`candidates`): every ``dp × tp × pp = world_size`` the mod
 ``check_tp``, its layer count for the stages), the pipeline schedule (``1f1b``, ``interleaved``
 with two model chunks; GPipe is left out: same time as 1F1B, more memory), microbatches
 (``pp`` or ``2·pp`` per step), ZeRO stage 0/1 (1 only without tensor parallelism), activation
-checkpointing off/on, and the tensor-parallel modes the plugin offers.
+checkpointing off/on, and the tensor-parallel mode: 1D (Megatron), and 2D, 2.5D (every depth)
+and 3D for a model with the contract's ``tp_nd_plan()``, where ``tp`` forms the mode's grid, the
+heads split over its hidden cut and each microbatch's rows over its batch cut. An N-d layout's
+memory is ``cl.plan``'s 1D estimate (the same parameters per rank; N-d holds fewer activations,
+so the estimate errs high), its traffic ``tp_nd.volume.textbook``'s (:func:`nd_traffic`).
 
 Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, nothing allocated),
 and is never less than the whole model's bytes, which every rank holds once after building it
@@ -96,10 +100,12 @@ class Candidate:
     zero_stage: int = 0
     activation_checkpointing: bool = False
     tp_mode: str = "1d"
+    tp_depth: int = 1  # 2.5D's d
 
     @property
     def label(self) -> str:
-        s = f"dp{self.dp} tp{self.tp}" + (f"({self.tp_mode})" if self.tp_mode != "1d" else "") + f" pp{self.pp}"
+        mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth}" if self.tp_depth > 1 else "") + ")"
+        s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.pp > 1:
             s += f" {self.pp_style} m{self.num_microbatches}"
         if self.zero_stage:
@@ -116,6 +122,8 @@ class Candidate:
                       num_model_chunks=self.num_model_chunks)
         if self.tp_mode != "1d":
             kw["tp_mode"] = self.tp_mode
+        if self.tp_depth > 1:
+            kw["tp_depth"] = self.tp_depth
         return kw
 
     def plugin(self):
@@ -161,11 +169,14 @@ def _tp_modes_supported() -> Tuple[str, ...]:
 def candidates(model_or_config, world_size: int, batch: int, *, schedules: Sequence[str] = SCHEDULES,
                microbatch_factors: Sequence[int] = (1, 2), zero_stages: Sequence[int] = (0, 1),
                activation_checkpointing: Sequence[bool] = (False, True),
-               tp_modes: Sequence[str] = ("1d",)) -> List[Candidate]:
+               tp_modes: Optional[Sequence[str]] = None) -> List[Candidate]:
     """Every layout of ``world_size`` ranks the model and a global ``batch`` allow.
 
     ``batch`` is the samples of one step over all data-parallel ranks (each takes ``batch/dp``);
-    microbatches are ``f·pp`` for ``f`` in ``microbatch_factors`` (at least one sample each)."""
+    microbatches are ``f·pp`` for ``f`` in ``microbatch_factors`` (at least one sample each).
+    ``tp_modes`` (default: every mode the plugin offers and the model has a plan for: 1D always,
+    2D/2.5D/3D with the contract's ``tp_nd_plan()``) where ``tp`` factors into the mode's grid,
+    its heads split over the grid's hidden cut and each microbatch's rows over its batch cut."""
     from colossal_lab.engine.pipeline.schedules import validate_schedule
 
     if not isinstance(world_size, int) or world_size < 1:
@@ -176,23 +187,27 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
     if bad:
         raise ValueError(f"autoplan(schedules={list(schedules)!r}): unknown {bad}; use '1f1b', 'gpipe', 'interleaved'")
     supported = _tp_modes_supported()
+    if tp_modes is None:
+        meta0, _ = _model_facts(model_or_config)
+        tp_modes = supported if callable(getattr(meta0, "tp_nd_plan", None)) else ("1d",)
     unsupported = [m for m in tp_modes if m not in supported]
     if unsupported:
         raise ValueError(f"autoplan(tp_modes={list(tp_modes)!r}): this HybridParallelPlugin offers {list(supported)}")
     meta, layers = _model_facts(model_or_config)
     out: List[Candidate] = []
     for tp in _divisors(world_size):
-        if not _tp_ok(meta, tp):
-            continue
         for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if batch % dp:
                 continue
             local = batch // dp
-            for mode in tp_modes:
-                if tp == 1 and mode != "1d" or not _mode_fits(mode, tp):
-                    continue
+            for mode, depth in _grids(tp, tp_modes):
+                q, nb = _cuts(mode, tp, depth)
+                if not _tp_ok(meta, q) or mode != "1d" and not callable(getattr(meta, "tp_nd_plan", None)):
+                    continue  # the heads split over the hidden cut q (1D: q = tp)
                 for style, m in _schedules(pp, layers, local, schedules, microbatch_factors):
+                    if (local // m) % nb:  # N-d cuts each microbatch's rows nb ways
+                        continue
                     try:
                         validate_schedule(style, pp, 2 if style == "interleaved" else 1, m)
                     except ValueError:
@@ -202,12 +217,43 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
                             continue
                         for ac in activation_checkpointing:
                             out.append(Candidate(dp, tp, pp, style, m, 2 if style == "interleaved" else 1,
-                                                 z, bool(ac), mode))
+                                                 z, bool(ac), mode, depth))
     if not out:
         raise ValueError(f"autoplan: no layout of world_size={world_size} fits this model and batch={batch} "
                          f"({layers} layers); try a batch divisible by the data-parallel sizes "
                          f"{_divisors(world_size)} or another world_size")
     return out
+
+
+def _grids(tp: int, modes: Sequence[str]) -> Iterable[Tuple[str, int]]:
+    """``(mode, depth)`` for each mode that ``tp`` ranks can form (2.5D: every depth d > 1 with
+    ``tp = q² d``, q > 1; 1D only at tp = 1)."""
+    from colossal_lab.engine.tp_nd.grid import factor
+
+    for mode in modes:
+        if mode == "1d":
+            yield "1d", 1
+        elif tp > 1 and mode == "2.5d":
+            for d in range(2, tp + 1):
+                if tp % d == 0 and tp // d > 1 and round(math.sqrt(tp // d)) ** 2 == tp // d:
+                    yield "2.5d", d
+        elif tp > 1 and _mode_fits(mode, tp):
+            try:
+                factor(mode, tp)
+            except ValueError:
+                continue
+            yield mode, 1
+
+
+def _cuts(mode: str, tp: int, depth: int = 1) -> Tuple[int, int]:
+    """``(q, nb)``: the grid's hidden cut and batch cut (``q · nb = tp``); 1D: ``(tp, 1)``."""
+    if mode == "1d":
+        return tp, 1
+    from colossal_lab.engine.tp_nd.grid import factor
+
+    sizes = factor(mode, tp, depth)
+    q = sizes["y"] if mode == "3d" else sizes["row"]
+    return q, tp // q
 
 
 def _mode_fits(mode: str, tp: int) -> bool:
@@ -423,20 +469,57 @@ class Costs:
         return self.calibration["adam_s_per_elem"] * n
 
 
+def _compute_key(c: Candidate) -> int:
+    """The tp size whose shrunk model times this layout's compute (N-d: the hidden cut q)."""
+    return c.tp if c.tp_mode == "1d" else _cuts(c.tp_mode, c.tp, c.tp_depth)[0]
+
+
+def nd_traffic(meta, c: Candidate, batch: int, seq: int) -> Tuple[float, float]:
+    """``(bytes, collectives)`` one rank of layout ``c`` sends per step under 2D/2.5D/3D tensor
+    parallelism: ``tp_nd.volume.textbook`` for the whole model over its stage's ``1/pp``, and per
+    planned linear and microbatch SUMMA's ``6q`` broadcasts/reduces (2D, 2.5D) or 3D's six
+    gathers/scatters. ``(0, 0)`` for 1D."""
+    if c.tp_mode == "1d" or c.tp == 1:
+        return 0.0, 0.0
+    from colossal_lab.engine.tp_nd.volume import textbook
+
+    m = c.num_microbatches if c.pp > 1 else 1
+    tokens = batch // c.dp * seq
+    nbytes = sum(textbook(meta, c.tp_mode, c.tp, tokens, depth=c.tp_depth, microbatches=m).values())
+    q, _ = _cuts(c.tp_mode, c.tp, c.tp_depth)
+    linears = len(meta.tp_plan()) + 1  # the plan's linears and the head
+    calls = m * linears * (6 * q if c.tp_mode in ("2d", "2.5d") else 6)
+    return nbytes / c.pp, calls / c.pp
+
+
 def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, layers: int,
-            params: int, tensors: int = 0, act_bytes: int = 4, grad_bytes: int = 4) -> Dict[str, float]:
+            params: int, tensors: int = 0, act_bytes: int = 4, grad_bytes: int = 4,
+            nd_bytes: float = 0.0, nd_calls: float = 0.0) -> Dict[str, float]:
     """Predicted seconds of one step of layout ``c`` (global ``batch``), by part; ``params`` the
-    model's parameter elements, ``tensors`` its parameter tensors."""
+    model's parameter elements, ``tensors`` its parameter tensors. Under 2D/2.5D/3D tensor
+    parallelism ``nd_bytes`` is what a rank sends per step (``tp_nd.volume.textbook`` over its
+    stage) and ``nd_calls`` its collectives per step (:func:`nd_traffic`)."""
     local = batch // c.dp
     m = c.num_microbatches if c.pp > 1 else 1
     tok = local // m * seq                         # tokens of one microbatch
     v = c.num_model_chunks                         # model chunks per rank (interleaved: 2)
-    # one microbatch on one rank: its v chunks, 1/pp of the (tp-shrunk) model in all
-    f, fb = costs.forward(c.tp, tok) / c.pp, costs.forward_backward(c.tp, tok) / c.pp
+    # one microbatch on one rank: its v chunks, 1/pp of the (tp-shrunk) model in all; N-d cuts the
+    # hidden size q ways and the rows nb = tp/q ways: the model shrunk q ways, on 1/nb of the rows
+    ct, share = _compute_key(c), _compute_key(c) / c.tp
+    f, fb = costs.forward(ct, tok) * share / c.pp, costs.forward_backward(ct, tok) * share / c.pp
     compute = fb + (f if c.activation_checkpointing else 0.0)
     # Megatron 1D: per layer two all-reduces of (tokens, n_embd) forward and two backward
     per_layer = (4 + (2 if c.activation_checkpointing else 0)) * costs.allreduce(c.tp, tok * n_embd * act_bytes)
     tp_comm = per_layer * layers / c.pp
+    if c.tp_mode != "1d":
+        # N-d: the textbook bytes as the payload of all-reduces on the whole tp group (one of n
+        # bytes sends 2(p-1)/p n), plus a latency per collective on the grid's lines (size q); the
+        # forward's share (a third: one product of three) again under checkpointing
+        q, _ = _cuts(c.tp_mode, c.tp, c.tp_depth)
+        again = 4 / 3 if c.activation_checkpointing else 1.0
+        payload = nd_bytes * c.tp / (2 * (c.tp - 1))
+        latency = costs.allreduce(q, 1.0) if q > 1 else 0.0
+        tp_comm = again * (costs.allreduce(c.tp, payload) + nd_calls * latency) / m
     # each chunk hands its activation on and takes its gradient back
     p2p = 2 * v * costs.p2p(tok * n_embd * act_bytes) if c.pp > 1 else 0.0
     slots = m + (c.pp - 1) / v                     # microbatches plus the bubble, in microbatch times
@@ -648,7 +731,7 @@ def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int,
     by_tp: Dict[int, set] = {}
     for c in cands:
         m = c.num_microbatches if c.pp > 1 else 1
-        by_tp.setdefault(c.tp, set()).add(batch // c.dp // m * seq)
+        by_tp.setdefault(_compute_key(c), set()).add(batch // c.dp // m * seq)
     return {tp: sorted({min(v), max(v)}) for tp, v in by_tp.items()}
 
 
@@ -725,7 +808,9 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
 
         if calibration is None:
             args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
-                    sorted({c.tp for c in cands} | {c.dp for c in cands}), any(c.pp > 1 for c in cands), reps)
+                    sorted({c.tp for c in cands} | {c.dp for c in cands} | {_cuts(c.tp_mode, c.tp, c.tp_depth)[0]
+                                                                              for c in cands}),
+                    any(c.pp > 1 for c in cands), reps)
             calibration = merge_calibrations(cluster.run(calibrate, *args))
             # the framework's own overheads: layouts that tell them apart, run for real
             for c in choose_probes([{"candidate": c, "fits": peaks[c][1]} for c in cands], layers):
@@ -738,7 +823,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
                 if c in peaks:
                     measured[c] = {"seconds": entry["seconds"], "peak": entry["peak"]}
         costs = Costs(calibration)
-        modelled = {c: predict(c, costs, **dims) for c in cands}
+        nd = {c: nd_traffic(meta, c, batch, seq) for c in cands}
+        modelled = {c: predict(c, costs, **dims, nd_bytes=nd[c][0], nd_calls=nd[c][1]) for c in cands}
 
         def refit() -> List[float]:
             probed = list(measured)
@@ -801,4 +887,4 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
 
 
 __all__ = ["AutoPlan", "Candidate", "Costs", "autoplan", "calibrate", "candidates", "choose_probes", "features",
-           "fit_overheads", "merge_calibrations", "merge_probe", "predict", "probe_step"]
+           "fit_overheads", "merge_calibrations", "merge_probe", "nd_traffic", "predict", "probe_step"]

@@ -20,8 +20,10 @@ FOUR = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
 def test_candidates_are_every_layout_the_model_and_batch_allow():
     got = {c.label for c in candidates(TINY, 4, 8)}
-    # tp 4 is out (2 heads), pp 4 is out (2 layers), interleaving needs pp*2 = 4 layers
+    # 1D tp 4 is out (2 heads; 2D cuts the hidden size only q = 2 ways), pp 4 is out (2 layers),
+    # interleaving needs pp*2 = 4 layers
     assert got == {
+        "dp1 tp4(2d) pp1", "dp1 tp4(2d) pp1 ac",
         "dp4 tp1 pp1", "dp4 tp1 pp1 ac", "dp4 tp1 pp1 zero1", "dp4 tp1 pp1 zero1 ac",
         "dp2 tp1 pp2 1f1b m2", "dp2 tp1 pp2 1f1b m2 ac", "dp2 tp1 pp2 1f1b m2 zero1", "dp2 tp1 pp2 1f1b m2 zero1 ac",
         "dp2 tp1 pp2 1f1b m4", "dp2 tp1 pp2 1f1b m4 ac", "dp2 tp1 pp2 1f1b m4 zero1", "dp2 tp1 pp2 1f1b m4 zero1 ac",
@@ -34,7 +36,18 @@ def test_candidates_are_every_layout_the_model_and_batch_allow():
     assert all(c.num_model_chunks == (2 if c.pp_style == "interleaved" else 1) for c in four)
     # a batch of 2 cannot feed 4 data-parallel ranks, nor 4 microbatches on 2 data-parallel ranks
     small = {c.label for c in candidates(TINY, 4, 2, activation_checkpointing=(False,), zero_stages=(0,))}
-    assert small == {"dp2 tp2 pp1", "dp1 tp2 pp2 1f1b m2"}
+    assert small == {"dp2 tp2 pp1", "dp1 tp2 pp2 1f1b m2", "dp1 tp4(2d) pp1"}
+    # 8 ranks: 2.5D (q=2, d=2) and 3D (q=2) where 1D tp 8 cannot split 2 heads; both cut a
+    # microbatch's rows 4 ways; 1D only with tp_modes=("1d",)
+    eight = {c.label for c in candidates(TINY, 8, 8, activation_checkpointing=(False,), zero_stages=(0,))}
+    assert {"dp1 tp8(2.5d d2) pp1", "dp1 tp8(3d) pp1", "dp2 tp4(2d) pp1"} <= eight
+    assert not any("tp8 " in x or "tp8(1d" in x for x in eight)
+    with pytest.raises(ValueError, match="no layout"):  # 2 rows cannot be cut 4 ways (nor 2 ways per dp rank)
+        candidates(TINY, 8, 2)
+    assert all(c.tp_mode == "1d" for c in candidates(TINY, 8, 8, tp_modes=("1d",)))
+    assert Candidate(1, 8, 1, tp_mode="2.5d", tp_depth=2).plugin_kwargs() == {
+        "tp_size": 8, "pp_size": 1, "zero_stage": 0, "activation_checkpointing": False, "tp_mode": "2.5d",
+        "tp_depth": 2}
     assert Candidate(2, 1, 2, "1f1b", 4, 1, 1, True).plugin_kwargs() == {
         "tp_size": 1, "pp_size": 2, "zero_stage": 1, "activation_checkpointing": True, "pp_style": "1f1b",
         "num_microbatches": 4, "num_model_chunks": 1}
@@ -95,6 +108,30 @@ def test_a_probe_is_the_median_of_the_slowest_rank_per_step():
     got = merge_probe([{"peak": 10, "step_seconds": [1.0, 0.2, 0.3]},
                        {"peak": 30, "step_seconds": [0.1, 0.4, 0.35]}])
     assert got == {"seconds": 0.4, "peak": 30}  # steps take 1.0, 0.4, 0.35: median 0.4
+
+
+def test_n_d_layouts_cost_their_textbook_traffic():
+    from colossal_lab.autoparallel import nd_traffic
+    from colossal_lab.engine.tp_nd.volume import textbook
+    from colossal_lab.plan import _meta_model
+
+    meta, _ = _meta_model(FOUR)
+    two = Candidate(1, 4, 1, tp_mode="2d")
+    nbytes, calls = nd_traffic(meta, two, 8, 16)
+    assert nbytes == pytest.approx(sum(textbook(meta, "2d", 4, 8 * 16).values())) and calls > 0
+    assert nd_traffic(meta, Candidate(1, 4, 1), 8, 16) == (0.0, 0.0)  # 1D is modelled per layer
+    piped = Candidate(1, 2, 2, "1f1b", 2, tp_mode="1d")
+    assert nd_traffic(meta, piped, 8, 16) == (0.0, 0.0)
+    # the step model charges them: more bytes, more time, all else equal
+    cal = {"compute": {2: {"tokens": [16, 128], "f": [0.001, 0.008], "fb": [0.003, 0.024]}},
+           "allreduce": {2: [(1 << 16, 1e-4), (1 << 22, 4e-3)], 4: [(1 << 16, 2e-4), (1 << 22, 8e-3)]},
+           "p2p": [], "adam_s_per_elem": 1e-9}
+    dims = dict(batch=8, seq=16, n_embd=32, layers=4, params=10_000)
+    low = predict(two, Costs(cal), **dims, nd_bytes=nbytes, nd_calls=calls)
+    high = predict(two, Costs(cal), **dims, nd_bytes=2 * nbytes, nd_calls=calls)
+    assert high["tp_comm"] > low["tp_comm"] > 0 and high["total"] > low["total"]
+    # compute: the model shrunk q = 2 ways on half the rows (nb = 2)
+    assert low["compute"] == pytest.approx(Costs(cal).forward_backward(2, 8 * 16) / 2)
 
 
 def test_merged_calibration_takes_the_slowest_rank():
