@@ -144,17 +144,19 @@ def main() -> None:
                                  key=lambda r: r["predicted_s"], default=None)
                 model_pick = model_pick["candidate"] if model_pick else None
                 print(f"{'layout':36s} {'model tok/s':>11s} {'grid tok/s':>10s} {'err':>6s} {'search ran':>10s} "
-                      f"{'plan peak':>10s} {'grid peak':>10s} {'fits(grid)':>10s}")
+                      f"{'plan peak':>10s} {'grid peak':>10s} {'its peak':>9s} {'fits(grid)':>10s}")
                 for r in plan.rows:
                     c, g = r["candidate"], grid[r["candidate"]]
                     pred = args.batch * seq / r["predicted_s"]
                     err = pred / g["tokens_per_s"] - 1
                     ran = f"{args.batch * seq / r['measured_s']:.0f}" if r.get("measured_s") else "-"
+                    its = f"{r['measured_peak'] / 2**20:.1f}M" if r.get("measured_peak") else "-"  # the search's run
                     mark = " <- chosen" if c == chosen else (" <- best" if c == best_c else "")
                     if c == model_pick:
                         mark += " (model's pick)"
                     print(f"{c.label:36s} {pred:11.0f} {g['tokens_per_s']:10.0f} {err:+6.0%} {ran:>10s} "
                           f"{r['peak_bytes'] / 2**20:9.1f}M {g['peak'] / 2**20:9.1f}M "
+                          f"{its:>9s} "
                           f"{'yes' if g['peak'] <= budget else 'no':>10s}{mark}")
                 line = {"bench": "autoplan", "preset": preset, "world": args.world, "batch": args.batch,
                         "seq": seq, "budget_mib": round(budget / 2**20, 1), "grid_size": len(grid),

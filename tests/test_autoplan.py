@@ -134,6 +134,19 @@ def test_n_d_layouts_cost_their_textbook_traffic():
     assert low["compute"] == pytest.approx(Costs(cal).forward_backward(2, 8 * 16) / 2)
 
 
+def test_a_search_from_a_given_calibration_plans_every_mode_without_any_rank():
+    # no cluster, a calibration given: memory plans (N-d ones included) and the model alone
+    cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
+           "allreduce": {k: [(1 << 16, 1e-4 * k), (1 << 22, 4e-3 * k)] for k in (2, 4)},
+           "p2p": [(1 << 16, 1e-4), (1 << 22, 4e-3)], "adam_s_per_elem": 1e-9}
+    plan = cl.autoplan(TINY, world_size=4, batch=8, seq=16, device_memory=64 << 20, calibration=cal)
+    labels = {r["label"] for r in plan.rows}
+    assert "dp1 tp4(2d) pp1" in labels and plan.best is not None
+    assert all(r["measured_s"] is None for r in plan.rows)  # nothing ran
+    two_d = next(r for r in plan.rows if r["label"] == "dp1 tp4(2d) pp1")
+    assert two_d["parts"]["tp_comm"] > 0 and two_d["peak_bytes"] > 0
+
+
 def test_merged_calibration_takes_the_slowest_rank():
     a, b = _cal(), _cal()
     b["compute"][1]["fb"] = [x * 2 for x in b["compute"][1]["fb"]]
