@@ -8,8 +8,9 @@ One cluster of ``--world`` gloo ranks. For each model preset:
 1. **The grid.** Every layout ``autoplan`` considers (``candidates``) is boosted on the ranks and
    trained: ``--warmup`` steps, then ``--steps`` timed ones, each started together on every rank
    (tokens/s = global tokens / the median over steps of the slowest rank's seconds; the mean is in
-   the JSON too). Each rank's peak of live tensor bytes from model build through one step is
-   measured with ``cl.plan.measure`` (profiler allocation events) in a separate step before the
+   the JSON too). Each rank's peak of live tensor bytes from model build through two steps (the
+   second has the optimizer's state beside its activations, as every later one) is measured with
+   ``cl.plan.measure`` (profiler allocation events) in a separate step before the
    timed ones, so the profiler does not slow the timing.
 2. **The search**, once per budget (``--budgets``, MiB per rank): ``cl.autoplan`` with its own
    calibration on the same cluster, timed (calibration + memory plans).
@@ -72,7 +73,10 @@ def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         booster = Booster(plugin=c.plugin())
         model, opt, *_ = booster.boost(model, opt, crit)
+        # two steps: the second is training's steady state (AdamW's moments exist from the first
+        # optimizer step on, beside the next step's activations); the first alone misses them
         step(booster, model, opt, data[0])
+        step(booster, model, opt, data[1])
     peak = max(meter.peak.values())
     for i in range(warmup):
         step(booster, model, opt, data[i % 2])

@@ -47,8 +47,8 @@ overlap).
 Overheads: what that leaves out (the pipeline runtime's Python per scheduled action, DTensor's
 dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: two
 layouts (:func:`choose_probes`; tensor-parallel ones only as verification picks them) are
-boosted and stepped for real (:func:`probe_step`: the first
-step under ``cl.plan.measure`` for its peak, then timed steps, the median of the slowest rank's),
+boosted and stepped for real (:func:`probe_step`: two steps
+under ``cl.plan.measure`` for the peak, then timed steps, the median of the slowest rank's),
 and non-negative coefficients for three features (:func:`features`) are fitted to what the model did
 not explain (:func:`fit_overheads`).
 
@@ -558,9 +558,9 @@ def features(c: Candidate, layers: int) -> List[float]:
 
 
 def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3) -> Dict[str, Any]:
-    """On every rank: boost layout ``cand`` on a real model and train it: the first step (model
-    build, boost and step) under ``cl.plan.measure`` for its peak bytes, then ``steps`` timed
-    ones. Returns ``{"peak": bytes, "step_seconds": [s, ...]}`` for this rank
+    """On every rank: boost layout ``cand`` on a real model and train it: model build, boost and
+    two steps under ``cl.plan.measure`` for its peak bytes (the second step is training's steady
+    state: the optimizer's state exists beside its activations), then ``steps`` timed ones. Returns ``{"peak": bytes, "step_seconds": [s, ...]}`` for this rank
     (:func:`merge_probe` makes one figure of the ranks': a step waits for its slowest rank)."""
     import copy
 
@@ -593,6 +593,7 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
             opt.zero_grad()
 
         step()
+        step()  # training's steady state: the optimizer's state beside the activations (not in step 1)
     peak = max(meter.peak.values(), default=0)
     times = []  # the measured step was the warm-up (a median over the steps shrugs off a slow one)
     for _ in range(steps):
