@@ -104,10 +104,18 @@ def watch_parent(pid: int, create_time: float, also_kill: Optional[List[int]] = 
         while alive():
             time.sleep(1.0)
         for other in also_kill or []:
+            # the controller's own children (its schedulers) first: once it is dead they are
+            # init's, and nothing would find them
             try:
-                psutil.Process(other).kill()
+                proc = psutil.Process(other)
+                tree = proc.children(recursive=True) + [proc]
             except psutil.Error:
-                pass
+                continue
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
         os._exit(3)
 
     if not getattr(watch_parent, "_started", False):
