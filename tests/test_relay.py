@@ -412,10 +412,12 @@ def test_the_kernel_session_steps_back_while_attached_to_ranks_in_other_sessions
     before = _autogroup_nice()
     relay = relay_mod.attach(cluster, interval=0.05, **QUIET)
     try:
-        assert _autogroup_nice() == max(before, bus.BACKGROUND_NICE)
+        # only where it can be undone (root here and in CI; unprivileged: RLIMIT_NICE decides)
+        undo = bus._can_raise_to(before)
+        assert _autogroup_nice() == (max(before, bus.BACKGROUND_NICE) if undo else before)
     finally:
         relay.detach()
-    assert _autogroup_nice() == before or os.geteuid() != 0  # unprivileged: lowering only
+    assert _autogroup_nice() == before
     # ranks in this very session (here: this process itself) leave the session alone
     relay = relay_mod.attach(_ThisProcess(), interval=0.05, **QUIET)
     try:

@@ -103,20 +103,37 @@ def session_background(nice: Optional[int] = None) -> Optional[int]:
     nice 10 still weighs as much as a whole rank whenever it runs: on a box whose cores the
     ranks fill, each redraw takes its CPU from training at full weight. Lowering the kernel's
     autogroup (the kernel's own session under Jupyter) while it only draws for ranks elsewhere
-    makes its threads take what the ranks leave. Unprivileged processes may lower, not raise:
-    the restore can fail, and then the kernel stays at the lower weight (it only matters while
-    other work wants the CPU)."""
+    makes its threads take what the ranks leave. Only where it can be undone: unprivileged
+    processes may lower their priority but not raise it back (unless ``RLIMIT_NICE`` allows),
+    and a kernel left at the lower weight after detach would be a surprise; there it does
+    nothing. Measured (docs/widgets.md): no effect on a quiet 2-core box (its target ratio met
+    with and without); it is for a kernel that draws while other work competes."""
     nice = BACKGROUND_NICE if nice is None else nice
     try:
         with open(_AUTOGROUP) as f:
             now = int(f.read().split()[-1])
-        if now >= nice:
-            return None
+        if now >= nice or not _can_raise_to(now):
+            return None  # already lower, or no way back afterwards: leave the kernel as it is
         with open(_AUTOGROUP, "w") as f:
             f.write(str(nice))
         return now
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _can_raise_to(nice: int) -> bool:
+    """Whether this process may set its autogroup back to ``nice`` later (root, or an
+    ``RLIMIT_NICE`` that allows it: the kernel's ``20 - rlim`` floor)."""
+    import os
+
+    if os.geteuid() == 0:
+        return True
+    try:
+        import resource
+
+        return 20 - resource.getrlimit(resource.RLIMIT_NICE)[0] <= nice
+    except (ImportError, OSError, ValueError):
+        return False
 
 
 def session_restore(previous: Optional[int]) -> bool:
