@@ -2,15 +2,20 @@
 handler) leaves no process behind: the ranks watch the kernel and take down themselves, the
 controller and the controller's own children (ipyparallel's schedulers)."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-
-import psutil
 import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("psutil")
+pytest.importorskip("ipyparallel")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import psutil  # noqa: E402
 
 KERNEL = r"""
 import json, sys, time
