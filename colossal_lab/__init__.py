@@ -21,6 +21,8 @@ def __getattr__(name: str):
 
         mod = importlib.import_module(f"{__name__}.plan")
         return mod if name == "plan" else mod.FitPlan
+    if name == "autoshard":  # a callable module, as plan is: cl.autoshard(model, inputs, tp_size)
+        return __import__(f"{__name__}.autoshard", fromlist=["autoshard"])
     if name in ("autoplan", "AutoPlan"):
         from . import autoparallel as mod
 
@@ -41,6 +43,6 @@ def unload_ipython_extension(ipython) -> None:
         mm.magics[kind].pop("colossal", None)
 
 
-__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch", "plan", "FitPlan", "autoplan", "AutoPlan",
+__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch", "plan", "FitPlan", "autoplan", "AutoPlan", "autoshard",
            "__version__",
            "load_ipython_extension", "unload_ipython_extension"]
