@@ -343,13 +343,17 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
     ``tokens``: tp size -> microbatch token counts to time the model at (two are fitted as a
     line); ``group_sizes``: sizes of the all-reduce groups to time; ``p2p``: time send/recv too.
     Returns plain data (seconds): ``compute[tp] = {"tokens": [...], "f": [...], "fb": [...]}``,
-    ``allreduce[k] = [(bytes, s), ...]``, ``p2p = [(bytes, s), ...]``, ``adam_s_per_elem``."""
+    ``allreduce[k] = [(bytes, s), ...]``, ``p2p = [(bytes, s), ...]``, ``adam_s_per_elem``, and
+    ``alone = {"busy": s, "alone": s}``: the largest forward+backward of the first tp size with
+    every rank computing at once, and on rank 0 alone while the others wait (where ranks share
+    cores, as CPU ranks do, one computing alone runs faster: a pipeline's bubble costs less)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     out: Dict[str, Any] = {"compute": {}, "allreduce": {}, "p2p": [], "adam_s_per_elem": 0.0}
     torch.manual_seed(0)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for tp, toks in sorted(tokens.items()):
         model = _shrunk_model(model_or_config, tp)
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
@@ -372,6 +376,8 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
             row["tokens"].append(b * seq)
             row["f"].append(_timed(fwd, reps))
             row["fb"].append(_timed(fwd_bwd, reps))
+        if "alone" not in out:  # every rank busy just now; rank 0 again while the others wait
+            out["alone"] = {"busy": row["fb"][-1], "alone": _timed(fwd_bwd if rank0 else (lambda: None), reps)}
         out["compute"][tp] = row
         del model
     if dist.is_initialized():
@@ -382,7 +388,7 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
             groups = [dist.new_group(list(range(i, i + k))) for i in range(0, world, k)]
             mine = groups[rank // k]
             pts = []
-            for nbytes in (64 << 10, 4 << 20):
+            for nbytes in (1 << 10, 64 << 10, 4 << 20):  # latency (ZeRO-1's per-tensor calls), then bandwidth
                 t = torch.ones(nbytes // 4)
                 pts.append((nbytes, _timed(lambda: dist.all_reduce(t, group=mine), reps)))
             out["allreduce"][k] = pts
@@ -425,6 +431,8 @@ def merge_calibrations(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         out["allreduce"][k] = [(b, max(c["allreduce"][k][i][1] for c in per_rank)) for i, (b, _) in enumerate(pts)]
     if first["p2p"]:
         out["p2p"] = [(b, max(c["p2p"][i][1] for c in per_rank if c["p2p"])) for i, (b, _) in enumerate(first["p2p"])]
+    if all("alone" in c for c in per_rank):  # rank 0 ran alone; the others only waited
+        out["alone"] = {k: max(c["alone"][k] for c in per_rank) for k in ("busy", "alone")}
     return out
 
 
@@ -432,12 +440,18 @@ def merge_calibrations(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]):
-    """y(x) through two measured points (one point: through the origin); never below 0."""
-    if len(xs) == 1 or xs[0] == xs[-1]:
-        k = ys[0] / xs[0] if xs[0] else 0.0
+    """y(x) through measured points: one point, through the origin; two, the line through them;
+    more, piecewise between neighbours and the end segments' lines beyond. Never below 0."""
+    pts = sorted(zip(xs, ys))
+    if len(pts) == 1 or pts[0][0] == pts[-1][0]:
+        k = pts[0][1] / pts[0][0] if pts[0][0] else 0.0
         return lambda x: k * x
-    slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
-    return lambda x: max(0.0, ys[0] + slope * (x - xs[0]))
+
+    def at(x):
+        i = next((i for i in range(1, len(pts) - 1) if x <= pts[i][0]), len(pts) - 1)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return max(0.0, y0 + (y1 - y0) / (x1 - x0) * (x - x0)) if x1 != x0 else y1
+    return at
 
 
 @dataclass
@@ -474,6 +488,14 @@ class Costs:
 
     def adam(self, n: float) -> float:
         return self.calibration["adam_s_per_elem"] * n
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower a rank computes with every rank busy than alone (1: one device each,
+        as on GPUs; ~world/cores where CPU ranks share cores). Bounds ``[1, world]`` are the
+        caller's; a calibration without the measurement says 1."""
+        a = self.calibration.get("alone")
+        return max(1.0, a["busy"] / a["alone"]) if a and a.get("alone") else 1.0
 
 
 def _compute_key(c: Candidate) -> int:
@@ -530,7 +552,11 @@ def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, la
     # each chunk hands its activation on and takes its gradient back
     p2p = 2 * v * costs.p2p(tok * n_embd * act_bytes) if c.pp > 1 else 0.0
     slots = m + (c.pp - 1) / v                     # microbatches plus the bubble, in microbatch times
-    pipeline = slots * (compute + tp_comm + p2p)
+    # ranks that share cores (CPU) compute faster while others idle: the critical path's slots at
+    # the speed of a rank alone, but never below the work itself (m microbatches per rank, all
+    # ranks busy); with a device per rank (slowdown 1) this is slots x the microbatch time
+    n, per = max((slots, compute / costs.slowdown), (m, compute), key=lambda x: x[0] * (x[1] + tp_comm + p2p))
+    pipeline = n * (per + tp_comm + p2p)
     local_params = params / (c.tp * c.pp)
     dp_comm = costs.allreduce(c.dp, local_params * grad_bytes)
     if c.zero_stage == 1:
@@ -540,8 +566,8 @@ def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, la
         dp_comm += tensors / (c.tp * c.pp) * per_call + costs.allreduce(c.dp, local_params * grad_bytes) / 2
     optim = costs.adam(local_params / (c.dp if c.zero_stage == 1 else 1))
     total = pipeline + dp_comm + optim
-    return {"total": total, "pipeline": pipeline, "compute": slots * compute, "tp_comm": slots * tp_comm,
-            "p2p": slots * p2p, "dp_comm": dp_comm, "optim": optim}
+    return {"total": total, "pipeline": pipeline, "compute": n * per, "tp_comm": n * tp_comm,
+            "p2p": n * p2p, "dp_comm": dp_comm, "optim": optim}
 
 
 # ---------------------------------------------------------------- overheads, from short real runs

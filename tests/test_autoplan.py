@@ -102,6 +102,43 @@ def test_the_step_model_is_the_documented_formula():
     assert tp["tp_comm"] == pytest.approx(4 * 2 * (1e-3 + 1e-3 * 200 * 10 * 4 / 1e6))
 
 
+def test_ranks_sharing_cores_pay_less_for_the_bubble_but_never_less_than_their_work():
+    # CPU ranks share cores: computing alone (the bubble: others idle) runs `slowdown` x faster
+    # than with every rank busy. The step is the longer of the critical path at that speed and the
+    # work itself (m microbatches, all busy); one device per rank (slowdown 1) is the plain formula
+    kw = dict(batch=8, seq=100, n_embd=10, layers=2, params=1_000_000)
+    plain = Costs(_cal())
+    shared = Costs({**_cal(), "alone": {"busy": 0.02, "alone": 0.01}})
+    assert plain.slowdown == 1.0 and shared.slowdown == 2.0
+    p2p = 2 * (0.5e-3 + 1e-3 * 200 * 10 * 4 / 1e6)
+    deep = Candidate(1, 1, 4, "1f1b", 4)  # microbatch 8/4 = 2 samples: 200 tokens, a quarter model
+    fb4 = (1e-3 + 1e-5 * 200) / 4
+    assert predict(deep, plain, **kw)["pipeline"] == pytest.approx((4 + 3) * (fb4 + p2p))
+    # critical path (4 + 3) x (fb4/2 + p2p) against the work 4 x (fb4 + p2p): the path is longer
+    assert predict(deep, shared, **kw)["pipeline"] == pytest.approx(max(7 * (fb4 / 2 + p2p), 4 * (fb4 + p2p)))
+    assert predict(deep, shared, **kw)["pipeline"] < predict(deep, plain, **kw)["pipeline"]
+    # a small bubble: the work bound holds (m = 8 microbatches, 1 bubble slot)
+    wide = Candidate(1, 1, 2, "1f1b", 8)
+    fb8 = (1e-3 + 1e-5 * 100) / 2
+    p2p8 = 2 * (0.5e-3 + 1e-3 * 100 * 10 * 4 / 1e6)
+    assert 9 * (fb8 / 2 + p2p8) < 8 * (fb8 + p2p8)
+    assert predict(wide, shared, **kw)["pipeline"] == pytest.approx(8 * (fb8 + p2p8))
+    # no pipeline: the same with or without
+    dp = Candidate(4, 1, 1)
+    assert predict(dp, shared, **kw)["total"] == pytest.approx(predict(dp, plain, **kw)["total"])
+
+
+def test_all_reduce_is_piecewise_through_its_measured_sizes():
+    # a small message measures the latency (ZeRO-1's per-tensor broadcasts), large ones the bandwidth
+    cal = {**_cal(), "allreduce": {2: [(1 << 10, 1e-4), (64 << 10, 1e-3), (4 << 20, 1e-2)]}}
+    costs = Costs(cal)
+    assert costs.allreduce(2, 1 << 10) == pytest.approx(1e-4)
+    assert costs.allreduce(2, 64 << 10) == pytest.approx(1e-3)
+    assert costs.allreduce(2, 1.0) == pytest.approx(1e-4 - (1e-3 - 1e-4) / ((64 << 10) - (1 << 10)) * ((1 << 10) - 1))
+    mid = (1 << 20)
+    assert costs.allreduce(2, mid) == pytest.approx(1e-3 + (1e-2 - 1e-3) / ((4 << 20) - (64 << 10)) * (mid - (64 << 10)))
+
+
 def test_a_probe_is_the_median_of_the_slowest_rank_per_step():
     from colossal_lab.autoparallel import merge_probe
 
