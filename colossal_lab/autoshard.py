@@ -643,8 +643,8 @@ def _pareto(opts: List[_Option]) -> List[_Option]:
     return out
 
 
-def _region_options(region: _Region, costs, tp, activations, limit) -> List[_Option]:
-    per = [lin.options for lin in region.lins]
+def _region_options(region: _Region, costs, tp, activations, limit, fixed=None) -> List[_Option]:
+    per = [(fixed[lin.name],) if fixed and lin.name in fixed else lin.options for lin in region.lins]
     if math.prod(len(p) for p in per) > limit:
         per = [tuple(o for o in p if o in ("replicated", "column", "row")) for p in per]
     if math.prod(len(p) for p in per) <= limit:
@@ -845,7 +845,8 @@ def _megatron_roles(graph: ShardGraph) -> dict:
 
 def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: Optional[float] = None,
               costs=None, activations: bool = True, modes: Sequence[str] = ("1d",),
-              max_region_options: int = 4096, graph: Optional[ShardGraph] = None) -> ShardPlan:
+              max_region_options: int = 4096, graph: Optional[ShardGraph] = None,
+              fixed: Optional[Dict[str, str]] = None) -> ShardPlan:
     """Choose a tensor-parallel strategy for every ``nn.Linear`` of ``model`` (module docstring).
 
     ``example_inputs``: forward's positional arguments for one rank's batch of a step (shapes set the
@@ -853,11 +854,16 @@ def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: 
     :class:`ShardCosts` / :func:`calibrate`'s result / a costs-like object; None: calibrate on the
     ranks when torch.distributed is up (every rank must call), else nominal :class:`ShardCosts`.
     ``modes``: add ``"2d"`` to price tp_nd's SUMMA for the whole model. ``graph``: a previous plan's
-    ``plan.graph`` (same model, inputs and ``tp_size``) to skip tracing."""
+    ``plan.graph`` (same model, inputs and ``tp_size``) to skip tracing. ``fixed``: ``{linear name:
+    strategy}`` pinned (a :data:`STRATEGIES` key); the rest are searched."""
     _check_args(model, tp_size, device_memory)
     bad = [m for m in modes if m not in ("1d", "2d")]
     if bad or not modes:
         raise ValueError(f"autoshard: modes={tuple(modes)!r}; choose from ('1d', '2d')")
+    fixed = dict(fixed or {})
+    bad = {n: s for n, s in fixed.items() if s not in STRATEGIES}
+    if bad:
+        raise ValueError(f"autoshard: fixed={bad!r}: strategies are {tuple(STRATEGIES)}")
     if graph is not None and graph.tp_size != tp_size:
         raise ValueError(f"autoshard: graph= was analysed for tp_size={graph.tp_size}, not {tp_size}")
     if costs is None:
@@ -875,13 +881,29 @@ def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: 
         feats = sorted({(l.in_features, l.out_features) for l in g.linears.values()})[:6]
         raise ValueError(f"autoshard: tp_size={tp_size} divides the features of no nn.Linear of {type(model).__name__} "
                          f"(in, out: {feats}); choose a tp_size dividing them")
+    for name, strat in fixed.items():
+        lin = g.lin_by_name.get(name)
+        if lin is None:
+            raise ValueError(f"autoshard: fixed names {name!r}, which is not an nn.Linear the forward calls; the linears "
+                             f"are {g.linear_names[:8]}{' ...' if len(g.linear_names) > 8 else ''}")
+        if strat not in lin.options:
+            kind = STRATEGIES[strat][0]
+            why = (f"tp_size={tp_size} does not divide its {'out' if kind == 'col' else 'in'}_features="
+                   f"{lin.out_features if kind == 'col' else lin.in_features}" if tp_size > 1 and kind != "R"
+                   else f"tp_size={tp_size}" if kind != "R" else "")
+            why = why or "it is tied to another module's parameter or called more than once"
+            raise ValueError(f"autoshard: fixed {name!r} to {strat!r}, which cannot apply: {why}")
     cache: Dict[tuple, List[_Option]] = {}
     per_region = []
     for r in g.regions:
-        key = r.signature()
+        key = (r.signature(), tuple(fixed.get(l.name) for l in r.lins))
         if key not in cache:
-            cache[key] = _region_options(r, cost, tp_size, activations, max_region_options)
+            cache[key] = _region_options(r, cost, tp_size, activations, max_region_options, fixed)
         if not cache[key]:
+            if any(l.name in fixed for l in r.lins):
+                raise ValueError(f"autoshard: fixed={ {l.name: fixed[l.name] for l in r.lins if l.name in fixed} } leaves "
+                                 f"no consistent layout for {[l.name for l in r.lins]} (a sharded tensor would reach an "
+                                 "op that needs it whole)")
             raise RuntimeError(f"autoshard: no consistent layout for linears {[l.name for l in r.lins]} (not even "
                                "replicated); please report this model")
         per_region.append(cache[key])
