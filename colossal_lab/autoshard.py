@@ -38,8 +38,8 @@ layers cannot be mixed with 1D linears: ``tp_mode`` is one choice for the whole 
 every parameter of the model (a parameter without a role is an error), keeps activations in the
 grid's block layout (batch rows × hidden columns) rather than DTensor's, and cuts each batch over
 the grid. So ``modes=("1d", "2d")`` prices 2D only as a *whole-model* alternative, where it really
-applies (``tp_size`` a square ≥ 4, every parameter given a role by ``tp_nd.resolve_plan``, the
-sizes dividing by ``tp_nd.check``): its communication is ``tp_nd.volume.textbook``'s bytes per rank
+applies (a model with ``tp_nd_plan()``/``tp_plan()``, whose every parameter ``tp_nd.resolve_plan``
+gives a role; ``tp_size`` a square ≥ 4; the sizes dividing by ``tp_nd.check``): its communication is ``tp_nd.volume.textbook``'s bytes per rank
 as all-reduce payload plus ``6·q`` collective latencies per linear, its compute all linears' FLOPs
 over ``tp``, every parameter held ``1/tp`` (``plan.mode == "2d"``; :meth:`ShardPlan.plugin_kwargs`
 then gives ``tp_mode="2d"``). It is off by default.
@@ -818,8 +818,9 @@ def _nd_alternative(model, graph: ShardGraph, mode: str, costs: _CostAdapter, ac
     tp = graph.tp_size
     try:
         sizes = factor(mode, tp, 1)
-        plan1d = None if callable(getattr(model, "tp_nd_plan", None)) or callable(getattr(model, "tp_plan", None)) \
-            else _megatron_roles(graph)
+        if not (callable(getattr(model, "tp_nd_plan", None)) or callable(getattr(model, "tp_plan", None))):
+            return None  # the plugin takes 2D roles from the model contract only
+        plan1d = None
         roles = tp_nd.resolve_plan(model, plan1d)
         tp_nd.check(model, roles, mode, sizes, tp)
     except (ValueError, KeyError, TypeError):
@@ -828,19 +829,12 @@ def _nd_alternative(model, graph: ShardGraph, mode: str, costs: _CostAdapter, ac
     tokens = max((l.tokens for l in graph.linears.values()), default=0)
     nbytes = sum(tp_nd.textbook(model, mode, tp, tokens, tp_plan=plan1d).values())
     n_lin = sum(1 for r in roles.values() if r[0] in ("colwise", "rowwise", "head"))
-    comm = nbytes * costs.allreduce(2, 1 << 20) / (1 << 20) + n_lin * 6 * q * costs.allreduce(2, 1)
+    lat = costs.allreduce(tp, 1)  # per collective; the bytes as all-reduce payload, as cl.autoplan prices N-d
+    comm = nbytes * (costs.allreduce(tp, 1 << 21) - costs.allreduce(tp, 1 << 20)) / (1 << 20) + n_lin * 6 * q * lat
     compute = sum(costs.compute(6.0 * l.tokens * l.in_features * l.out_features / tp) for l in graph.linears.values())
     elems = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     act = (graph.const_act + sum(_act_bytes(n) for r in graph.regions for n in r.nodes)) / tp if activations else 0
     return compute + comm, int(elems * _BYTES_PER_PARAM / tp + act), int(elems * 4 / tp), compute, comm
-
-
-def _megatron_roles(graph: ShardGraph) -> dict:
-    """A 1D plan tp_nd can read roles from, for a model without a plan of its own: alternate
-    column/row along the linears, in graph order."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {n: (ColwiseParallel() if i % 2 == 0 else RowwiseParallel()) for i, n in enumerate(graph.linear_names)}
 
 
 def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: Optional[float] = None,
