@@ -138,6 +138,7 @@ def main() -> None:
                 plan = cl.autoplan(cfg, world_size=args.world, batch=args.batch, seq=seq, device_memory=budget,
                                    cluster=cluster)
                 search_s = time.perf_counter() - t0
+                plan.fill_peaks()  # the table's planned peak for every layout, after the timed search
                 fitting = {c: g for c, g in grid.items() if g["peak"] <= budget}
                 best_c = max(fitting, key=lambda c: fitting[c]["tokens_per_s"]) if fitting else None
                 chosen = plan.best

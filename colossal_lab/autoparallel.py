@@ -76,7 +76,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 SCHEDULES = ("1f1b", "interleaved")
 # cl.plan's stated accuracy (docs/plan.md: each tier's peak within 10%): a layout planned up to this
@@ -593,8 +593,8 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
     ``steps`` timed ones. Returns ``{"peak": bytes or None, "step_seconds": [s, ...]}`` for this
     rank (:func:`merge_probe` makes one figure of the ranks': a step waits for its slowest rank)."""
     import contextlib
-
     import copy
+    import gc
 
     import torch
     import torch.distributed as dist
@@ -604,6 +604,10 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
     from colossal_lab.plan import measure
 
     c = Candidate(**cand)
+    # the peak counts live bytes from the window's start: garbage of an earlier probe (its model
+    # held in reference cycles) freed inside the window would hide this layout's own (seen: 22.7
+    # MiB measured in a search for a layout that peaks at 28.4 on a fresh rank)
+    gc.collect()
 
     def crit(out, b):
         out = out[0] if isinstance(out, tuple) else out
@@ -635,6 +639,8 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
         step()
         times.append(time.perf_counter() - t0)
     plugin.close()  # its process groups: a search boosts many layouts on the same ranks
+    del model, opt, booster
+    gc.collect()
     return {"peak": peak, "step_seconds": times}
 
 
@@ -709,6 +715,19 @@ class AutoPlan:
     device_memory: Optional[int]
     calibration: Dict[str, Any]
     seconds: Dict[str, float]
+    _fits: Optional[Callable[[Candidate], bool]] = field(default=None, repr=False, compare=False)
+    _peak_of: Optional[Callable[[Candidate], Tuple[int, bool]]] = field(default=None, repr=False, compare=False)
+
+    def fill_peaks(self) -> "AutoPlan":
+        """Plan the memory of the rows the search did not need (``peak_bytes`` None); the answer
+        stays: every faster layout was planned and did not fit."""
+        if self._fits is not None:
+            for r in self.rows:
+                if r["fits"] is None:
+                    r["fits"] = self._fits(r["candidate"])
+                    r["peak_bytes"] = self._peak_of(r["candidate"])[0]
+            self.rows = _ordered(self.rows)
+        return self
 
     def plugin(self):
         if self.best is None:
@@ -729,9 +748,9 @@ class AutoPlan:
         head = ("layout", "step (model)", "step (run)", "tokens/s", "peak/rank (plan)", "peak (run)", "fits")
         rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms",
                  f"{r['measured_s'] * 1e3:.1f} ms" if r.get("measured_s") is not None else "-",
-                 f"{r['tokens_per_s']:.0f}", _fmt(r["peak_bytes"]),
+                 f"{r['tokens_per_s']:.0f}", _fmt(r["peak_bytes"]) if r["peak_bytes"] is not None else "-",
                  _fmt(r["measured_peak"]) if r.get("measured_peak") is not None else "-",
-                 "yes" if r["fits"] else "no") for r in self.rows[:top]]
+                 {True: "yes", False: "no", None: "-"}[r["fits"]]) for r in self.rows[:top]]
         w = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
         lines = [f"AutoPlan: world {self.world_size} · batch {self.batch} × seq {self.seq} · device_memory "
                  f"{_fmt(self.device_memory)} · best: {self.best.label if self.best else 'none fits'}",
@@ -778,7 +797,7 @@ def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int,
 def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int] = None,
              device_memory: Optional[int] = None, host_memory: Optional[int] = None, cluster=None,
              calibration: Optional[Dict[str, Any]] = None, reps: int = 3, probe_steps: int = 3,
-             max_probes: int = 7, verify_margin: float = 0.5, **space) -> AutoPlan:
+             max_probes: int = 7, verify_margin: float = 0.5, plan_all: bool = False, **space) -> AutoPlan:
     """Search the layouts of ``world_size`` ranks for the fastest predicted step that fits.
 
     ``batch``: samples per step over all data-parallel ranks; ``seq``: tokens per sample (default
@@ -791,7 +810,10 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     layouts run for real at most (the overhead probes, then verification; 0 with a reused
     ``calibration`` and no ``cluster``: the model alone, plus what the calibration measured);
     ``verify_margin``: a layout is verified while predicted within this fraction of the best
-    measured time. ``space``: narrows :func:`candidates` (``schedules``,
+    measured time. ``plan_all``: plan every layout's memory (``cl.plan``, ~0.1-0.2 s each); by
+    default only those the search needs: the overhead probes' pool and, in order of predicted
+    time, every layout up to the first that fits; the rest show no planned peak
+    (:meth:`AutoPlan.fill_peaks` plans them later). ``space``: narrows :func:`candidates` (``schedules``,
     ``microbatch_factors``, ``zero_stages``, ``activation_checkpointing``, ``tp_modes``)."""
     import colossal_lab as cl
     from colossal_lab.plan import plan as fit_plan
@@ -812,14 +834,19 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     unique = {id(p): p for p in meta.parameters()}.values()
     params, tensors = sum(p.numel() for p in unique), len(unique)
 
-    t0 = time.perf_counter()
     peaks: Dict[Candidate, Tuple[int, bool]] = {}
+    t_mem = [0.0]
     shared: dict = {}  # cl.plan's traces, shared by the layouts with the same per-rank batch
     # every rank builds the whole model before boost() cuts it (as probe_step does, and a user who
     # calls model = GPT(cfg) on each rank): whatever the layout, a rank holds that much once
     built = sum(p.numel() * p.element_size() for p in unique) + sum(b.numel() * b.element_size()
                                                                    for b in meta.buffers())
-    for c in cands:
+
+    def peak_of(c: Candidate) -> Tuple[int, bool]:
+        """``(planned peak bytes, fits)`` of layout ``c``, planned on first use."""
+        if c in peaks:
+            return peaks[c]
+        t0 = time.perf_counter()
         if c.tp_mode == "1d":
             fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
                           device_memory=device_memory, host_memory=host_memory, _search=shared)
@@ -835,9 +862,14 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         # splitting a pipeline stage copies that stage while the built model is still alive
         peak = max(fp.peak(tier), built + (built // c.pp if c.pp > 1 else 0))
         peaks[c] = (peak, fp.fits and (device_memory is None or peak <= device_memory))
-    t_mem = time.perf_counter() - t0
+        t_mem[0] += time.perf_counter() - t0
+        return peaks[c]
 
-    t0 = time.perf_counter()
+    if plan_all:
+        for c in cands:
+            peak_of(c)
+
+    t0, mem0 = time.perf_counter(), t_mem[0]
     dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params, tensors=tensors)
     import torch.distributed as dist
 
@@ -855,7 +887,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         def run_probe(c: Candidate) -> None:
             # the profiler costs time: a layout planned well under the budget (cl.plan's error is a few
             # percent, -12% at worst in bench/autoplan) keeps its planned peak
-            near = device_memory is not None and peaks[c][0] > device_memory * (1 - PLAN_HEADROOM)
+            near = device_memory is not None and peak_of(c)[0] > device_memory * (1 - PLAN_HEADROOM)
             measured[c] = merge_probe(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps,
                                                   near))
 
@@ -866,14 +898,18 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
                     any(c.pp > 1 for c in cands), reps)
             calibration = merge_calibrations(cluster.run(calibrate, *args))
             # the framework's own overheads: layouts that tell them apart, run for real
-            for c in choose_probes([{"candidate": c, "fits": peaks[c][1]} for c in cands], layers):
+            # (they are chosen among the plain layouts without tensor parallelism when there are any:
+            # only those need a memory plan now)
+            plain = [c for c in cands if not c.activation_checkpointing and c.zero_stage == 0]
+            pool = [c for c in plain if c.tp == 1] or plain or cands
+            for c in choose_probes([{"candidate": c, "fits": peak_of(c)[1]} for c in pool], layers):
                 if len(measured) < max_probes:
                     run_probe(c)
         else:
-            calibration = dict(calibration)
+            calibration, known = dict(calibration), set(cands)
             for entry in calibration.get("measured", []):
                 c = Candidate(**entry["candidate"])
-                if c in peaks:
+                if c in known:
                     measured[c] = {"seconds": entry["seconds"], "peak": entry["peak"]}
         costs = Costs(calibration)
         nd = {c: nd_traffic(meta, c, batch, seq) for c in cands}
@@ -886,18 +922,17 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
             return fit_overheads([features(c, layers) for c in probed],
                                  [measured[c]["seconds"] - modelled[c]["total"] for c in probed])
 
-        def estimate(over) -> Dict[Candidate, Tuple[float, bool]]:
-            """Seconds and fit per layout: measured where it ran, else the model's."""
-            out = {}
-            for c in cands:
-                if c in measured:
-                    peak = measured[c]["peak"]
-                    out[c] = (measured[c]["seconds"], peaks[c][1] if peak is None else
-                              device_memory is None or peak * (1 + PEAK_MARGIN) <= device_memory)
-                else:
-                    t = modelled[c]["total"] + sum(x * f for x, f in zip(over, features(c, layers)))
-                    out[c] = (t, peaks[c][1])
-            return out
+        def estimate(over) -> Dict[Candidate, float]:
+            """Seconds per layout: measured where it ran, else the model's."""
+            return {c: measured[c]["seconds"] if c in measured else
+                    modelled[c]["total"] + sum(x * f for x, f in zip(over, features(c, layers))) for c in cands}
+
+        def fits(c: Candidate) -> bool:
+            """Measured where it ran with the profiler, else planned (on first use)."""
+            peak = measured[c]["peak"] if c in measured else None
+            if peak is not None:
+                return device_memory is None or peak * (1 + PEAK_MARGIN) <= device_memory
+            return peak_of(c)[1]
 
         def ratio(c: Candidate) -> float:
             """Measured ÷ planned peak of the closest layout that ran: the same shape (dp, tp, pp,
@@ -905,7 +940,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
             def r(x):
                 return measured[x]["peak"] / peaks[x][0]
 
-            sized = [x for x in measured if measured[x]["peak"] is not None and peaks[x][0] > 0]
+            sized = [x for x in measured if measured[x]["peak"] is not None and peak_of(x)[0] > 0]
 
             for key in (lambda x: (x.dp, x.tp, x.pp, x.pp_style, x.num_microbatches, x.tp_mode),
                         lambda x: (x.dp, x.tp, x.pp)):
@@ -920,13 +955,15 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         while cluster is not None and len(measured) < max_probes:
             over = refit()
             est = estimate(over)
-            best_meas = min((est[c][0] for c in measured if est[c][1]), default=math.inf)
-            pool = [c for c in cands if c not in measured
-                    and (device_memory is None or peaks[c][0] * ratio(c) <= device_memory * (1 + PLAN_TOLERANCE))
-                    and est[c][0] < best_meas * (1 + verify_margin)]
-            if not pool:
+            best_meas = min((est[c] for c in measured if fits(c)), default=math.inf)
+            # fastest first; memory planned only down to the first that could fit
+            pick = next((c for c in sorted(cands, key=est.get) if c not in measured
+                         and est[c] < best_meas * (1 + verify_margin)
+                         and (device_memory is None
+                              or peak_of(c)[0] * ratio(c) <= device_memory * (1 + PLAN_TOLERANCE))), None)
+            if pick is None:
                 break
-            run_probe(min(pool, key=lambda c: est[c][0]))
+            run_probe(pick)
     finally:
         if own:
             cluster.stop()
@@ -934,25 +971,30 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     calibration["overheads"] = over
     calibration["measured"] = [{"candidate": asdict(c), **v} for c, v in measured.items()]
     calibration["probes"] = [(asdict(c), v["seconds"]) for c, v in measured.items()]
-    t_cal = time.perf_counter() - t0
     est = estimate(over)
+    # the answer: the fastest that fits (memory planned in order of time, down to it)
+    best = next((c for c in sorted(cands, key=est.get) if fits(c)), None)
+    t_cal = time.perf_counter() - t0 - (t_mem[0] - mem0)  # memory plans on the way are theirs
 
     rows = []
     for c in cands:
         parts = dict(modelled[c])
         parts["overhead"] = sum(a * b for a, b in zip(over, features(c, layers)))
         parts["total"] += parts["overhead"]
-        peak, _ = peaks[c]
-        seconds, fits = est[c]
         m = measured.get(c)
-        rows.append({"label": c.label, "candidate": c, "predicted_s": parts["total"], "seconds": seconds,
-                     "tokens_per_s": batch * seq / seconds, "parts": parts, "peak_bytes": peak,
+        rows.append({"label": c.label, "candidate": c, "predicted_s": parts["total"], "seconds": est[c],
+                     "tokens_per_s": batch * seq / est[c], "parts": parts,
+                     "peak_bytes": peaks[c][0] if c in peaks else None,
                      "measured_s": m["seconds"] if m else None, "measured_peak": m["peak"] if m else None,
-                     "fits": fits})
-    rows.sort(key=lambda r: (not r["fits"], r["seconds"]))
-    best = rows[0]["candidate"] if rows and rows[0]["fits"] else None
-    return AutoPlan(rows, best, world_size, batch, seq, device_memory, calibration,
-                    {"memory": t_mem, "calibration": t_cal})
+                     "fits": fits(c) if c in peaks or (m and m["peak"] is not None) else None})
+    return AutoPlan(_ordered(rows), best, world_size, batch, seq, device_memory, calibration,
+                    {"memory": t_mem[0], "calibration": t_cal}, _fits=fits, _peak_of=peak_of)
+
+
+def _ordered(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Those that fit first, fastest first; then those not planned (slower than the answer); then
+    those that do not fit."""
+    return sorted(rows, key=lambda r: ({True: 0, None: 1, False: 2}[r["fits"]], r["seconds"]))
 
 
 __all__ = ["AutoPlan", "Candidate", "Costs", "autoplan", "calibrate", "candidates", "choose_probes", "features",

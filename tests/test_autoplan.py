@@ -176,12 +176,38 @@ def test_a_search_from_a_given_calibration_plans_every_mode_without_any_rank():
     cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
            "allreduce": {k: [(1 << 16, 1e-4 * k), (1 << 22, 4e-3 * k)] for k in (2, 4)},
            "p2p": [(1 << 16, 1e-4), (1 << 22, 4e-3)], "adam_s_per_elem": 1e-9}
-    plan = cl.autoplan(TINY, world_size=4, batch=8, seq=16, device_memory=64 << 20, calibration=cal)
+    plan = cl.autoplan(TINY, world_size=4, batch=8, seq=16, device_memory=64 << 20, calibration=cal,
+                       plan_all=True)
     labels = {r["label"] for r in plan.rows}
     assert "dp1 tp4(2d) pp1" in labels and plan.best is not None
     assert all(r["measured_s"] is None for r in plan.rows)  # nothing ran
     two_d = next(r for r in plan.rows if r["label"] == "dp1 tp4(2d) pp1")
     assert two_d["parts"]["tp_comm"] > 0 and two_d["peak_bytes"] > 0
+
+
+def test_memory_is_planned_only_down_to_the_fastest_layout_that_fits():
+    # cl.plan costs ~0.1-0.2 s a layout: by default only the layouts faster than the answer (and
+    # the answer) are planned; fill_peaks() plans the rest, and plan_all=True gives the same table
+    cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
+           "allreduce": {k: [(1 << 16, 1e-4 * k), (1 << 22, 4e-3 * k)] for k in (2, 4)},
+           "p2p": [(1 << 16, 1e-4), (1 << 22, 4e-3)], "adam_s_per_elem": 1e-9}
+    kw = dict(world_size=4, batch=8, seq=16, calibration=cal, tp_modes=("1d",))
+    # 1.4 MB: the three layouts predicted fastest (dp4, dp2 pp2 m4 / m2) do not fit
+    whole = cl.autoplan(TINY, device_memory=1_400_000, plan_all=True, **kw)
+    lazy = cl.autoplan(TINY, device_memory=1_400_000, **kw)
+    assert whole.best == lazy.best is not None
+    planned = [r for r in lazy.rows if r["peak_bytes"] is not None]
+    assert 0 < len(planned) < len(lazy.rows)
+    # every layout predicted faster than the answer was planned, and does not fit
+    answer = next(r for r in lazy.rows if r["candidate"] == lazy.best)
+    faster = [r for r in lazy.rows if r["seconds"] < answer["seconds"]]
+    assert faster and all(r["peak_bytes"] is not None and r["fits"] is False for r in faster)
+    assert "-" in lazy.table()  # the rows not planned say so
+    lazy.fill_peaks()
+    assert lazy.best == whole.best
+    assert {r["label"]: (r["peak_bytes"], r["fits"]) for r in lazy.rows} == \
+        {r["label"]: (r["peak_bytes"], r["fits"]) for r in whole.rows}
+    assert [r["label"] for r in lazy.rows] == [r["label"] for r in whole.rows]
 
 
 def test_merged_calibration_takes_the_slowest_rank():
@@ -242,6 +268,10 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     from dataclasses import asdict
 
     plan = cl.autoplan(TINY, world_size=2, batch=4, seq=32, device_memory=64 << 20, cluster=cluster, reps=1)
+    unplanned = [r["label"] for r in plan.rows if r["peak_bytes"] is None]
+    assert all(r["fits"] is None for r in plan.rows if r["peak_bytes"] is None and r["measured_peak"] is None)
+    plan.fill_peaks()  # every row's planned peak, for the checks below
+    assert unplanned == [] or all(r["peak_bytes"] is not None for r in plan.rows)
     cal = plan.calibration
     assert set(cal["compute"]) == {1, 2} and all(v > 0 for row in cal["compute"].values() for v in row["fb"])
     assert cal["allreduce"][2][1][1] > 0 and cal["p2p"] and cal["adam_s_per_elem"] > 0
