@@ -179,6 +179,7 @@ def main() -> None:
                         "search_s": round(search_s, 1), "grid_s": round(grid_s, 1),
                         "search_over_grid": round(search_s / grid_s, 4),
                         "calibration_s": round(plan.seconds["calibration"], 1),
+                        "runs_s": round(plan.seconds.get("runs", 0.0), 1),
                         "memory_plans_s": round(plan.seconds["memory"], 1),
                         "median_abs_time_error": round(sorted(abs(args.batch * seq / r["predicted_s"]
                                                                   / grid[r["candidate"]]["tokens_per_s"] - 1)

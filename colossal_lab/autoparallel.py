@@ -2,7 +2,7 @@
 
     best = cl.autoplan(GPTConfig.preset("small"), world_size=4, batch=16, seq=256,
                        device_memory=512 << 20, cluster=cluster)
-    best                        # a table: every candidate, predicted step time and peak, fits
+    best                        # a table: every candidate, predicted step time, peak, fits
     plugin = best.plugin()      # the chosen HybridParallelPlugin
     best.rows, best.to_dict()   # plain data; best.calibration: what was measured
 
@@ -20,7 +20,10 @@ Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, not
 and is never less than the whole model's bytes, which every rank holds once after building it
 and before ``boost()`` cuts it (plus a stage's share under a pipeline: the stage is copied out);
 a candidate over ``device_memory`` is kept in the table but never chosen. A layout the search
-ran (below) is judged by its measured peak instead.
+ran (below) is judged by its measured peak instead. A plan costs ~0.1-0.2 s of fake-tensor
+tracing, so only the layouts the search needs are planned: the overhead probes' pool, then, in
+order of predicted time, each layout down to the first that fits (``plan_all=True`` or
+:meth:`AutoPlan.fill_peaks` for every row).
 
 Time: a model of one step, its constants measured on the ranks that will train (all of them at
 once, so a CPU box's shared cores and a GPU box's links are what is measured), by
@@ -29,14 +32,19 @@ once, so a CPU box's shared cores and a GPU box's links are what is measured), b
 * compute: the model's forward and forward+backward at two microbatch sizes, with every linear
   of its ``tp_plan()`` cut to a tensor-parallel rank's shape, for each tp size; a straight line in
   tokens between them. A stage of ``pp`` runs ``1/pp`` of it (``1/(pp·v)`` per model chunk).
-* collectives: ``all_reduce`` at two sizes on groups of each size the candidates use (the world cut
-  into such groups, all busy at once), fitted as latency + bytes / bandwidth; point-to-point
-  send/recv between rank pairs the same way.
+* collectives: ``all_reduce`` at 1 KiB (latency), 64 KiB and 4 MiB on groups of each size the
+  candidates use (the world cut into such groups, all busy at once), piecewise linear between;
+  point-to-point send/recv between rank pairs at two sizes.
+* contention: the largest forward+backward again on rank 0 alone while the others wait; the
+  ratio is how much faster a rank computes when the others idle (~2 for 4 CPU ranks on 2 cores,
+  1 with a device per rank).
 * the optimizer: AdamW's step per parameter element.
 
 A step is then (``m`` microbatches, ``pp`` stages, ``v`` model chunks per stage, the times those of
 one microbatch on one rank, i.e. ``1/pp`` of the model): ``(m + (pp-1)/v) · (t_F + t_B + AC·t_F +
-TP comm + 2·v·p2p)``, plus the data-parallel
+TP comm + 2·v·p2p)`` with the compute at the speed of a rank alone (the bubble's idle ranks
+leave their cores to the busy ones), but never less than ``m ·`` the same with every rank busy
+(the work itself); with a device per rank both are the plain formula. Plus the data-parallel
 gradient all-reduce (ZeRO-1: and the parameters' broadcast, one collective per parameter tensor as
 ``ZeroRedundancyOptimizer`` issues them), plus the optimizer step over this
 rank's parameters (ZeRO-1: its ``1/dp`` share). Tensor parallelism (1D, Megatron) costs two
@@ -64,8 +72,9 @@ layout).
 
 Built on: ``cl.plan`` (memory), torch.distributed collectives (calibration), the model contract
 (``tp_plan``, ``check_tp``, ``num_layers``). Written by hand: the enumeration, the calibration
-probes and the step-time model; Colossal-AI's auto-parallel searches per-operator strategies on a
-torch.fx graph instead (not done here: the layout is per model, as torchtitan plans it).
+probes and the step-time model. The layout is per model, as torchtitan plans it; Colossal-AI's
+per-operator strategies on a torch.fx graph are ``cl.autoshard`` (``colossal_lab.autoshard``),
+whose ``tp_plan()`` a layout's ``HybridParallelPlugin(tp_plan=...)`` takes.
 """
 
 from __future__ import annotations
@@ -88,6 +97,9 @@ PLAN_TOLERANCE = 0.10
 PEAK_MARGIN = 0.02
 # a layout planned this far under the budget is run without the profiler (its planned peak stands)
 PLAN_HEADROOM = 0.15
+# once layouts were verified, the margin is this many times the largest error the model made on
+# them (never under MIN_MARGIN, never over ``verify_margin``): a model that proved close runs fewer
+MARGIN_PER_ERROR, MIN_MARGIN = 1.5, 0.15
 
 
 def _divisors(n: int) -> List[int]:
@@ -321,11 +333,12 @@ def _shrunk_model(model_or_config, tp: int):
     return model
 
 
-def _timed(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls after one warm-up, every rank starting together."""
+def _timed(fn, reps: int, warm_up: bool = True) -> float:
+    """Median seconds of ``reps`` calls (after one warm-up call), every rank starting together."""
     import torch.distributed as dist
 
-    fn()
+    if warm_up:
+        fn()
     times = []
     for _ in range(reps):
         if dist.is_initialized():
@@ -342,7 +355,8 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
 
     ``tokens``: tp size -> microbatch token counts to time the model at (two are fitted as a
     line); ``group_sizes``: sizes of the all-reduce groups to time; ``p2p``: time send/recv too.
-    Returns plain data (seconds): ``compute[tp] = {"tokens": [...], "f": [...], "fb": [...]}``,
+    Returns plain data (seconds): ``compute[tp] = {"tokens": [...], "f": [...], "fb": [...]}`` (the
+    forward timed at the first size, scaled with the forward+backward at the others),
     ``allreduce[k] = [(bytes, s), ...]``, ``p2p = [(bytes, s), ...]``, ``adam_s_per_elem``, and
     ``alone = {"busy": s, "alone": s}``: the largest forward+backward of the first tp size with
     every rank computing at once, and on rank 0 alone while the others wait (where ranks share
@@ -360,6 +374,7 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
         if vocab is None:
             raise ValueError("autoplan: calibration feeds token ids; this model has no cfg.vocab_size")
         row = {"tokens": [], "f": [], "fb": []}
+        warm = True  # the first size warms the model up; later ones are timed straight away
         for n in sorted(set(int(t) for t in toks)):
             b = max(1, n // seq)
             x = torch.randint(0, vocab, (b, seq))
@@ -374,10 +389,13 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
                 model.zero_grad(set_to_none=True)
 
             row["tokens"].append(b * seq)
-            row["f"].append(_timed(fwd, reps))
-            row["fb"].append(_timed(fwd_bwd, reps))
+            row["fb"].append(_timed(fwd_bwd, reps, warm))
+            # the forward (checkpointing's recompute) is timed at the first size only, and scaled
+            # with the forward+backward at the others: its share of a step hardly moves with size
+            row["f"].append(_timed(fwd, reps, warm) if warm else row["f"][0] * row["fb"][-1] / row["fb"][0])
+            warm = False
         if "alone" not in out:  # every rank busy just now; rank 0 again while the others wait
-            out["alone"] = {"busy": row["fb"][-1], "alone": _timed(fwd_bwd if rank0 else (lambda: None), reps)}
+            out["alone"] = {"busy": row["fb"][-1], "alone": _timed(fwd_bwd if rank0 else (lambda: None), reps, False)}
         out["compute"][tp] = row
         del model
     if dist.is_initialized():
@@ -589,7 +607,8 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
                measure_peak: bool = True) -> Dict[str, Any]:
     """On every rank: boost layout ``cand`` on a real model and train it: model build, boost and
     two steps, under ``cl.plan.measure`` for its peak bytes with ``measure_peak`` (the second step
-    is training's steady state: the optimizer's state exists beside its activations), then
+    is training's steady state: the optimizer's state exists beside its activations; without
+    ``measure_peak`` one warm-up step), then
     ``steps`` timed ones. Returns ``{"peak": bytes or None, "step_seconds": [s, ...]}`` for this
     rank (:func:`merge_probe` makes one figure of the ranks': a step waits for its slowest rank)."""
     import contextlib
@@ -629,8 +648,9 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
             opt.step()
             opt.zero_grad()
 
-        step()
-        step()  # training's steady state: the optimizer's state beside the activations (not in step 1)
+        step()  # the warm-up: first-call costs (allocations, the schedule's set-up)
+        if measure_peak:
+            step()  # training's steady state: the optimizer's state beside the activations (not in step 1)
     peak = int(max(meter.peak.values(), default=0)) if measure_peak else None
     times = []  # the measured step was the warm-up (a median over the steps shrugs off a slow one)
     for _ in range(steps):
@@ -757,8 +777,8 @@ class AutoPlan:
                  "  ".join(h.ljust(w[i]) for i, h in enumerate(head)),
                  "  ".join("-" * x for x in w)]
         lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
-        lines.append(f"search: calibration {self.seconds.get('calibration', 0):.1f} s, memory plans "
-                     f"{self.seconds.get('memory', 0):.1f} s")
+        lines.append(f"search: calibration {self.seconds.get('calibration', 0):.1f} s, layouts run "
+                     f"{self.seconds.get('runs', 0):.1f} s, memory plans {self.seconds.get('memory', 0):.1f} s")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -884,12 +904,16 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     # layouts run for real, this search's and any an earlier search measured (``calibration=``)
     measured: Dict[Candidate, Dict[str, float]] = {}
     try:
+        t_runs = [0.0]
+
         def run_probe(c: Candidate) -> None:
             # the profiler costs time: a layout planned well under the budget (cl.plan's error is a few
             # percent, -12% at worst in bench/autoplan) keeps its planned peak
             near = device_memory is not None and peak_of(c)[0] > device_memory * (1 - PLAN_HEADROOM)
+            t = time.perf_counter()
             measured[c] = merge_probe(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps,
                                                   near))
+            t_runs[0] += time.perf_counter() - t
 
         if calibration is None:
             args = (model_or_config, seq, _probe_tokens(cands, batch, seq),
@@ -952,18 +976,22 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         # verify: run the layout the model ranks first among those that could fit, while it could beat
         # the best layout measured so far (cl.plan's peak is an estimate: a layout a little over the
         # budget on paper may fit for real, judged by how far off the plan was for its closest kin)
+        errors: List[float] = []  # |measured / predicted - 1| of each layout verification ran
         while cluster is not None and len(measured) < max_probes:
             over = refit()
             est = estimate(over)
             best_meas = min((est[c] for c in measured if fits(c)), default=math.inf)
+            margin = min(verify_margin, max(MIN_MARGIN, MARGIN_PER_ERROR * max(errors))) if errors else verify_margin
             # fastest first; memory planned only down to the first that could fit
             pick = next((c for c in sorted(cands, key=est.get) if c not in measured
-                         and est[c] < best_meas * (1 + verify_margin)
+                         and est[c] < best_meas * (1 + margin)
                          and (device_memory is None
                               or peak_of(c)[0] * ratio(c) <= device_memory * (1 + PLAN_TOLERANCE))), None)
+            calibration["margin"] = margin  # the last stop decision's (rows not run are that much slower)
             if pick is None:
                 break
             run_probe(pick)
+            errors.append(abs(measured[pick]["seconds"] / est[pick] - 1))
     finally:
         if own:
             cluster.stop()
@@ -974,7 +1002,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     est = estimate(over)
     # the answer: the fastest that fits (memory planned in order of time, down to it)
     best = next((c for c in sorted(cands, key=est.get) if fits(c)), None)
-    t_cal = time.perf_counter() - t0 - (t_mem[0] - mem0)  # memory plans on the way are theirs
+    # the microbenchmarks: what neither the layouts run nor the memory plans on the way took
+    t_cal = time.perf_counter() - t0 - (t_mem[0] - mem0) - t_runs[0]
 
     rows = []
     for c in cands:
@@ -988,7 +1017,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
                      "measured_s": m["seconds"] if m else None, "measured_peak": m["peak"] if m else None,
                      "fits": fits(c) if c in peaks or (m and m["peak"] is not None) else None})
     return AutoPlan(_ordered(rows), best, world_size, batch, seq, device_memory, calibration,
-                    {"memory": t_mem[0], "calibration": t_cal}, _fits=fits, _peak_of=peak_of)
+                    {"memory": t_mem[0], "calibration": t_cal, "runs": t_runs[0]}, _fits=fits, _peak_of=peak_of)
 
 
 def _ordered(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -290,12 +290,15 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
         if r["candidate"] not in ran:
             assert r["seconds"] == r["predicted_s"]
     # no layout the model ranked ahead of the chosen one (and that fits on paper) was left unrun
-    # while probes remained: each was run, or predicted slower than the best run by the margin
+    # while probes remained: each was run, or predicted slower than the best run by the margin (50%
+    # at first, then 1.5x the model's largest error on the layouts verified, at least 15%)
+    margin = cal["margin"]
+    assert 0.15 <= margin <= 0.5
     if len(ran) < 7:
         best_run = ran[plan.best]["seconds"]
         for r in plan.rows:
             if r["candidate"] not in ran and r["fits"]:
-                assert r["predicted_s"] >= best_run * 1.5, (r["label"], r["predicted_s"], best_run)
+                assert r["predicted_s"] >= best_run * (1 + margin), (r["label"], r["predicted_s"], best_run)
     assert [r["seconds"] for r in fits] == sorted(r["seconds"] for r in fits)
     assert "best: " + plan.best.label in plan.table()
     losses = cluster.run(_train_one_step, asdict(plan.best), 4, 32)
