@@ -63,7 +63,8 @@ choice and left out: ``predicted_s`` is the *part that differs*, not a whole ste
 a row-parallel bias stays whole) + an activation estimate (every non-view op's output kept for
 backward, ``/tp`` where sharded: an upper bound, ``activations=False`` drops it). ``costs``:
 :class:`ShardCosts` (nominal figures), :func:`calibrate` (measured on the tp group's real ranks with
-torch.distributed collectives), or any object with ``compute(flops)``, ``allreduce(k, nbytes)`` and
+torch.distributed collectives), ``cl.autoplan``'s ``AutoPlan.calibration`` (:class:`CalibratedCosts`:
+the layout search's own measurements, so both price a step alike), or any object with ``compute(flops)``, ``allreduce(k, nbytes)`` and
 optionally ``allgather(k, nbytes)``.
 
 **Solver.** Tensors that are whole under every choice (produced by an op that needs ``R``, or an
@@ -93,7 +94,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["autoshard", "ShardPlan", "ShardCosts", "ShardGraph", "calibrate", "analyse", "STRATEGIES"]
+__all__ = ["autoshard", "ShardPlan", "ShardCosts", "CalibratedCosts", "ShardGraph", "calibrate", "analyse", "STRATEGIES"]
 
 #: strategy name -> (kind, output): kind "R" | "col" | "row"
 STRATEGIES: Dict[str, Tuple[str, str]] = {
@@ -177,6 +178,41 @@ def calibrate(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20), reps: int 
     (arl, ars), (agl, ags) = _line(ar), _line(ag)
     return ShardCosts(flops=2 * matmul ** 3 / max(f[0], 1e-9), allreduce_s_per_byte=ars, allreduce_latency=arl,
                       allgather_s_per_byte=ags, allgather_latency=agl)
+
+
+class CalibratedCosts:
+    """``cl.autoplan``'s cost model for the solver: an ``AutoPlan.calibration`` (measured on the
+    ranks by ``colossal_lab.autoparallel.calibrate``) read as :class:`ShardCosts`'s functions, so
+    both searches price a step from the same measurements. The matmul rate is the whole model's
+    linear FLOPs (``6·N·in·out`` at the graph's tokens) over its measured forward+backward there,
+    which charges attention, norms and the rest to the linears (a rate on the low side: the
+    compute a cut saves is, if anything, over-counted); all-reduces are the calibration's curve for
+    the group size (piecewise through 1 KiB, 64 KiB and 4 MiB); an all-gather is the all-reduce of
+    half the bytes (a ring all-reduce is a reduce-scatter plus an all-gather)."""
+
+    def __init__(self, calibration: Dict[str, Any], linear_flops: float, tokens: int):
+        from colossal_lab.autoparallel import Costs
+
+        self.calibration, self._c = calibration, Costs(calibration)
+        fb = self._c.forward_backward(1, tokens) if 1 in self._c._fb else None
+        if not fb:
+            raise ValueError("autoshard(costs=calibration): it has no forward+backward timed at tp 1; pass an "
+                             "AutoPlan.calibration from cl.autoplan on this model")
+        self.flops = linear_flops / fb
+
+    def compute(self, flops: float) -> float:
+        return flops / self.flops
+
+    def allreduce(self, k: int, nbytes: float) -> float:
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        if not (self.calibration["allreduce"].get(k) or self.calibration["allreduce"].get(str(k))):
+            raise ValueError(f"autoshard(costs=calibration): no all-reduce measured on groups of {k}; calibrate "
+                             f"with cl.autoplan on a world where tp_size={k} is a candidate")
+        return self._c.allreduce(k, nbytes)
+
+    def allgather(self, k: int, nbytes: float) -> float:
+        return self.allreduce(k, nbytes / 2)
 
 
 class _CostAdapter:
@@ -845,7 +881,8 @@ def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: 
 
     ``example_inputs``: forward's positional arguments for one rank's batch of a step (shapes set the
     token counts and activations). ``device_memory``: bytes per rank (None: no limit). ``costs``:
-    :class:`ShardCosts` / :func:`calibrate`'s result / a costs-like object; None: calibrate on the
+    :class:`ShardCosts` / :func:`calibrate`'s result / ``cl.autoplan``'s ``AutoPlan.calibration``
+    (:class:`CalibratedCosts`: the same measurements as the layout search) / a costs-like object; None: calibrate on the
     ranks when torch.distributed is up (every rank must call), else nominal :class:`ShardCosts`.
     ``modes``: add ``"2d"`` to price tp_nd's SUMMA for the whole model. ``graph``: a previous plan's
     ``plan.graph`` (same model, inputs and ``tp_size``) to skip tracing. ``fixed``: ``{linear name:
@@ -865,10 +902,14 @@ def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: 
 
         costs = calibrate() if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
             else ShardCosts()
-    cost = _CostAdapter(costs)
     t0 = time.perf_counter()
     g = graph if graph is not None else analyse(model, example_inputs, tp_size)
     t1 = time.perf_counter()
+    if isinstance(costs, dict) and "compute" in costs and "allreduce" in costs:  # an AutoPlan.calibration
+        tokens = max(l.tokens for l in g.linears.values()) if g.linears else 1
+        costs = CalibratedCosts(costs, sum(6.0 * l.tokens * l.in_features * l.out_features
+                                           for l in g.linears.values()), tokens)
+    cost = _CostAdapter(costs)
     if not g.linears:
         raise ValueError(f"autoshard: {type(model).__name__} calls no nn.Linear on these inputs; nothing to shard")
     if tp_size > 1 and all(len(l.options) == 1 for l in g.linears.values()):

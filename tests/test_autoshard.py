@@ -251,3 +251,32 @@ def test_plans_train_like_one_process_and_memory_matches(mlp_plans, gpt_plan):
     c = results[0]["costs"]
     assert c == results[1]["costs"]  # both ranks agree on the calibration
     assert c.flops > 0 and c.allreduce_s_per_byte >= 0 and c.allgather_latency >= 0
+
+
+def test_autoplans_calibration_prices_the_strategies_as_the_layout_search_does(gpt_plan):
+    # the stretch asks for "the same cost model": an AutoPlan.calibration (what cl.autoplan measured
+    # on the ranks) is read as the solver's costs: the matmul rate from the model's measured
+    # forward+backward, the all-reduce from its curve, an all-gather as half an all-reduce's bytes
+    from colossal_lab.autoparallel import Costs
+    from colossal_lab.autoshard import CalibratedCosts, autoshard
+
+    def cal(ar_scale):
+        return {"compute": {1: {"tokens": [64, 256], "f": [0.001, 0.004], "fb": [0.003, 0.012]}},
+                "allreduce": {2: [(1 << 10, 1e-4 * ar_scale), (64 << 10, 1e-3 * ar_scale), (4 << 20, 4e-2 * ar_scale)]},
+                "p2p": [], "adam_s_per_elem": 1e-9}
+
+    g = gpt_plan.graph
+    tokens = max(l.tokens for l in g.linears.values())
+    total = sum(6.0 * l.tokens * l.in_features * l.out_features for l in g.linears.values())
+    c = CalibratedCosts(cal(1.0), total, tokens)
+    assert c.compute(total) == pytest.approx(Costs(cal(1.0)).forward_backward(1, tokens))
+    assert c.allreduce(2, 1 << 20) == pytest.approx(Costs(cal(1.0)).allreduce(2, 1 << 20))
+    assert c.allgather(2, 1 << 20) == pytest.approx(Costs(cal(1.0)).allreduce(2, 1 << 19))
+    with pytest.raises(ValueError, match="groups of 4"):
+        c.allreduce(4, 1 << 20)
+    # slow collectives, no budget: nothing is cut; the tightest budget cuts, from the same figures
+    slow = autoshard(_gpt(), None, 2, costs=cal(1e3), graph=g)
+    assert set(slow.strategies.values()) == {"replicated"}
+    tight = autoshard(_gpt(), None, 2, costs=cal(1e3), graph=g, device_memory=gpt_plan.frontier[0][0])
+    assert any(v != "replicated" for v in tight.strategies.values())
+    assert tight.predicted_s > slow.predicted_s
