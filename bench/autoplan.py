@@ -92,6 +92,15 @@ def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: 
     return {"step_seconds": times, "peak": peak}
 
 
+def _between(peaks, i: int) -> int:
+    """A budget at the quartile ``peaks[i]`` but off every measured peak: halfway to the next larger
+    distinct one. A budget equal to a layout's measured peak makes "does it fit?" a coin toss on
+    that layout's next measurement (peaks move by up to a few percent between runs), for the grid
+    as for the search; halfway, each layout clearly fits or not."""
+    above = [p for p in peaks if p > peaks[i]]
+    return (peaks[i] + above[0]) // 2 if above else peaks[i]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,small")
@@ -101,7 +110,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout (enough to tell 10%% apart)")
     ap.add_argument("--budgets", default="", help="MiB per rank, comma-separated (default: two per model, "
-                                                  "between the grid's smallest and largest measured peak)")
+                                                  "near the grid's lower and upper quartile measured peaks, halfway to the next one)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -132,7 +141,7 @@ def main() -> None:
             grid_s = time.perf_counter() - t0
             peaks = sorted(g["peak"] for g in grid.values())
             budgets = ([int(float(b) * 2**20) for b in args.budgets.split(",")] if args.budgets else
-                       [peaks[len(peaks) // 4], peaks[(3 * len(peaks)) // 4]])
+                       [_between(peaks, len(peaks) // 4), _between(peaks, (3 * len(peaks)) // 4)])
             for budget in budgets:
                 t0 = time.perf_counter()
                 plan = cl.autoplan(cfg, world_size=args.world, batch=args.batch, seq=seq, device_memory=budget,
