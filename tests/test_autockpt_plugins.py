@@ -302,6 +302,57 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     assert "at least that" in r0[6] and "pp rank 1" not in r0[6]
 
 
+def _pp_tp_worker(rank, world, budget, m):
+    import torch.distributed as dist
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    model = _model()
+    plugin = HybridParallelPlugin(pp_size=2, tp_size=2, num_microbatches=m, activation_checkpointing="auto",
+                                  activation_budget=budget)
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, _sgd(model.parameters()))
+    losses = []
+    for b in _data():
+        out = booster.execute_pipeline(iter([b]), model, crit, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if out["loss"] is None else out["loss"].item())
+    plan = model.stage_modules[0].inner.checkpoint_plan
+    pp_rank = plugin.mesh["pp"].get_local_rank()
+    plugin.close()
+    return dict(rank=dist.get_rank(), pp_rank=pp_rank, losses=losses, layers=list(plan.layers), budget=plan.budget,
+                peak=plan.predicted_peak, figures=_figures(plan.profile), stage=plan.profile.stage)
+
+
+def test_pipeline_by_tensor_parallel_stages_agree_within_each_stage():
+    # pp2 x tp2 on 4 ranks: each stage's two tensor-parallel ranks merge their profiles and solve one
+    # plan for that stage's share of the budget; the stages plan apart; the losses follow one process
+    m = 4
+    ref = _reference_losses()
+    p0 = _stage_profile(0, m)
+    # two thirds of the pp2 test's budget: a tp rank holds less of each block's activations, and at
+    # the pp2 budget stage 0 recomputed nothing here; at 2/3 it must choose (seen: "0.mlp")
+    budget = 2 * (min_peak(p0)[0] + p0.predict(["none"] * 2)[0]) // 3
+    rs = run_distributed(_pp_tp_worker, 4, budget, m, timeout=400)
+    by_stage = {}
+    for r in rs:
+        by_stage.setdefault(r["pp_rank"], []).append(r)
+    assert sorted(by_stage) == [0, 1] and all(len(v) == 2 for v in by_stage.values())
+    for stage, (a, b) in by_stage.items():
+        assert a["stage"] == b["stage"] == stage
+        assert a["budget"] == b["budget"] == stage_budget(budget, "1f1b", 2, stage, m)
+        assert a["peak"] <= a["budget"] and b["peak"] <= b["budget"]
+        assert a["layers"] == b["layers"], stage  # one plan per stage
+        assert a["figures"] == b["figures"], stage  # solved from one merged profile
+    assert by_stage[0][0]["layers"], "stage 0's share must force some recompute, else agreement is trivial"
+    assert by_stage[0][0]["budget"] == budget // 2 and by_stage[1][0]["budget"] == budget
+    for r in by_stage[1]:
+        assert r["losses"] == pytest.approx(ref, abs=1e-5)
+    assert all(r["losses"] == [None] * 3 for r in by_stage[0])
+
+
 # ---- Gemini: planned outside its hooks, with its chunks gathered ------------------------------------
 def _gemini_overhead(limit):
     """What Gemini keeps on the compute tier under ``limit`` (resident chunks and optimizer state, and
