@@ -358,7 +358,9 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
     line); ``group_sizes``: sizes of the all-reduce groups to time; ``p2p``: time send/recv too.
     Returns plain data (seconds): ``compute[tp] = {"tokens": [...], "f": [...], "fb": [...]}`` (the
     forward timed at the first size, scaled with the forward+backward at the others),
-    ``allreduce[k] = [(bytes, s), ...]``, ``p2p = [(bytes, s), ...]``, ``adam_s_per_elem``, and
+    ``allreduce[k] = [(bytes, s), ...]``, ``zero_sync[k] = [(calls, bytes, s), ...]`` (batches of
+    asynchronous broadcasts, as ZeRO-1 syncs its parameters), ``p2p = [(bytes, s), ...]``,
+    ``adam_s_per_elem``, and
     ``alone = {"busy": s, "alone": s}``: the largest forward+backward of the first tp size with
     every rank computing at once, and on rank 0 alone while the others wait (where ranks share
     cores, as CPU ranks do, one computing alone runs faster: a pipeline's bubble costs less)."""
@@ -411,6 +413,24 @@ def calibrate(model_or_config, seq: int, tokens: Dict[int, Sequence[int]], group
                 t = torch.ones(nbytes // 4)
                 pts.append((nbytes, _timed(lambda: dist.all_reduce(t, group=mine), reps)))
             out["allreduce"][k] = pts
+            # ZeroRedundancyOptimizer's parameter sync (its ``_sync_params``): every tensor
+            # broadcast from the rank that stepped it, all posted asynchronously, then waited on.
+            # Its calls queue behind each other without a blocking round trip each, so it costs
+            # far less per tensor than a blocking all-reduce's latency (which priced ZeRO-1 steps
+            # 30-50% too slow): timed as such, many small calls and a few large ones
+            zs = []
+            for calls, nbytes in ((32, 1 << 10), (8, 512 << 10)):
+                bufs = [torch.ones(nbytes // 4) for _ in range(calls)]
+                first_rank = (rank // k) * k
+
+                def sync(bufs=bufs):
+                    handles = [dist.broadcast(b, src=first_rank + i % k, group=mine, async_op=True)
+                               for i, b in enumerate(bufs)]
+                    for h in handles:
+                        h.wait()
+
+                zs.append((calls, calls * nbytes, _timed(sync, reps)))
+            out.setdefault("zero_sync", {})[k] = zs
         if p2p and world >= 2:
             peer = rank ^ 1
             pts = []
@@ -448,6 +468,9 @@ def merge_calibrations(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
                               "fb": [max(c["compute"][tp]["fb"][i] for c in per_rank) for i in range(len(row["fb"]))]}
     for k, pts in first["allreduce"].items():
         out["allreduce"][k] = [(b, max(c["allreduce"][k][i][1] for c in per_rank)) for i, (b, _) in enumerate(pts)]
+    for k, pts in first.get("zero_sync", {}).items():
+        out.setdefault("zero_sync", {})[k] = [(n, b, max(c["zero_sync"][k][i][2] for c in per_rank))
+                                              for i, (n, b, _) in enumerate(pts)]
     if first["p2p"]:
         out["p2p"] = [(b, max(c["p2p"][i][1] for c in per_rank if c["p2p"])) for i, (b, _) in enumerate(first["p2p"])]
     if all("alone" in c for c in per_rank):  # rank 0 ran alone; the others only waited
@@ -500,6 +523,26 @@ class Costs:
         if not pts:
             raise ValueError(f"autoplan: no all-reduce measured for groups of {k}")
         return _line([b for b, _ in pts], [s for _, s in pts])(nbytes)
+
+    def zero_sync(self, k: int, calls: float, nbytes: float) -> Optional[float]:
+        """Seconds of ZeroRedundancyOptimizer's parameter sync on a group of ``k``: ``calls``
+        asynchronous broadcasts carrying ``nbytes`` in all, as ``seconds = calls * a + bytes * b``
+        through the two measured batches (None where the calibration did not measure it)."""
+        if k <= 1:
+            return 0.0
+        zs = self.calibration.get("zero_sync") or {}
+        pts = zs.get(k) or zs.get(str(k))
+        if not pts:
+            return None
+        (n1, b1, t1), (n2, b2, t2) = pts[0], pts[-1]
+        det = n1 * b2 - n2 * b1
+        a = (t1 * b2 - t2 * b1) / det if det else t1 / n1
+        b = (n1 * t2 - n2 * t1) / det if det else 0.0
+        if b < 0:  # noise: the many small calls cost as much as the few large ones
+            a, b = max(t1 / n1, t2 / n2), 0.0
+        elif a < 0:
+            a, b = 0.0, max(t1 / b1, t2 / b2)
+        return calls * a + nbytes * b
 
     def p2p(self, nbytes: float) -> float:
         pts = self.calibration["p2p"]
@@ -579,10 +622,14 @@ def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, la
     local_params = params / (c.tp * c.pp)
     dp_comm = costs.allreduce(c.dp, local_params * grad_bytes)
     if c.zero_stage == 1:
-        # ZeroRedundancyOptimizer broadcasts every parameter tensor from its owner after the step:
-        # one collective per tensor (latency each) carrying the parameters' bytes once
-        per_call = costs.allreduce(c.dp, 1.0)
-        dp_comm += tensors / (c.tp * c.pp) * per_call + costs.allreduce(c.dp, local_params * grad_bytes) / 2
+        # ZeroRedundancyOptimizer broadcasts every parameter tensor from its owner after the step,
+        # all asynchronously (the measured sync); a calibration without it: a blocking collective's
+        # latency per tensor, carrying the parameters' bytes once
+        sync = costs.zero_sync(c.dp, tensors / (c.tp * c.pp), local_params * grad_bytes)
+        if sync is None:
+            sync = (tensors / (c.tp * c.pp) * costs.allreduce(c.dp, 1.0)
+                    + costs.allreduce(c.dp, local_params * grad_bytes) / 2)
+        dp_comm += sync
     optim = costs.adam(local_params / (c.dp if c.zero_stage == 1 else 1))
     total = pipeline + dp_comm + optim
     return {"total": total, "pipeline": pipeline, "compute": n * per, "tp_comm": n * tp_comm,

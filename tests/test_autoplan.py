@@ -139,6 +139,28 @@ def test_all_reduce_is_piecewise_through_its_measured_sizes():
     assert costs.allreduce(2, mid) == pytest.approx(1e-3 + (1e-2 - 1e-3) / ((4 << 20) - (64 << 10)) * (mid - (64 << 10)))
 
 
+def test_zero1_pays_its_measured_asynchronous_sync_not_a_blocking_latency_per_tensor():
+    # two measured batches of asynchronous broadcasts: 32 x 1 KiB in 3.3 ms, 8 x 512 KiB in 4.2 ms
+    # give 0.1 ms a call and 1 ns a byte (seconds = calls * a + bytes * b through both)
+    a, b = 1e-4, 1e-9
+    sync = {2: [(32, 32 << 10, 32 * a + (32 << 10) * b), (8, 4 << 20, 8 * a + (4 << 20) * b)]}
+    costs = Costs({**_cal(), "zero_sync": sync})
+    assert costs.zero_sync(2, 50, 3e6) == pytest.approx(50 * a + 3e6 * b)
+    assert costs.zero_sync(1, 50, 3e6) == 0.0 and costs.zero_sync(4, 50, 3e6) is None
+    kw = dict(batch=8, seq=100, n_embd=10, layers=2, params=1_000_000, tensors=40)
+    plain = predict(Candidate(2, 1, 2, "1f1b", 2), costs, **kw)
+    z = predict(Candidate(2, 1, 2, "1f1b", 2, zero_stage=1), costs, **kw)
+    # the stage's 20 tensors and 500k parameters (2 MB) broadcast once, beside the gradients' all-reduce
+    assert z["dp_comm"] - plain["dp_comm"] == pytest.approx(20 * a + 2e6 * b)
+    # without the measurement (an older calibration): a blocking latency per tensor plus half an all-reduce
+    old = predict(Candidate(2, 1, 2, "1f1b", 2, zero_stage=1), Costs(_cal()), **kw)
+    base = Costs(_cal())
+    assert old["dp_comm"] - plain["dp_comm"] == pytest.approx(20 * base.allreduce(2, 1.0) + base.allreduce(2, 2e6) / 2)
+    # noise that makes the many small calls cost as much as the few large ones: a cost per call only
+    flat = Costs({**_cal(), "zero_sync": {2: [(32, 32 << 10, 8e-3), (8, 4 << 20, 1e-3)]}})
+    assert flat.zero_sync(2, 10, 1e9) == pytest.approx(10 * 8e-3 / 32)
+
+
 def test_a_probe_is_the_median_of_the_slowest_rank_per_step():
     from colossal_lab.autoparallel import merge_probe
 
@@ -275,6 +297,9 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     cal = plan.calibration
     assert set(cal["compute"]) == {1, 2} and all(v > 0 for row in cal["compute"].values() for v in row["fb"])
     assert cal["allreduce"][2][1][1] > 0 and cal["p2p"] and cal["adam_s_per_elem"] > 0
+    # ZeRO-1's parameter sync, timed as the optimizer does it (batches of asynchronous broadcasts)
+    assert [(n, b) for n, b, _ in cal["zero_sync"][2]] == [(32, 32 << 10), (8, 4 << 20)]
+    assert all(t > 0 for *_, t in cal["zero_sync"][2]) and Costs(cal).zero_sync(2, 10, 1 << 20) > 0
     assert 1 <= len(cal["probes"]) <= 7 and all(t > 0 for _, t in cal["probes"])
     assert len(cal["overheads"]) == 3 and all(x >= 0 for x in cal["overheads"])
     fits = [r for r in plan.rows if r["fits"]]
