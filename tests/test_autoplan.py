@@ -161,12 +161,26 @@ def test_zero1_pays_its_measured_asynchronous_sync_not_a_blocking_latency_per_te
     assert flat.zero_sync(2, 10, 1e9) == pytest.approx(10 * 8e-3 / 32)
 
 
-def test_a_probe_is_the_median_of_the_slowest_rank_per_step():
+def test_a_probe_is_the_fastest_step_of_the_slowest_rank_per_step():
     from colossal_lab.autoparallel import merge_probe
 
     got = merge_probe([{"peak": 10, "step_seconds": [1.0, 0.2, 0.3]},
                        {"peak": 30, "step_seconds": [0.1, 0.4, 0.35]}])
-    assert got == {"seconds": 0.4, "peak": 30}  # steps take 1.0, 0.4, 0.35: median 0.4
+    # steps take 1.0, 0.4, 0.35 (each as long as its slowest rank): the fastest 0.35, median 0.4
+    assert got == {"seconds": 0.35, "median": 0.4, "peak": 30}
+
+
+def test_the_run_off_reruns_the_leader_and_a_runner_up_inside_the_noise():
+    from colossal_lab.autoparallel import runoff_pick
+
+    fits = lambda c: c != "big"
+    # within 10%: the runner-up, then the leader, run again
+    assert runoff_pick({"a": 1.0, "b": 1.08, "c": 1.5}, fits) == ["b", "a"]
+    # 12% apart: the order is beyond a probe's noise, nothing re-runs
+    assert runoff_pick({"a": 1.0, "b": 1.12}, fits) == []
+    # only layouts that fit take part: "big" is faster but over the budget
+    assert runoff_pick({"big": 0.5, "a": 1.0, "b": 1.05}, fits) == ["b", "a"]
+    assert runoff_pick({"big": 0.5, "a": 1.0}, fits) == [] and runoff_pick({}, fits) == []
 
 
 def test_n_d_layouts_cost_their_textbook_traffic():
@@ -306,6 +320,13 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     assert plan.best is not None and plan.best == fits[0]["candidate"]
     # verified: the chosen layout ran for real, its figures are the run's (time and peak)
     ran = {Candidate(**m["candidate"]): m for m in cal["measured"]}
+    # the run-off: none, or the chosen layout and its runner-up, each keeping its faster run
+    labels = {c.label for c in ran}
+    assert cal["runoff"] == [] or (len(cal["runoff"]) == 2 and plan.best.label in cal["runoff"]
+                                   and set(cal["runoff"]) <= labels), cal["runoff"]
+    for m in ran.values():
+        again = Candidate(**m["candidate"]).label in cal["runoff"]
+        assert len(m.get("runs", [m["seconds"]])) == (2 if again else 1) and m["seconds"] == min(m.get("runs", [m["seconds"]]))
     assert plan.best in ran and fits[0]["measured_s"] == ran[plan.best]["seconds"] == fits[0]["seconds"]
     # 64 MiB is far above every plan: no run paid for the profiler, the planned peaks stand
     assert all(m["peak"] is None for m in ran.values())
