@@ -56,7 +56,8 @@ Overheads: what that leaves out (the pipeline runtime's Python per scheduled act
 dispatch per sharded layer, the step's fixed bookkeeping) is measured, not guessed: two
 layouts (:func:`choose_probes`; tensor-parallel ones only as verification picks them) are
 boosted and stepped for real (:func:`probe_step`: two steps
-under ``cl.plan.measure`` for the peak, then timed steps, the median of the slowest rank's),
+under ``cl.plan.measure`` for the peak, then timed steps; :func:`merge_probe`: each step as long
+as its slowest rank, the fastest step counts),
 and non-negative coefficients for three features (:func:`features`) are fitted to what the model did
 not explain (:func:`fit_overheads`).
 
@@ -66,7 +67,10 @@ predicted time is under the best measured time times ``1 + verify_margin`` (the 
 is of that order). Each run refits the overheads. "Could fit": its planned peak, scaled by the
 measured ÷ planned peak of its closest kin that ran (where cl.plan was off), within
 ``PLAN_TOLERANCE`` of the budget. The answer is the fastest layout that fits, measured where it
-ran (its time, and its peak ``PEAK_MARGIN`` under the budget), modelled where it did not. This
+ran (its time, and its peak ``PEAK_MARGIN`` under the budget), modelled where it did not. A
+run-off first (:func:`runoff_pick`): when the runner-up among the layouts run is measured within
+``RUNOFF`` of the fastest, both run once more and keep their faster run (runs kept back for it
+from ``max_probes``). This
 is what makes the choice hold up where the model is off (bench/autoplan.py prints both, per
 layout).
 
@@ -704,8 +708,6 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
         if measure_peak:
             step()  # training's steady state: the optimizer's state beside the activations (not in step 1)
     peak = int(max(meter.peak.values(), default=0)) if measure_peak else None
-    if measure_peak:
-        step()  # the first step after the profiler ran 10-20% slow: untimed
     times = []  # the measured step was the warm-up (a median over the steps shrugs off a slow one)
     for _ in range(steps):
         dist.barrier()  # every rank starts the step together: its time is the step's, not a wait
@@ -917,7 +919,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     ``AutoPlan.calibration`` instead. Called on every rank of an initialised process group (no
     ``cluster``), the ranks calibrate together and all return the same plan; ``reps``: timings per
     calibration probe; ``probe_steps``: timed steps of each layout run for real; ``max_probes``:
-    layouts run for real at most (the overhead probes, then verification; 0 with a reused
+    runs of layouts at most (the overhead probes, verification and the run-off; 0 with a reused
     ``calibration`` and no ``cluster``: the model alone, plus what the calibration measured);
     ``verify_margin``: a layout is verified while predicted within this fraction of the best
     measured time. ``plan_all``: plan every layout's memory (``cl.plan``, ~0.1-0.2 s each); by
@@ -1067,7 +1069,11 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         # the best layout measured so far (cl.plan's peak is an estimate: a layout a little over the
         # budget on paper may fit for real, judged by how far off the plan was for its closest kin)
         errors: List[float] = []  # |measured / predicted - 1| of each layout verification ran
-        while cluster is not None and len(measured) < max_probes:
+        def reserved() -> int:
+            """Runs kept back for the run-off the layouts measured so far would need."""
+            return len(runoff_pick({c: v["seconds"] for c, v in measured.items()}, fits))
+
+        while cluster is not None and len(measured) + reserved() < max_probes:
             over = refit()
             est = estimate(over)
             best_meas = min((est[c] for c in measured if fits(c)), default=math.inf)
@@ -1083,7 +1089,9 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
             run_probe(pick)
             errors.append(abs(measured[pick]["seconds"] / est[pick] - 1))
         # the run-off: two layouts measured within the noise of each other run once more each
+        # (inside ``max_probes``: the verification kept runs back for it)
         runoff = runoff_pick({c: v["seconds"] for c, v in measured.items()}, fits) if cluster is not None else []
+        runoff = runoff if len(measured) + len(runoff) <= max_probes else []
         for c in runoff:
             t = time.perf_counter()
             again = merge_probe(cluster.run(probe_step, model_or_config, asdict(c), batch, seq, probe_steps, False))

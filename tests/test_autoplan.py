@@ -322,6 +322,7 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     ran = {Candidate(**m["candidate"]): m for m in cal["measured"]}
     # the run-off: none, or the chosen layout and its runner-up, each keeping its faster run
     labels = {c.label for c in ran}
+    assert len(ran) + len(cal["runoff"]) <= 7  # the run-off's runs come out of max_probes
     assert cal["runoff"] == [] or (len(cal["runoff"]) == 2 and plan.best.label in cal["runoff"]
                                    and set(cal["runoff"]) <= labels), cal["runoff"]
     for m in ran.values():
