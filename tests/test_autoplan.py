@@ -221,6 +221,30 @@ def test_a_search_from_a_given_calibration_plans_every_mode_without_any_rank():
     assert two_d["parts"]["tp_comm"] > 0 and two_d["peak_bytes"] > 0
 
 
+def test_a_measured_zero1_peak_needs_more_headroom_than_others():
+    # two layouts reported run (a reused calibration): both peaked at 10 MiB, ZeRO-1 the faster.
+    # Under a 10.5 MiB budget the plain one fits (2% to spare) and ZeRO-1 does not (its peaks
+    # spread 8% between runs); at 11 MiB both fit and ZeRO-1, the faster, is chosen
+    from dataclasses import asdict
+
+    from colossal_lab.autoparallel import PEAK_MARGIN, PEAK_MARGIN_ZERO
+
+    assert (PEAK_MARGIN, PEAK_MARGIN_ZERO) == (0.02, 0.08)
+    cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
+           "allreduce": {k: [(1 << 16, 1e-4 * k), (1 << 22, 4e-3 * k)] for k in (2, 4)},
+           "p2p": [(1 << 16, 1e-4), (1 << 22, 4e-3)], "adam_s_per_elem": 1e-9}
+    plain, zero = Candidate(4, 1, 1), Candidate(4, 1, 1, zero_stage=1)
+    cal["measured"] = [{"candidate": asdict(plain), "seconds": 1e-3, "peak": 10 << 20},
+                       {"candidate": asdict(zero), "seconds": 0.5e-3, "peak": 10 << 20}]
+    # only these two: every other layout is slower on this calibration's model or left out
+    space = dict(zero_stages=(0, 1), activation_checkpointing=(False,), tp_modes=("1d",), schedules=("1f1b",))
+    tight = cl.autoplan(TINY, world_size=4, batch=8, seq=16, device_memory=int(10.5 * 2**20), calibration=cal, **space)
+    rows = {r["label"]: r for r in tight.rows}
+    assert rows[plain.label]["fits"] is True and rows[zero.label]["fits"] is False and tight.best == plain
+    roomy = cl.autoplan(TINY, world_size=4, batch=8, seq=16, device_memory=11 << 20, calibration=cal, **space)
+    assert roomy.best == zero
+
+
 def test_memory_is_planned_only_down_to_the_fastest_layout_that_fits():
     # cl.plan costs ~0.1-0.2 s a layout: by default only the layouts faster than the answer (and
     # the answer) are planned; fill_peaks() plans the rest, and plan_all=True gives the same table
