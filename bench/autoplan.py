@@ -1,7 +1,8 @@
 """``cl.autoplan`` against an exhaustive measured grid (issue #19).
 
     OMP_NUM_THREADS=1 python bench/autoplan.py [--presets tiny,small] [--world 4] [--batch 16]
-                                               [--seq 128] [--steps 4] [--budgets 48,96] [--json out.json]
+                                               [--seq 64] [--steps 6] [--rounds 2] [--budgets 48,96]
+                                               [--json out.json]
 
 One cluster of ``--world`` gloo ranks. For each model preset:
 
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout (enough to tell 10%% apart)")
     ap.add_argument("--budgets", default="", help="MiB per rank, comma-separated (default: two per model, "
                                                   "near the grid's lower and upper quartile measured peaks, halfway to the next one)")
-    ap.add_argument("--rounds", type=int, default=1,
+    ap.add_argument("--rounds", type=int, default=2,
                     help="measure the grid this many times, in alternating order; a layout's figure is its "
                          "fastest round (a shared box's slow periods outlast a layout's steps and only add "
                          "time); search / grid is taken against one round's time")
