@@ -197,7 +197,17 @@ def test_collective_timeout_is_explained(cluster):
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 
-def test_interrupt_stops_every_rank(cluster):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, as under a terminal or a Jupyter kernel. A test runner started
+    in the background (``cmd &`` in a non-interactive shell, as a CI script may) inherits SIGINT
+    ignored, and Python then installs no handler: the Ctrl-C these tests send would do nothing."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_interrupt_stops_every_rank(cluster, sigint_raises):
     cluster.push({"x": 5})
     main = threading.main_thread().ident
     timer = threading.Timer(1.5, signal.pthread_kill, args=(main, signal.SIGINT))
@@ -215,7 +225,7 @@ def test_interrupt_stops_every_rank(cluster):
     assert time.monotonic() - t1 < 10
 
 
-def test_interrupt_with_a_rank_stuck_in_a_collective(cluster):
+def test_interrupt_with_a_rank_stuck_in_a_collective(cluster, sigint_raises):
     old_pids = cluster.pids
     timer = threading.Timer(1.5, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
     t0 = time.monotonic()
