@@ -45,6 +45,12 @@ first layer's input is ready, which cuts the step into intervals. Per layer and 
   ``repeats``): wall seconds after a synchronize on CUDA, CPU seconds of the process
   (``time.process_time``, every intra-op thread) on CPU, which other work on a shared machine
   barely disturbs,
+* ``overhead_s`` what the option costs beyond that recompute, one figure per option pooled over
+  the layers: the same timed steps read the clock at the marks, so each layer's whole forward
+  plus whole backward is timed under each option; the overhead is the median over layers of that
+  time, less the same layer's time not checkpointed, less its recompute (the checkpoint wrapper,
+  its saved RNG state, the recompute's own autograd graph; a few ms a region on a small GPT on CPU,
+  where a whole block recomputes in ~43 ms),
 * ``saved``     the bytes autograd saved for the layer, counted with
   ``torch.autograd.graph.saved_tensors_hooks`` with storages deduplicated and parameters and
   buffers left out (reported, with the split into parts, to show where the memory is; the
@@ -65,8 +71,9 @@ plus ``keep`` of layers ``< u``) and ``K = tail keep + tail backward delta``:
 
 Every figure of a layer is assumed to depend on its own option only (the additivity the plan
 rests on; the tests and ``bench/activation_checkpoint.py`` check the measured peak of mixed plans
-against the budget). The predicted recompute time of a plan is the sum of its layers'
-``recompute_s``; the forward of a checkpointed layer is taken to cost what a plain one does.
+against the budget). The predicted recompute time of a plan is the sum over its checkpointed
+layers of ``recompute_s + overhead_s`` (``OptionCost.cost_s``); what checkpointing adds to the
+forward is in the overhead.
 
 **The solver** (:func:`solve`). Every constraint is ``s_u + c_u(option) <= budget``, so the prefix
 sum ``s`` is the whole state: a dynamic program over the chain (as Checkmate and rotor do for
@@ -91,6 +98,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -129,6 +137,13 @@ class OptionCost:
     bwd_peak: int
     recompute_s: float
     saved: int
+    overhead_s: float = 0.0          # the option's per-layer cost beyond the recompute (pooled over layers)
+
+    @property
+    def cost_s(self) -> float:
+        """Seconds a step spends on this option beyond the layer not checkpointed: the recompute
+        plus the option's overhead (never below zero)."""
+        return max(0.0, self.recompute_s + self.overhead_s)
 
 
 @dataclass
@@ -197,7 +212,7 @@ class CheckpointProfile:
         for u, o in enumerate(choice):
             peak = max(peak, s + self.unit_need(u, o, k, after))
             s += self.units[u].options[o].keep
-            t += self.units[u].options[o].recompute_s
+            t += self.units[u].options[o].cost_s
         return max(peak, s + self.tail_need()), t
 
     @property
@@ -211,6 +226,10 @@ class CheckpointProfile:
                  f"  prefix keeps {_fmt(self.prefix_keep)} (peak {_fmt(self.prefix_peak)}), tail keeps "
                  f"{_fmt(self.tail_keep)} (peak {_fmt(self.tail_peak)}, backward peak {_fmt(self.tail_bwd_peak)})",
                  "  " + head]
+        if self.units:
+            u0 = self.units[0].options
+            lines.append("  overhead a region beyond its recompute (ms): "
+                         + ", ".join(f"{o} {u0[o].overhead_s * 1e3:.1f}" for o in opts[1:]))
         for u in self.units:
             cells = [f"{_fmt(u.options[o].keep) + ' / ' + format(u.options[o].recompute_s * 1e3, '.1f'):>22}"
                      for o in opts]
@@ -415,6 +434,7 @@ class _Probe:
         self.stack: List[Tuple[int, Optional[str]]] = []
         self.t0: Dict[tuple, float] = {}
         self.spans: Dict[tuple, float] = {}
+        self.times: Dict[tuple, float] = {}  # label -> clock at the mark (timed steps, no meter)
         self.saved: Dict[Tuple[int, Optional[str]], Dict[int, int]] = {}
         self.skip_ptrs: set = set()
         self.tensor_hooks: List[Any] = []
@@ -461,15 +481,29 @@ class _Probe:
         self.handles.append(m.register_forward_hook(post, always_call=True))
 
     def mark(self, label) -> None:
-        if self.meter is not None:
+        if self.meter is None:
+            self.times[label] = self._now()
+        else:
             if label in self.meter.labels:
                 raise ValueError(f"plan_checkpointing: {label} seen twice in one step: a layer ran twice "
                                  "(shared layers are not a chain)")
             self.meter.mark(label)
 
+    def layer_seconds(self, n: int) -> List[float]:
+        """Per layer, the clock from the end of the previous layer's forward to the end of its own
+        plus from its output's gradient to its input's (its whole backward, recompute included);
+        read off the last timed step's marks."""
+        t = self.times
+        out = []
+        for u in range(n):
+            fwd = t[("post", u)] - t[("post", u - 1) if u else ("pre", 0)]
+            nxt = ("b", u - 1) if u > 0 else (("bin",) if ("bin",) in t else ("END",))
+            out.append(fwd + t[nxt] - t[("b", u)])
+        return out
+
     def begin(self, meter: Optional[_Meter]) -> None:
         self.meter, self.phase = meter, "fwd"
-        self.stack, self.t0, self.spans, self.saved = [], {}, {}, {}
+        self.stack, self.t0, self.spans, self.saved, self.times = [], {}, {}, {}, {}
         self.tensor_hooks = []
         self.mark(("S",))
 
@@ -591,6 +625,7 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
     fixed: Dict[str, int] = {}
     fwd_time: Dict[Tuple[int, Optional[str]], float] = {}
     saved_none: Dict[Tuple[int, Optional[str]], int] = {}
+    whole: Dict[Tuple[int, str], float] = {}  # (layer, option) -> its forward + backward seconds
     t_start = time.perf_counter()
     probe = _Probe(layers, parts, device)
     rng_devices = [device.index or 0] if device.type == "cuda" else []
@@ -606,6 +641,8 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
                 _collect(meter, probe, choice, n, got, fixed)
                 for _ in range(repeats):
                     _step(model, args, kwargs, loss_fn, probe, None)
+                    for u, sec in enumerate(probe.layer_seconds(n)):
+                        whole[(u, choice[u])] = min(whole.get((u, choice[u]), math.inf), sec)
                     for u, o in enumerate(choice):
                         if o == NONE:
                             for p in (None,) + parts:
@@ -626,6 +663,13 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
     finally:
         probe.close()
         setter([])
+    # an option's overhead: what a layer's whole forward + backward takes under it, beyond the same
+    # layer not checkpointed and beyond the recompute its hooks timed (the checkpoint's wrapper, its
+    # saved RNG state, the recompute's own autograd graph), pooled over the layers by the median
+    overhead = {NONE: 0.0}
+    for o in options[1:]:
+        overhead[o] = statistics.median(whole[(u, o)] - whole[(u, NONE)] - got[(u, o)]["recompute_s"]
+                                        for u in range(n))
     units = []
     for u, (index, name, _) in enumerate(layers):
         opts = {}
@@ -633,7 +677,7 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
             g = got[(u, o)]
             opts[o] = OptionCost(keep=g["keep"], fwd_peak=g["fwd_peak"], bwd_delta=g["bwd_delta"],
                                  bwd_peak=g["bwd_peak"], recompute_s=0.0 if o == NONE else g["recompute_s"],
-                                 saved=g["saved_parts"].get(None, 0))
+                                 saved=g["saved_parts"].get(None, 0), overhead_s=overhead[o])
         units.append(UnitProfile(name=name, index=index, options=opts, forward_s=fwd_time.get((u, None), 0.0),
                                  saved=saved_none.get((u, None), 0),
                                  parts={p: (saved_none.get((u, p), 0), fwd_time.get((u, p), 0.0)) for p in parts}))
@@ -715,7 +759,7 @@ class CheckpointPlan:
             lines.append(f"  {'layer':<14}{'recomputes':<12}{'keeps':>11}{'recompute ms':>14}")
             for u, o in zip(self.profile.units, self.choice):
                 c = u.options[o]
-                lines.append(f"  {u.name:<14}{'-' if o == NONE else o:<12}{_fmt(c.keep):>11}{c.recompute_s * 1e3:>14.2f}")
+                lines.append(f"  {u.name:<14}{'-' if o == NONE else o:<12}{_fmt(c.keep):>11}{c.cost_s * 1e3:>14.2f}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython
@@ -744,7 +788,7 @@ def _frontier_dp(prof: CheckpointProfile, budget: float, objective: str):
                 if objective == "recompute":
                     if need > budget:
                         continue
-                    v = val + c.recompute_s
+                    v = val + c.cost_s
                 else:
                     v = max(val, float(need))
                 s2 = s + c.keep
@@ -860,8 +904,9 @@ def _stage_of(model: nn.Module, default: int = 0) -> int:
 
 
 def plan_event(plan: CheckpointPlan, rank: int = 0, stage: int = 0):  # -> telemetry CheckpointPlanEvent
-    """``plan`` as a telemetry ``CheckpointPlanEvent`` (per layer: option, bytes kept and recompute
-    seconds under it, from the plan's profile; without a profile those two are left empty)."""
+    """``plan`` as a telemetry ``CheckpointPlanEvent`` (per layer: option, bytes kept and predicted
+    recompute seconds under it, overhead included (``OptionCost.cost_s``, so they sum to the plan's
+    ``predicted_recompute_s``), from the plan's profile; without a profile those two are left empty)."""
     from .telemetry.events import CheckpointPlanEvent
 
     prof = plan.profile
@@ -872,7 +917,7 @@ def plan_event(plan: CheckpointPlan, rank: int = 0, stage: int = 0):  # -> telem
         peak_none=int(plan.peak_none), peak_min=int(plan.peak_min), layers=tuple(str(e) for e in plan.layers),
         names=tuple(plan.names), options=tuple(plan.choice),
         keep=tuple(int(u.options[o].keep) for u, o in zip(units, plan.choice)) if units else (),
-        recompute_s=tuple(float(u.options[o].recompute_s) for u, o in zip(units, plan.choice)) if units else (),
+        recompute_s=tuple(float(u.options[o].cost_s) for u, o in zip(units, plan.choice)) if units else (),
         prefix_keep=int(prof.prefix_keep) if prof is not None else 0, forward_s=float(plan.forward_s),
         device=prof.device if prof is not None else "cpu")
 

@@ -38,7 +38,7 @@ __all__ = ["agreed_profile", "check_budget", "collective_groups", "in_flight", "
            "stage_budget"]
 
 _FIXED = ("prefix_keep", "prefix_peak", "prefix_bwd_peak", "tail_keep", "tail_peak", "tail_bwd_delta", "tail_bwd_peak")
-_COST = ("keep", "fwd_peak", "bwd_delta", "bwd_peak", "recompute_s", "saved")
+_COST = ("keep", "fwd_peak", "bwd_delta", "bwd_peak", "recompute_s", "saved", "overhead_s")
 
 
 def _flat(prof: CheckpointProfile) -> List[float]:
@@ -63,7 +63,8 @@ def _unflat(prof: CheckpointProfile, vals: Sequence[float]) -> CheckpointProfile
         for o in prof.options:
             c = dict(zip(_COST, (next(it) for _ in _COST)))
             opts[o] = OptionCost(keep=int(c["keep"]), fwd_peak=int(c["fwd_peak"]), bwd_delta=int(c["bwd_delta"]),
-                                 bwd_peak=int(c["bwd_peak"]), recompute_s=c["recompute_s"], saved=int(c["saved"]))
+                                 bwd_peak=int(c["bwd_peak"]), recompute_s=c["recompute_s"], saved=int(c["saved"]),
+                                 overhead_s=c["overhead_s"])
         forward_s, saved = next(it), int(next(it))
         parts = {p: (int(next(it)), next(it)) for p in prof.parts}
         units.append(UnitProfile(name=u.name, index=u.index, options=opts, forward_s=forward_s, saved=saved,

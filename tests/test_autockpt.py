@@ -86,10 +86,21 @@ def test_gpt_profile_splits_saved_bytes_into_attention_and_mlp():
         assert u.parts["mlp"][0] == 4 * B * T * (C + 4 * H)
         assert u.saved > u.parts["attn"][0] + u.parts["mlp"][0]  # the norms save too
         assert u.options["mlp"].keep < u.options["none"].keep and u.options["layer"].keep < u.options["mlp"].keep
+    # the per-option overhead is one figure pooled over the layers, measured, and not checkpointing
+    # has none
+    for o in prof.options:
+        assert len({u.options[o].overhead_s for u in prof.units}) == 1
+        assert all(u.options[o].cost_s >= 0 for u in prof.units)
+    assert prof.units[0].options["none"].overhead_s == 0.0
+    assert all(prof.units[0].options[o].overhead_s != 0.0 for o in ("layer", "attn", "mlp"))
+    assert "overhead a region" in prof.table()
 
 
 def _random_profile(rng, n, parts):
     opts = ("none", "layer") + parts
+    # an overhead per option, pooled over the layers as the profile pools it; negative ones too
+    # (a cost never goes below zero)
+    overhead = {name: 0.0 if name == "none" else rng.uniform(-0.3, 0.3) for name in opts}
     units = []
     for i in range(n):
         o = {}
@@ -97,7 +108,7 @@ def _random_profile(rng, n, parts):
             keep = rng.randint(1, 100) * 1000
             o[name] = OptionCost(keep=keep, fwd_peak=keep + rng.randint(0, 50) * 1000, bwd_delta=-keep + rng.randint(-3, 3) * 100,
                                  bwd_peak=rng.randint(0, 80) * 1000, recompute_s=0.0 if name == "none" else rng.random(),
-                                 saved=0)
+                                 saved=0, overhead_s=overhead[name])
         units.append(UnitProfile(name=str(i), index=i, options=o, forward_s=1.0, saved=0))
     return CheckpointProfile(units=units, parts=parts, prefix_keep=rng.randint(0, 20) * 1000, prefix_peak=20000,
                              prefix_bwd_peak=rng.randint(0, 20) * 1000, tail_keep=rng.randint(0, 50) * 1000,
@@ -112,6 +123,35 @@ def _brute_force(prof, budget):
         if peak <= budget and (best is None or t < best[0]):
             best = (t, choice)
     return best
+
+
+def test_an_options_overhead_can_make_one_whole_layer_cheaper_than_two_parts():
+    """Two layers; the budget forces recomputing about one layer's worth. On the recompute alone both
+    MLPs (2 x 10 ms) beat one whole layer (25 ms); at 10 ms overhead an MLP region they cost
+    2 x 20 ms, and the plan recomputes the whole layer instead."""
+    def prof(mlp_overhead):
+        units = []
+        for i in range(2):
+            # the peak is then the bytes kept: none 100 a layer, the whole layer 10, the MLP 45
+            o = {"none": OptionCost(keep=100, fwd_peak=100, bwd_delta=-100, bwd_peak=0, recompute_s=0.0, saved=0),
+                 "layer": OptionCost(keep=10, fwd_peak=10, bwd_delta=-10, bwd_peak=0, recompute_s=0.025, saved=0),
+                 "mlp": OptionCost(keep=45, fwd_peak=45, bwd_delta=-45, bwd_peak=0, recompute_s=0.010, saved=0,
+                                   overhead_s=mlp_overhead)}
+            units.append(UnitProfile(name=str(i), index=i, options=o, forward_s=0.05, saved=0))
+        return CheckpointProfile(units=units, parts=("mlp",), prefix_keep=0, prefix_peak=0, prefix_bwd_peak=0,
+                                 tail_keep=0, tail_peak=0, tail_bwd_delta=0, tail_bwd_peak=0, device="cpu",
+                                 inputs="synthetic")
+    # the budget: both MLPs (45 + 45 kept) or one whole layer and one plain (10 + 100) fit; one MLP
+    # alone (45 + 100) does not
+    p0 = prof(0.0)
+    budget = 110
+    assert p0.predict(["mlp", "mlp"])[0] == 90 and p0.predict(["layer", "none"])[0] == 110
+    assert p0.predict(["mlp", "none"])[0] > budget
+    assert solve(p0, budget, report=False).choice == ("mlp", "mlp")
+    plan = solve(prof(0.010), budget, report=False)
+    assert sorted(plan.choice) == ["layer", "none"]
+    assert plan.predicted_recompute_s == pytest.approx(0.025)
+    assert prof(-1.0).units[0].options["mlp"].cost_s == 0.0  # a cost is never negative
 
 
 def test_dynamic_program_equals_brute_force():

@@ -48,7 +48,7 @@ def _want(plan) -> dict:
                 predicted_recompute_s=plan.predicted_recompute_s, peak_none=plan.peak_none, peak_min=plan.peak_min,
                 layers=tuple(str(x) for x in plan.layers), names=tuple(u.name for u in units), options=plan.choice,
                 keep=tuple(u.options[o].keep for u, o in zip(units, plan.choice)),
-                recompute_s=tuple(u.options[o].recompute_s for u, o in zip(units, plan.choice)),
+                recompute_s=tuple(u.options[o].cost_s for u, o in zip(units, plan.choice)),
                 prefix_keep=plan.profile.prefix_keep, forward_s=plan.forward_s, device="cpu")
 
 

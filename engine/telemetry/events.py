@@ -121,7 +121,8 @@ class CheckpointPlanEvent:
     reaches), ``prefix_keep`` (what the layers before the chain, e.g. the embedding, keep).
     Per layer of the chain, in order (equal lengths): ``names`` (``"blocks.3"``), ``options``
     (``"none"``, ``"layer"`` or a part such as ``"attn"`` / ``"mlp"``), ``keep`` (bytes it keeps for
-    backward under its option), ``recompute_s`` (its predicted recompute seconds). ``layers`` is
+    backward under its option), ``recompute_s`` (its predicted recompute seconds, the option's overhead
+    included: they sum to ``predicted_recompute_s``). ``layers`` is
     what ``enable_activation_checkpointing(layers=...)`` got, as strings (``"0"``, ``"3.mlp"``).
     ``device`` is where it was profiled (``"cpu"``, ``"cuda:0"``)."""
 
