@@ -1,7 +1,7 @@
 """Activation checkpointing within a budget: the planned plan against every uniform policy.
 
     python bench/activation_checkpoint.py [--preset small] [--n-layer 8] [--batch 8] [--seq 256]
-                                          [--budgets 9] [--rounds 5] [--h2h 16] [--json out.jsonl]
+                                          [--budgets 9] [--rounds 5] [--h2h 32] [--json out.jsonl]
 
 One process, one GPT (``GPTConfig.preset(preset, n_layer=...)``, CPU), one fixed batch. Contenders:
 
@@ -32,7 +32,8 @@ recomputes the fewest blocks (the blocks are identical, so fewer is faster; amon
 faster in the rounds), alternated step by step in random order, ``N`` timed steps each, and each
 side's least CPU time counts (``ratio_h2h``; a plan equal to its rival is 1.0). A control duel of
 two uniform policies doing the same work (the first pair recomputing as many blocks: k=4 and k=5)
-shows what the duel resolves (``h2h_control``).
+shows what the duel resolves (``h2h_control``). With ``--rounds 7 --h2h 32`` the small GPT's run
+takes ~35 minutes on a 2-core CPU; measured figures are in docs/activation_checkpointing.md.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile-repeats", type=int, default=2)
-    ap.add_argument("--h2h", type=int, default=16,
+    ap.add_argument("--h2h", type=int, default=32,
                     help="head-to-head: timed steps each of ours and its rival per budget (0: none)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--json", default=None, help="also write the JSON lines here")
