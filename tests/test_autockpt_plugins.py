@@ -280,7 +280,9 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     user = _user_model()
     user_ref = crit(user(_data(1)[0]["idx"]), _data(1)[0]).item()
     low_budget = 2 * min_peak(p0)[0] - 2  # stage 0's half just below its lowest peak; stage 1's whole is not
-    assert min_peak(_stage_profile(1, m))[0] <= low_budget
+    p1 = _stage_profile(1, m)
+    assert min_peak(p1)[0] <= low_budget
+    assert (p0.stage, p1.stage) == (0, 1)  # a GPT.pipeline_stage copy profiled outside the plugin knows its stage
     r0, r1 = run_distributed(_pp_worker, 2, budget, m, user_budget, low_budget, timeout=300)
     assert r1[0] == pytest.approx(ref, abs=1e-5) and r0[0] == [None] * 3  # the loss lives on the last stage
     for stage, (_, layers, got, peak, measured, _, _, planned_stage) in enumerate((r0, r1)):

@@ -60,6 +60,8 @@ def test_pipeline_stages_compose_to_the_full_model():
     names = set(m.state_dict())
     assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == names
     assert "tok_emb.weight" in stages[0].state_dict() and "lm_head.weight" in stages[1].state_dict()
+    # each copy knows its stage (a checkpoint plan made on it reports that stage)
+    assert [s.stage_index for s in stages] == [0, 1] and not hasattr(m, "stage_index")
 
 
 def test_split_error_names_valid_choices():

@@ -493,6 +493,7 @@ class GPT(nn.Module):
         if stage != num_stages - 1:
             m.norm = None
             m.lm_head = None
+        m.stage_index = stage  # as torch's PipelineStage names it: a checkpoint plan's event reports this stage
         return m
 
     @torch.no_grad()
