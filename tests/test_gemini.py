@@ -222,6 +222,8 @@ _CHILD = textwrap.dedent("""
     print(gm.manager.nvme.dir, len(os.listdir(gm.manager.nvme.dir)), flush=True)
     if sys.argv[2] == "term":
         time.sleep(60)
+    else:
+        sys.stdin.readline()      # exit only once the parent has seen the files: no race with its check
 """)
 
 
@@ -229,7 +231,8 @@ def test_offload_files_removed_at_exit_and_on_sigterm(tmp_path):
     """Two real processes that never call close(): one exits normally, one gets SIGTERM."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = {how: subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / how), how],
-                                   stdout=subprocess.PIPE, text=True, env=env) for how in ("exit", "term")}
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for how in ("exit", "term")}
     for how, p in procs.items():
         line = p.stdout.readline().split()
         assert line, f"{how}: child printed nothing"
@@ -237,7 +240,10 @@ def test_offload_files_removed_at_exit_and_on_sigterm(tmp_path):
         assert nfiles > 0 and os.path.isdir(d)
         if how == "term":
             p.send_signal(signal.SIGTERM)
+        else:
+            p.stdin.write("go\n"); p.stdin.flush()
         p.wait(timeout=60)
+        assert p.returncode == 0 if how == "exit" else p.returncode != 0, (how, p.returncode)
         assert not os.path.exists(d), how
 
 
