@@ -25,7 +25,13 @@ What it is built on, and why:
   of the gradients produced so far, with and without activation checkpointing (``torch.utils.
   checkpoint`` runs under the fake mode too). It works for any model whose forward runs on fake
   tensors; a pipeline stage is simulated on its own part (``pipeline_stage``), a tensor-parallel
-  rank on parameters of its shard's shape (the model's ``tp_plan()``).
+  rank on parameters of its shard's shape (the model's ``tp_plan()``). A 2D / 2.5D / 3D rank runs
+  the grid-form layers themselves (``engine/tp_nd``: SUMMA, Tesseract, 3D) on its parameter blocks
+  and its rows, their broadcasts, reduces and gathers on torch's ``fake`` process group
+  (``torch.testing._internal.distributed.fake_pg``: collectives that move nothing), so the blocks
+  a rank receives and the logits it gathers are in the trace. One process holds one default group,
+  so this needs a process without one (the notebook, a planner); on a rank of a running job the
+  layout is planned as 1D over the grid's hidden cut instead, an upper bound that says so.
 * **Each plugin's own allocations are read off its code** and laid over that trace: DDP's gradient
   buckets (views or copies), ``ZeroRedundancyOptimizer``'s greedy partition, FSDP2's padded shards
   and unsharded groups, Gemini's chunks packed and placed by the engine's own functions
@@ -306,6 +312,8 @@ class _Trace:
     order: List[str] = field(default_factory=list)   # parameter names in order of first use
     calls: List[List[str]] = field(default_factory=list)  # the parameters of each module call, in order
     error: Optional[str] = None
+    param_bytes: Optional[Dict[str, int]] = None  # N-d traces: this rank's parameter blocks, by name
+    buffer_bytes: int = 0
 
     def saved_ahead(self) -> List[int]:
         """For every op, the most saved bytes from there to the end of the step."""
@@ -541,15 +549,17 @@ class _Model:
         b = micro or self.batch
         if dtype is not None and all(p.dtype == dtype for _, p in self.params if p.is_floating_point()):
             dtype = None  # casting to the dtype the parameters have changes nothing: share the trace
-        key = (ac, autocast, dtype, b, stage, tp[0] if tp else 1)
+        nd = tp[1] if tp and isinstance(tp[1], _NdKey) else None
+        key = (ac, autocast, dtype, b, stage, tp[0] if tp else 1, nd.mode if nd else "1d", nd.depth if nd else 1)
         if key in self._traces:
             return self._traces[key]
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode(allow_non_fake_inputs=False)
-        shapes = _tp_shapes(self.meta, tp[0], tp[1].plan) if tp else None
+        shapes = _tp_shapes(self.meta, tp[0], tp[1].plan) if tp and nd is None else None
         part = self.meta
-        first, last, make = True, True, self.token_inputs(b)
+        # N-d: this rank's piece of the (micro)batch, cut over the stream layout's batch axes
+        first, last, make = True, True, self.token_inputs(b // nd.batch_shards if nd else b)
         if stage is not None:
             s, n = stage
             from colossal_lab.engine.pipeline.stage import split_stage
@@ -562,22 +572,58 @@ class _Model:
                 dev = self.device
                 make = lambda: (torch.empty(shape, dtype=dt, device=dev),)
         fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=shapes)
+        world, gloo = contextlib.nullcontext(), contextlib.nullcontext()
+        if nd is not None:
+            # the real N-d modules (SUMMA / Tesseract / 3D) on this rank's blocks, their collectives on
+            # a fake process group: the blocks they receive and the buffers they gather are traced too
+            world = _fake_world(nd.tp_size)
+            world.__enter__()
+            try:
+                from colossal_lab.engine.tp_nd import Grid, convert, resolve_plan
+
+                grid = Grid(nd.mode, dict(nd.sizes), [list(range(nd.tp_size))], 0)
+                with mode:
+                    convert(fake, grid, resolve_plan(fake, nd.plan))
+            except BaseException:
+                world.__exit__(None, None, None)
+                raise
         if ac:
             _enable_ac(fake)
         elif getattr(getattr(fake, "cfg", None), "activation_checkpointing", False):
             fake.cfg.activation_checkpointing = False  # the copy's own config: the user's is untouched
         fake.train()
         loss_fn = self.loss_fn
-        if loss_fn is None and not first and self.vocab is not None:
+        if nd is not None and last:
+            # the plugin's step with a criterion for whole logits: the vocab pieces gathered
+            # (``gather_vocab``), the targets this rank's rows (the logits' own batch cut)
+            from colossal_lab.engine.tp_nd import gather_vocab
+
+            user_loss, dev = self.loss_fn, self.device
+
+            def loss_fn(out, inputs):
+                y = gather_vocab(_first_tensor(out))
+                if user_loss is not None:
+                    return user_loss(y, inputs)
+                tgt = torch.zeros(y.shape[:-1], dtype=torch.long, device=dev)
+                return torch.nn.functional.cross_entropy(y.flatten(0, -2).float(), tgt.flatten())
+        elif loss_fn is None and not first and self.vocab is not None:
             dev, n = self.device, b * self.seq  # a later stage's loss still compares against token ids
 
             def loss_fn(out, inputs):
                 y = _first_tensor(out)
                 return torch.nn.functional.cross_entropy(y.flatten(0, 1).float(),
                                                          torch.zeros(n, dtype=torch.long, device=dev))
+        if nd is not None and self.device == "cpu":
+            from colossal_lab.engine.tp_nd import counter
+
+            gloo = counter.simulate_gloo()  # CPU ranks talk gloo, which copies a reduce-scatter's input
         try:
-            tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
-                           last=last, input_grad=not first)
+            with gloo:
+                tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
+                               last=last, input_grad=not first)
+            if nd is not None:
+                tr.param_bytes = {n: _nbytes(p) for n, p in _unique_params(fake)}
+                tr.buffer_bytes = sum(_nbytes(t) for t in fake.buffers())
         except Exception as exc:
             if not shapes:
                 raise
@@ -585,6 +631,8 @@ class _Model:
             tr = self.trace(ac=ac, autocast=autocast, dtype=dtype, micro=micro, stage=stage)
             tr = _Trace(**{**tr.__dict__, "error": f"tensor parallel: the forward failed on shard shapes "
                                                     f"({type(exc).__name__}); activations traced unsharded"})
+        finally:
+            world.__exit__(None, None, None)
         self._traces[key] = tr
         return tr
 
@@ -1181,7 +1229,21 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
     low = autocast_dtype(precision) if precision != "fp32" else None
     tp_arg = None
     notes: List[str] = []
-    if tp > 1:
+    nd_mode = getattr(plugin, "tp_mode", "1d")
+    if tp > 1 and nd_mode != "1d":
+        from colossal_lab.engine.tp_nd import apply as nd_apply
+
+        nd_plan = nd_apply.resolve_plan(m.meta, plugin.tp_plan)  # ValueError naming what has no role
+        nd_apply.check(m.meta, nd_plan, nd_mode, plugin.tp_grid, tp)  # blocks that do not cut evenly
+        if callable(getattr(m.meta, "check_tp", None)):
+            m.meta.check_tp(plugin.tp_grid["y" if nd_mode == "3d" else "row"])  # heads over the hidden cut
+        key_nd = _NdKey(nd_mode, plugin.tp_grid, plugin.tp_depth, plugin.tp_plan)
+        if b % (mb_n * key_nd.batch_shards):
+            raise ValueError(f"cl.plan(batch={b}): HybridParallelPlugin(tp_mode={nd_mode!r}) cuts each batch into "
+                             f"{key_nd.batch_shards} row pieces, then {mb_n} microbatches; pass a batch that is a "
+                             f"multiple of {key_nd.batch_shards * mb_n}")
+        tp_arg = (tp, key_nd)
+    elif tp > 1:
         tplan = plugin.tp_plan if plugin.tp_plan is not None else (
             m.meta.tp_plan(sequence_parallel=plugin.sequence_parallel) if callable(getattr(m.meta, "tp_plan", None)) else None)
         if tplan is None:
@@ -1204,7 +1266,7 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
             key = (sid, n_stages) if n_stages > 1 else None
             tr = m.trace(ac=ac, autocast=low, micro=micro, stage=key, tp=tp_arg)
             traces.append((sid, tr))
-            part = _stage_params(m, key, tp_arg)
+            part = (dict(tr.param_bytes), tr.buffer_bytes) if tr.param_bytes is not None else _stage_params(m, key, tp_arg)
             params.update(part[0])
             bufs += part[1]
             summ = _acts_summary(m, ac, autocast=low, micro=micro, stage=key, tp=tp_arg)
@@ -1248,7 +1310,7 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
         ranks = [d * pp * tp + s * tp + t for d in range(dp) for t in range(tp)]
         role = f"stage {s}" + (f" (stages {stage_ids})" if len(stage_ids) > 1 else "") if pp > 1 else ""
         if tp > 1:
-            role = (role + " · " if role else "") + f"tp shard 1/{tp}"
+            role = (role + " · " if role else "") + f"tp shard 1/{tp}" + (f" ({nd_mode})" if nd_mode != "1d" else "")
         groups.append(RankPlan(ranks, role, {dev: _tier(dev, cap, cats, phase)}))
         if dp > 1:
             traffic["allreduce"] = max(traffic.get("allreduce", 0), int(2 * (dp - 1) / dp * G))
@@ -1261,7 +1323,10 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
                 if sid < n_stages - 1:
                     p2p += 2 * mb_n * _meta_bytes(tr.out_meta)
             traffic["p2p"] = max(traffic.get("p2p", 0), p2p)
-    if tp > 1:
+    if tp > 1 and nd_mode != "1d":
+        notes.append(f"tensor parallel {nd_mode}: each rank's layers traced in their grid form on its blocks and rows, "
+                     "collectives on a fake process group (what they receive and gather is counted)")
+    elif tp > 1:
         tr0 = m.trace(ac=ac, autocast=low, micro=micro, stage=(0, n_stages) if n_stages > 1 else None, tp=tp_arg)
         notes.append("tensor parallel: parameters of the plan's Linear/Embedding layers at their shard's shape; "
                      "the all-reduce of row-parallel outputs is not in the trace")
@@ -1269,7 +1334,52 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
             notes.append(tr0.error)
     layout = {"dp": dp, "tp": tp, "pp": pp, "microbatches": mb_n, "microbatch": micro, "pp_style": plugin.pp_style,
               "zero_stage": plugin.zero_stage}
+    if tp > 1 and nd_mode != "1d":
+        layout.update(tp_mode=nd_mode, tp_grid=dict(plugin.tp_grid))
     return _Result(groups, traffic, worst_act, layout, notes)
+
+
+class _NdKey:
+    """An N-d tensor-parallel layout (``tp_mode`` 2d/2.5d/3d) in a trace's key: the mode, the grid's
+    axis sizes, and the plugin's 1D ``tp_plan`` override (the model's ``tp_nd_plan()`` first)."""
+
+    def __init__(self, mode: str, sizes: Dict[str, int], depth: int, plan: Optional[dict]):
+        from colossal_lab.engine.tp_nd.grid import layouts
+
+        self.mode, self.sizes, self.depth, self.plan = mode, tuple(sorted(sizes.items())), depth, plan
+        self.tp_size = math.prod(sizes.values())
+        self.batch_shards = math.prod(sizes[a] for a in layouts(mode)[0].batch)
+
+    def __hash__(self):
+        return hash((self.mode, self.sizes))
+
+    def __eq__(self, other):
+        return isinstance(other, _NdKey) and (self.mode, self.sizes) == (other.mode, other.sizes)
+
+
+@contextlib.contextmanager
+def _fake_world(size: int):
+    """A default process group of ``size`` ranks that never communicates (torch's ``fake`` backend,
+    ``torch.testing._internal.distributed.fake_pg``): this process plays rank 0 of an N-d grid while
+    the fake tensors run its layers. Only where no process group exists (the notebook, a planner):
+    one process can hold one default group."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise _NoFakeWorld("torch.distributed is not available")
+    if dist.is_initialized():
+        raise _NoFakeWorld("a process group exists in this process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _NoFakeWorld(RuntimeError):
+    pass
 
 
 class _PlanKey:
@@ -1292,6 +1402,9 @@ def _meta_bytes(meta) -> int:
 
 def _stage_params(m: _Model, stage, tp_arg) -> Tuple[Dict[str, int], int]:
     """``({name: bytes}, buffer bytes)`` of one pipeline stage's part on one tensor-parallel rank."""
+    if tp_arg and isinstance(tp_arg[1], _NdKey):  # the converted modules' own blocks
+        tr = m.trace(ac=False, stage=stage, tp=tp_arg)
+        return dict(tr.param_bytes), tr.buffer_bytes
     part = m.meta
     if stage is not None:
         from colossal_lab.engine.pipeline.stage import split_stage
@@ -1402,7 +1515,11 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
     if ac and not m.supports_ac():
         raise ValueError(f"cl.plan(activation_checkpointing=True): {m.name} has no enable_activation_checkpointing() "
                          "and is not an nn.Sequential; pass activation_checkpointing=False")
-    res = _compose(m, plugin, env, prec, optimizer, ac)
+    try:
+        res = _compose(m, plugin, env, prec, optimizer, ac)
+    except _NoFakeWorld as why:
+        res = _nd_as_1d(model_or_config, plugin, world_size, batch, seq, env, prec, optimizer, ac, inputs, loss_fn,
+                        str(why))
     if m.traced_elsewhere:
         res.notes.append(f"traced with CPU kernels (this torch has no CUDA): activations on {env.device} may "
                          "differ where its kernels save other tensors (e.g. flash attention)")
@@ -1413,6 +1530,29 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
         fp.blocked = res.layout["refused"]
     fp.advice = _advice(fp, m, plugin, env, prec, optimizer, ac) if _search is None else []
     return fp
+
+
+def _nd_as_1d(model_or_config, plugin, world_size, batch, seq, env, prec, opt, ac, inputs, loss_fn, why) -> _Result:
+    """An N-d layout where no fake process group can be made (this process already has a group):
+    the rank planned as 1D over the grid's hidden cut ``q`` on its ``1/nb`` of the rows, an upper
+    bound (N-d holds ``1/tp`` of the linears' parameters, 1D over q ``1/q``; and N-d cuts the stream
+    between blocks ``q`` ways, 1D keeps it whole)."""
+    import dataclasses
+
+    from colossal_lab.engine.tp_nd.grid import layouts
+
+    sizes = plugin.tp_grid
+    q = sizes["y" if plugin.tp_mode == "3d" else "row"]
+    nb = math.prod(sizes[a] for a in layouts(plugin.tp_mode)[0].batch)
+    as_1d = copy.copy(plugin)
+    as_1d.tp_size, as_1d.tp_mode, as_1d.tp_depth, as_1d.tp_grid = q, "1d", 1, {"tp": q}
+    m = _Model(model_or_config, inputs, loss_fn, max(1, batch // nb), seq, env.device)
+    env1 = dataclasses.replace(env, world=max(1, world_size // nb))
+    res = _compose(m, as_1d, env1, prec, opt, ac)
+    res.notes.append(f"tensor parallel {plugin.tp_mode}: planned as 1D over q={q} on 1/{nb} of the rows, an upper "
+                     f"bound ({why}; call cl.plan where no process group exists for the N-d trace)")
+    res.layout.update(tp=plugin.tp_size, tp_mode=plugin.tp_mode, tp_grid=dict(sizes))
+    return res
 
 
 def _worst_over(fp: FitPlan, tier: str) -> int:
