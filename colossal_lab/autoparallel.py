@@ -13,8 +13,8 @@ with two model chunks; GPipe is left out: same time as 1F1B, more memory), micro
 checkpointing off/on, and the tensor-parallel mode: 1D (Megatron), and 2D, 2.5D (every depth)
 and 3D for a model with the contract's ``tp_nd_plan()``, where ``tp`` forms the mode's grid, the
 heads split over its hidden cut and each microbatch's rows over its batch cut. An N-d layout's
-memory is ``cl.plan``'s for 1D over the hidden cut ``q`` on the rank's share of the rows (an
-upper bound: more parameters and activations per rank than N-d holds), its traffic ``tp_nd.volume.textbook``'s (:func:`nd_traffic`).
+memory is ``cl.plan``'s (which traces the grid-form layers on a fake process group), its traffic
+``tp_nd.volume.textbook``'s (:func:`nd_traffic`).
 
 Memory: each candidate's per-rank peak comes from ``cl.plan`` (fake tensors, nothing allocated),
 and is never less than the whole model's bytes, which every rank holds once after building it
@@ -965,17 +965,9 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         if c in peaks:
             return peaks[c]
         t0 = time.perf_counter()
-        if c.tp_mode == "1d":
-            fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
-                          device_memory=device_memory, host_memory=host_memory, _search=shared)
-        else:
-            # cl.plan has no N-d model: plan the rank as 1D over the hidden cut q on its 1/nb of the
-            # rows, an upper bound (N-d holds 1/tp of the parameters, 1D over q 1/q; and N-d keeps
-            # the activations between blocks cut q ways too, 1D whole)
-            q, nb = _cuts(c.tp_mode, c.tp, c.tp_depth)
-            as_1d = replace(c, tp=q, tp_mode="1d", tp_depth=1)
-            fp = fit_plan(model_or_config, as_1d.plugin(), world_size=world_size // nb, batch=batch // c.dp // nb,
-                          seq=seq, device_memory=device_memory, host_memory=host_memory, _search=shared)
+        # N-d layouts too: cl.plan traces a rank's grid-form layers on a fake process group
+        fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
+                      device_memory=device_memory, host_memory=host_memory, _search=shared)
         tier = fp.tiers[0]
         # splitting a pipeline stage copies that stage while the built model is still alive
         peak = max(fp.peak(tier), built + (built // c.pp if c.pp > 1 else 0))
