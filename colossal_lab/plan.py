@@ -571,22 +571,25 @@ class _Model:
                 shape, dt = prev.out_meta
                 dev = self.device
                 make = lambda: (torch.empty(shape, dtype=dt, device=dev),)
+        with contextlib.ExitStack() as scope:  # the fake process group (N-d) ends with the trace, however it ends
+            tr = self._trace_on(scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b)
+        self._traces[key] = tr
+        return tr
+
+    def _trace_on(self, scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b) -> _Trace:
+        """:meth:`trace`'s fake step on ``part`` (the whole model or a stage); an N-d layout's fake
+        process group is entered on ``scope``, so it ends with the trace however the trace ends."""
         fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=shapes)
-        world, gloo = contextlib.nullcontext(), contextlib.nullcontext()
+        gloo = contextlib.nullcontext()
         if nd is not None:
             # the real N-d modules (SUMMA / Tesseract / 3D) on this rank's blocks, their collectives on
             # a fake process group: the blocks they receive and the buffers they gather are traced too
-            world = _fake_world(nd.tp_size)
-            world.__enter__()
-            try:
-                from colossal_lab.engine.tp_nd import Grid, convert, resolve_plan
+            from colossal_lab.engine.tp_nd import Grid, convert, resolve_plan
 
-                grid = Grid(nd.mode, dict(nd.sizes), [list(range(nd.tp_size))], 0)
-                with mode:
-                    convert(fake, grid, resolve_plan(fake, nd.plan))
-            except BaseException:
-                world.__exit__(None, None, None)
-                raise
+            scope.enter_context(_fake_world(nd.tp_size))
+            grid = Grid(nd.mode, dict(nd.sizes), [list(range(nd.tp_size))], 0)
+            with mode:
+                convert(fake, grid, resolve_plan(fake, nd.plan))
         if ac:
             _enable_ac(fake)
         elif getattr(getattr(fake, "cfg", None), "activation_checkpointing", False):
@@ -631,9 +634,6 @@ class _Model:
             tr = self.trace(ac=ac, autocast=autocast, dtype=dtype, micro=micro, stage=stage)
             tr = _Trace(**{**tr.__dict__, "error": f"tensor parallel: the forward failed on shard shapes "
                                                     f"({type(exc).__name__}); activations traced unsharded"})
-        finally:
-            world.__exit__(None, None, None)
-        self._traces[key] = tr
         return tr
 
 

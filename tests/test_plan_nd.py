@@ -109,3 +109,17 @@ def test_nd_bad_batch_names_it_and_the_multiple():
         cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=4),
                 world_size=8, batch=4, seq=SEQ)
     assert not dist.is_initialized()
+
+
+def test_a_failing_trace_leaves_no_process_group_behind():
+    """The fake group is made for the trace and gone after it, also when the user's loss raises."""
+    def bad_loss(out, inputs):
+        raise ZeroDivisionError("the user's loss")
+
+    with pytest.raises(ZeroDivisionError, match="the user's loss"):
+        cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=4,
+                seq=SEQ, loss_fn=bad_loss)
+    assert not dist.is_initialized()
+    # and the next plan makes its own again
+    fp = cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=4, seq=SEQ)
+    assert fp.layout["tp_mode"] == "2d" and not dist.is_initialized()
