@@ -189,7 +189,7 @@ def test_interrupted_swap_is_recovered(tmp_path):
 
 
 _KILLED_SAVER = textwrap.dedent("""
-    import sys, time, torch
+    import os, sys, time, torch
     import colossal_lab.engine.checkpoint_io.safetensors_shards as shards
     from colossal_lab.engine.checkpoint_io import GeneralCheckpointIO
     real = shards.save_file
@@ -198,7 +198,9 @@ _KILLED_SAVER = textwrap.dedent("""
         real(tensors, filename, metadata=metadata)
         n[0] += 1
         if n[0] == 2:  # two shards of the new checkpoint are on disk: tell the parent, then stall
-            open(sys.argv[2], "w").write(filename)
+            with open(sys.argv[2] + ".tmp", "w") as f:
+                f.write(filename)
+            os.replace(sys.argv[2] + ".tmp", sys.argv[2])  # the marker appears with its content
             time.sleep(60)
     shards.save_file = slow_save
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])

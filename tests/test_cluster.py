@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("psutil")
 pytest.importorskip("ipyparallel")
 
+import contextlib
 import os
 import signal
 import threading
@@ -73,21 +74,32 @@ def rank1_process_dies():
     dist.all_reduce(torch.ones(1))
 
 
-def rank0_in_collective_rank1_sleeps():
+def _started(folder):
+    """Tell the test this rank is in its call: a file named after the rank in ``folder``."""
+    import os
+
+    import torch.distributed as dist
+
+    open(os.path.join(folder, f"rank{dist.get_rank()}"), "w").close()
+
+
+def rank0_in_collective_rank1_sleeps(started):
     import time
 
     import torch
     import torch.distributed as dist
 
+    _started(started)
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))  # never completes: rank 1 is asleep
     else:
         time.sleep(60)
 
 
-def sleep_long(seconds):
+def sleep_long(seconds, started):
     import time
 
+    _started(started)
     time.sleep(seconds)
     return "slept"
 
@@ -197,6 +209,31 @@ def test_collective_timeout_is_explained(cluster):
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 
+@contextlib.contextmanager
+def _interrupt_when_started(started):
+    """Send this process's main thread SIGINT (Ctrl-C) once both ranks have said they are in their
+    call (``_started``), not after a fixed delay that a slow start of the ranks would outrun.
+    Yields {"interrupt_at": monotonic time of the SIGINT}."""
+    main, timing, done = threading.main_thread().ident, {}, threading.Event()
+
+    def watch():
+        end = time.monotonic() + 60
+        while time.monotonic() < end and not done.is_set():
+            if len(os.listdir(started)) == 2:
+                timing["interrupt_at"] = time.monotonic()
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield timing
+    finally:
+        done.set()
+        watcher.join()
+
+
 @pytest.fixture
 def sigint_raises():
     """SIGINT raises KeyboardInterrupt, as under a terminal or a Jupyter kernel. A test runner started
@@ -207,34 +244,24 @@ def sigint_raises():
     signal.signal(signal.SIGINT, old)
 
 
-def test_interrupt_stops_every_rank(cluster, sigint_raises):
+def test_interrupt_stops_every_rank(cluster, sigint_raises, tmp_path):
     cluster.push({"x": 5})
-    main = threading.main_thread().ident
-    timer = threading.Timer(1.5, signal.pthread_kill, args=(main, signal.SIGINT))
-    t0 = time.monotonic()
-    timer.start()
-    try:
+    with _interrupt_when_started(tmp_path) as timing:
         with pytest.raises(KeyboardInterrupt, match="interrupted on ranks \\[0, 1\\]"):
-            cluster.run(sleep_long, 60)
-    finally:
-        timer.cancel()
-    assert time.monotonic() - t0 < 10
+            cluster.run(sleep_long, 60, str(tmp_path))
+    assert time.monotonic() - timing["interrupt_at"] < 8.5  # answered: no 60 s sleep, no restart
     t1 = time.monotonic()
     assert cluster.pull("x") == [5, 5]  # same processes, nothing queued behind a sleep
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
     assert time.monotonic() - t1 < 10
 
 
-def test_interrupt_with_a_rank_stuck_in_a_collective(cluster, sigint_raises):
+def test_interrupt_with_a_rank_stuck_in_a_collective(cluster, sigint_raises, tmp_path):
     old_pids = cluster.pids
-    timer = threading.Timer(1.5, signal.pthread_kill, args=(threading.main_thread().ident, signal.SIGINT))
     t0 = time.monotonic()
-    timer.start()
-    try:
+    with _interrupt_when_started(tmp_path):
         with pytest.raises(KeyboardInterrupt, match=r"Ranks \[0\] did not respond .* restarted"):
-            cluster.run(rank0_in_collective_rank1_sleeps)
-    finally:
-        timer.cancel()
+            cluster.run(rank0_in_collective_rank1_sleeps, str(tmp_path))
     assert time.monotonic() - t0 < cluster.config.timeout  # recovered long before the timeout
     assert set(cluster.pids).isdisjoint(old_pids)
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]

@@ -32,24 +32,35 @@ class _Absent:
 sys.meta_path.insert(0, _Absent())
 """ % (ABSENT,)
 
+STALL = """import sys, time
+class _Stall:
+    def find_spec(self, name, path=None, target=None):
+        if name == "colossal_lab.engine.quant" and sys.argv[1:3] == ["--scenario", %r]:
+            time.sleep(600)  # the scenario is in its work (torch loaded) and stays there until killed
+sys.meta_path.insert(0, _Stall())
+"""
+
 SUBSET = ["pytest-collect", "fc-ddp-fp32", "fc-zero2-bf16", "gemini-cuda", "gemini-auto-nvme",
           "int8-generate", "readme-snippet", "bench-engine", "pytest-cuda-paths"]
 
 
-def _env(tmp_path, blocked=True):
+def _env(tmp_path, blocked=True, stall=None):
+    """``blocked``: a bare GPU image (BLOCKER); ``stall``: the scenario whose process hangs (STALL)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable)
-    if blocked:
-        site = tmp_path / "bare_image"
+    code = (BLOCKER if blocked else "") + (STALL % stall if stall else "")
+    if code:
+        site = tmp_path / "site"
         site.mkdir(exist_ok=True)
-        (site / "sitecustomize.py").write_text(BLOCKER)
+        (site / "sitecustomize.py").write_text(code)
         env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
 
-def _check(tmp_path, *args, blocked=True, timeout=600):
+def _check(tmp_path, *args, blocked=True, stall=None, timeout=600):
     out = tmp_path / "gpu-check.json"
     r = subprocess.run([BASH, str(ROOT / "scripts" / "gpu-check.sh"), "--cpu", "--json", str(out), *args],
-                       cwd=ROOT, env=_env(tmp_path, blocked), capture_output=True, text=True, timeout=timeout)
+                       cwd=ROOT, env=_env(tmp_path, blocked, stall), capture_output=True, text=True,
+                       timeout=timeout)
     return r, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -108,10 +119,11 @@ def test_cpu_run_of_a_subset_on_a_bare_image(tmp_path):
 
 
 def test_time_limits_a_scenario_past_its_limit_errors_and_a_spent_budget_skips_the_rest(tmp_path):
-    # int8-generate (run first: the runner's order) needs far more than 3 s; after it, less than
-    # the 5 s a scenario needs is left of the 7 s budget
+    # int8-generate (run first: the runner's order) is held in its work past the 3 s limit (STALL:
+    # its real run, ~5 s on a 2-core box, could end inside the limit on a faster machine);
+    # after it, less than the 5 s a scenario needs is left of the 7 s budget
     r, report = _check(tmp_path, "--only", "readme-snippet,int8-generate", "--timeout", "3", "--budget", "7",
-                       blocked=False)
+                       blocked=False, stall="int8-generate")
     assert r.returncode == 1, r.stdout + r.stderr
     rows = {s["name"]: s for s in report["scenarios"]}
     assert rows["int8-generate"]["status"] == "error" and rows["int8-generate"]["figure"] == "timed out after 3 s"

@@ -38,11 +38,14 @@ def _thread_names():
     return sorted(t.name for t in threading.enumerate())
 
 
-def _train_ddp(seconds):
-    """Plain DDP training for ``seconds``: no sampler, no telemetry code."""
+def _train_ddp(stop, max_seconds):
+    """Plain DDP training until the test creates the file ``stop`` (or ``max_seconds``): no
+    sampler, no telemetry code. The ranks agree on the step they stop at."""
+    import os
     import time
 
     import torch
+    import torch.distributed as dist
 
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import DDPPlugin
@@ -52,8 +55,8 @@ def _train_ddp(seconds):
     booster = Booster(plugin=DDPPlugin())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt, *_ = booster.boost(model, opt)
-    steps, t_end = 0, time.monotonic() + seconds
-    while time.monotonic() < t_end:
+    steps, t_end = 0, time.monotonic() + max_seconds
+    while True:
         x = torch.randn(32, 64)
         loss = model(x).pow(2).mean()
         booster.backward(loss, opt)
@@ -61,7 +64,10 @@ def _train_ddp(seconds):
         opt.zero_grad()
         steps += 1
         time.sleep(0.05)
-    return steps
+        done = torch.tensor([float(os.path.exists(stop) or time.monotonic() > t_end)])
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+        if done.item():
+            return steps
 
 
 def _nvme_store_for(seconds, nbytes):
@@ -159,6 +165,18 @@ def _run_in_thread(cluster, fn, *args):
     return th, done, out
 
 
+def _all_received(relay):
+    """Flush every rank's queue and wait until this process has received all the ranks sent;
+    returns the ranks' stats. (The receiver counts a message just before it re-emits its
+    events: only the last one, the flush of what a rank emitted after its call's last
+    0.2 s, may still be on its way to the collector.)"""
+    stats = relay.rank_stats()
+    deadline = time.time() + 30
+    while time.time() < deadline and relay.received < sum(s["sent"] for s in stats):
+        time.sleep(0.05)
+    return stats
+
+
 @pytest.fixture(scope="module")
 def cluster():
     c = cl.launch(n=2, backend="gloo", threads=1)
@@ -172,7 +190,7 @@ def _samplers(cluster):
     return [names.count(SAMPLER) for names in cluster.run(_thread_names)]
 
 
-def test_ddp_training_fills_the_gauges_of_both_ranks_without_sampler_code(cluster):
+def test_ddp_training_fills_the_gauges_of_both_ranks_without_sampler_code(cluster, tmp_path):
     col = _Collector()
     gauges = MemoryGauges(live=False)
     relay = relay_mod.attach(cluster, memory_interval=0.3)
@@ -182,13 +200,16 @@ def test_ddp_training_fills_the_gauges_of_both_ranks_without_sampler_code(cluste
         assert relay_mod.attach(cluster, memory_interval=0.3) is relay
         assert _samplers(cluster) == [1, 1]
         col.running.set()
-        th, done, out = _run_in_thread(cluster, _train_ddp, 4.0)
+        stop = tmp_path / "stop"  # training goes on until the samples are here: no race with them
+        th, done, out = _run_in_thread(cluster, _train_ddp, str(stop), 90.0)
         deadline = time.time() + 60
         while time.time() < deadline and not done.is_set():
             if all(len(col.of(r, "cpu", during_only=True)) >= 3 for r in (0, 1)):
                 break
             time.sleep(0.05)
-        arrived_while_training = not done.is_set()
+        arrived_while_training = not done.is_set() and all(
+            len(col.of(r, "cpu", during_only=True)) >= 3 for r in (0, 1))
+        stop.touch()
         th.join(timeout=120)
         col.running.clear()
         assert "error" not in out, out.get("error")
@@ -228,6 +249,7 @@ def test_a_gemini_nvme_store_shows_an_nvme_tier_while_it_is_open(cluster):
         col.running.set()
         res = cluster.run(_nvme_store_for, 2.0, 3 * MIB)
         col.running.clear()
+        _all_received(relay)
         for r, (nbytes, during, after, closed_at) in enumerate(res):
             assert during and not after, (r, during, after)  # registered by the store, unregistered at close
             nv = col.of(r, "nvme")
@@ -247,11 +269,12 @@ def test_tiers_gemini_reports_are_left_to_it(cluster):
     col = _Collector()
     relay = relay_mod.attach(cluster, memory_interval=0.2)
     try:
-        time.sleep(1.0)  # the sampler reports RSS before Gemini starts
+        # the sampler reports RSS before Gemini starts: here, before the ranks are even asked to
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(col.of(r, "cpu") for r in (0, 1)):
+            time.sleep(0.05)
         res = cluster.run(_train_gemini, 6, 0.3)
-        relay.rank_stats()
-        time.sleep(0.5)
-        stats = relay.rank_stats()
+        stats = _all_received(relay)
         for r, (t_start, t_end) in enumerate(res):
             cpu = col.of(r, "cpu")
             sampled = [e for e in cpu if e.peak > 0]  # the sampler's: a peak RSS is always > 0

@@ -153,7 +153,9 @@ def test_measure_samples_nvme_files_of_this_process(tmp_path):
     with measure(nvme_dir=str(tmp_path), interval=0.001) as m:
         (d / "c0.state").write_bytes(b"x" * 300_000)
         import time
-        time.sleep(0.05)
+        deadline = time.time() + 10  # until the sampler thread has seen the file, however late it runs
+        while time.time() < deadline and m._nvme_peak < 300_000:
+            time.sleep(0.01)
         os.remove(d / "c0.state")
         (d / "c1.state").write_bytes(b"x" * 1000)
     assert m.peak["nvme"] == 300_000

@@ -25,7 +25,9 @@ from colossal_lab.widgets import Dashboard
 QUIET = {"memory_interval": None}
 
 
-def _emit_then_sleep(n_events, sleep_s):
+def _emit_then_wait(n_events, go, max_s):
+    """Emit, then stay in the call until the test creates the file ``go`` (at most ``max_s``)."""
+    import os
     import time
 
     import torch.distributed as dist
@@ -37,7 +39,9 @@ def _emit_then_sleep(n_events, sleep_s):
         T.emit(T.StepMetrics(rank=r, step=i, loss=float(i + r), tokens=100, seconds=0.01))
     T.emit(T.ChunkEvent(rank=r, step=0, chunk_id=0, tier="cpu" if r == 0 else "nvme",
                         state="hold", nbytes=1024, params=(f"rank{r}.w",)))
-    time.sleep(sleep_s)
+    end = time.monotonic() + max_s
+    while not os.path.exists(go) and time.monotonic() < end:
+        time.sleep(0.02)
     return r
 
 
@@ -62,7 +66,7 @@ def cluster():
         c.stop()
 
 
-def test_events_from_both_ranks_arrive_while_run_is_running(cluster):
+def test_events_from_both_ranks_arrive_while_run_is_running(cluster, tmp_path):
     got, lock = [], threading.Lock()
 
     def sink(e):
@@ -76,9 +80,10 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster):
         assert relay_mod.attach(cluster, **QUIET) is relay  # idempotent per cluster
         done = threading.Event()
         results = {}
+        go = tmp_path / "go"  # the ranks stay in the call until this exists: no race with our checks
 
         def run():
-            results["ranks"] = cluster.run(_emit_then_sleep, 20, 6.0)
+            results["ranks"] = cluster.run(_emit_then_wait, 20, str(go), 60.0)
             done.set()
 
         th = threading.Thread(target=run)
@@ -94,6 +99,7 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster):
         arrived_before_return = not done.is_set()
         with lock:
             snapshot = list(got)
+        go.touch()
         assert arrived_before_return, "events only arrived after cluster.run returned"
         assert {(e.rank, e.step) for e in snapshot if isinstance(e, T.StepMetrics)} == \
             {(r, i) for r in (0, 1) for i in range(20)}
@@ -178,6 +184,11 @@ def _emit_chunk_moves(steps, chunks, seed):
     return n, placement, {s: full.move_count(s) for s in range(steps + 1)}, list(full.moved_at(steps - 1))
 
 
+def _count(got, lock):
+    with lock:
+        return len(got)
+
+
 def _kernel_picture(events, steps):
     from colossal_lab.widgets.state import ChunkState, MemoryState, MetricsState, reduce_all
 
@@ -202,8 +213,9 @@ def test_coalesced_relay_draws_what_each_rank_emitted_with_far_fewer_events(clus
         n_emitted = [n for n, *_ in results]
         assert [s["sent"] for s in stats] == n_emitted and [s["dropped"] for s in stats] == [0, 0]
         assert all(s["rows"] * 3 < s["sent"] for s in stats), stats  # folded, not one row per event
+        # the receiver counts a message before it re-emits its events: wait for the events
         deadline = time.time() + 10
-        while time.time() < deadline and relay.received < sum(n_emitted):
+        while time.time() < deadline and _count(got, lock) < sum(s["rows"] for s in stats):
             time.sleep(0.05)
         assert relay.received == sum(n_emitted) and relay.rows == sum(s["rows"] for s in stats)
         with lock:
@@ -240,7 +252,7 @@ def test_without_coalescing_every_event_arrives_as_emitted(cluster):
         stats = relay.rank_stats()
         assert [s["rows"] for s in stats] == [s["sent"] for s in stats] == [n for n, *_ in results]
         deadline = time.time() + 10
-        while time.time() < deadline and relay.rows < sum(s["sent"] for s in stats):
+        while time.time() < deadline and _count(got, lock) < sum(s["sent"] for s in stats):
             time.sleep(0.05)
         with lock:
             events = list(got)
@@ -266,7 +278,7 @@ def test_kernel_does_not_decode_while_nobody_here_listens(cluster):
     try:
         results = cluster.run(_emit_chunk_moves, 2, 3, 2)
         n = sum(r[0] for r in results)
-        relay.rank_stats()
+        rows_before = sum(s["rows"] for s in relay.rank_stats())
         deadline = time.time() + 10
         while time.time() < deadline and relay.received < n:
             time.sleep(0.05)
@@ -275,9 +287,9 @@ def test_kernel_does_not_decode_while_nobody_here_listens(cluster):
         unsub = T.subscribe(got.append)
         try:
             results = cluster.run(_emit_chunk_moves, 2, 3, 3)
-            relay.rank_stats()
-            deadline = time.time() + 10
-            while time.time() < deadline and not got:
+            rows = sum(s["rows"] for s in relay.rank_stats()) - rows_before
+            deadline = time.time() + 10  # every row re-emitted here, not just the first one
+            while time.time() < deadline and len(got) < rows:
                 time.sleep(0.05)
             assert got and relay.rows == len(got)
         finally:
@@ -313,7 +325,7 @@ def test_events_the_receiver_re_emits_are_not_sent_again_from_the_same_process()
         for i in range(50):
             T.emit(T.StepMetrics(rank=0, step=i, loss=1.0, tokens=1, seconds=0.1))
         deadline = time.time() + 10
-        while time.time() < deadline and relay.received < 50:
+        while time.time() < deadline and (relay.received < 50 or len(got) < 100):  # 50 emitted + 50 relayed
             time.sleep(0.02)
         time.sleep(0.3)  # a loop would keep re-sending what arrived
         (stats,) = relay.rank_stats()
@@ -331,6 +343,7 @@ def _emit_steadily(seconds, every):
 
     from colossal_lab.engine import telemetry as T
 
+    dist.barrier()  # both ranks emit over the same seconds (a late start would leave drains with one rank)
     r, i, t_end = dist.get_rank(), 0, time.monotonic() + seconds
     while time.monotonic() < t_end:
         T.emit(T.StepMetrics(rank=r, step=i, loss=1.0, tokens=1, seconds=every))

@@ -263,10 +263,8 @@ def test_live_subscription_redraws_throttled_and_never_blocks_the_emitter():
         for i in range(n):
             T.emit(T.ChunkEvent(i % 2, i // 60, i % 60, ("cpu", "nvme")[i % 2], "hold", 1000, ()))
         emit_s = time.perf_counter() - t0
-        deadline = time.time() + 10
-        while time.time() < deadline and len(cm.chunks.chunks) < 60:
-            time.sleep(0.05)
-        time.sleep(0.5)
+        # the redraw thread took every event, folded it and redrew (it counts a tick's events last)
+        assert _wait_for(lambda: cm._throttle.events >= n)
         assert len(_chunk_points(cm.figure)) == 60  # the redraw thread drew the latest state
         # coalesced: thousands of events, a handful of redraws at <= 5 Hz
         assert cm._throttle.calls <= 2 + 5 * (time.perf_counter() - t0)
@@ -324,10 +322,15 @@ def test_memory_sampler_measures_real_host_and_nvme_dir(tmp_path):
     with pytest.raises(FileNotFoundError, match="nvme_dir"):
         sample_memory(0, nvme_dir=str(tmp_path / "missing"))
     got = []
+
+    def two_of_each():  # the sampler thread appends to ``got`` while this reads it
+        tiers = [e.tier for e in list(got) if isinstance(e, T.MemorySample)]
+        return tiers.count("nvme") >= 2 and tiers.count("cpu") >= 2
+
     unsub = T.subscribe(got.append)
     try:
         with MemorySampler(MemorySamplerConfig(rank=1, interval=0.05, nvme_dir=str(tmp_path), cuda=False)):
-            time.sleep(0.3)
+            assert _wait_for(two_of_each)
     finally:
         unsub()
     tiers = [e.tier for e in got if isinstance(e, T.MemorySample)]
@@ -405,6 +408,8 @@ def test_dashboard_one_thread_serves_all_four_views_and_coalesces():
         emitter = threading.Thread(target=emit_all)
         emitter.start()
         emitter.join()
+        # the thread counts a tick's events after it folded and redrew every view
+        assert _wait_for(lambda: th.events >= 40 * (1 + 8 + len(_pipeline_spans()) + 1))
         assert _wait_for(lambda: d.metrics.loss_curve()[0][-1:] == [40]
                          and d.chunk_map.chunks.last_step() == 40
                          and d.timeline.timeline.steps[-1:] == [40]
