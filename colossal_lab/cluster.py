@@ -449,8 +449,7 @@ class Cluster:
             while time.monotonic() < end and any(not a.ready() for a in ars.values()):
                 time.sleep(0.05)
         busy = [r for r, a in ars.items() if not a.ready()]
-        dead = [r for r, a in ars.items() if a.ready() and not a.successful()
-                and getattr(_exception(a), "ename", "") == "EngineError"]
+        dead = self._dead(ars)
         if not busy and not dead:
             if reason == "failure" and self._any_timeout(ars):
                 self._init_dist()
@@ -464,6 +463,9 @@ class Cluster:
             end = time.monotonic() + self.config.interrupt_grace
             while time.monotonic() < end and any(not ars[r].ready() for r in busy):
                 time.sleep(0.05)
+            # a rank taken for busy may have been dead all along: ipyparallel can report an engine's
+            # death later than failure_grace, and rebuilding the group on a dead engine fails
+            dead = self._dead(ars)
         stuck = [r for r in busy if not ars[r].ready()]
         # victims: ranks we are about to kill; an interrupted rank that raised is still shown
         collateral = set(stuck)
@@ -479,6 +481,12 @@ class Cluster:
         self._init_dist()
         return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
                 f"bound to the old one, e.g. DDP models or device meshes)."), set()
+
+    @staticmethod
+    def _dead(ars: Dict[int, Any]) -> List[int]:
+        """Ranks whose engine process died during the call (ipyparallel's ``EngineError``)."""
+        return [r for r, a in ars.items() if a.ready() and not a.successful()
+                and getattr(_exception(a), "ename", "") == "EngineError"]
 
     def _any_timeout(self, ars: Dict[int, Any]) -> bool:
         for a in ars.values():
