@@ -11,7 +11,7 @@ One process, one GPT (``GPTConfig.preset(preset, n_layer=...)``, CPU), one fixed
   evenly from the measured peak of checkpointing every block to that of checkpointing none.
 
 A step is one forward + loss + backward with the parameters' gradients already allocated (as after
-a first step); its peak is ``colossal_lab.plan.measure`` (the profiler's allocator events: bytes
+a first step); its peak is ``colossal_lab.engine.planner.memory.measure`` (the profiler's allocator events: bytes
 allocated by the step and live, above what was live before it). Tokens/s: every distinct set of
 checkpointed blocks is timed in ``--rounds`` interleaved rounds (order shuffled per round, one
 untimed step before each timed one) and the median counts; a plan equal to a uniform policy's set
@@ -54,7 +54,7 @@ if ROOT not in sys.path:
 
 from colossal_lab.engine.autockpt import NONE, min_peak, profile_checkpointing, solve  # noqa: E402
 from colossal_lab.engine.models import GPT, GPTConfig  # noqa: E402
-from colossal_lab.plan import measure  # noqa: E402
+from colossal_lab.engine.planner import measure  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -52,10 +52,10 @@ def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from colossal_lab.autoparallel import Candidate
+    from colossal_lab.engine.planner.layout import Candidate
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT, GPTConfig
-    from colossal_lab.plan import measure
+    from colossal_lab.engine.planner import measure
 
     c = Candidate(**cand)
     cfg = GPTConfig.preset(preset)
@@ -123,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import colossal_lab as cl
-    from colossal_lab.autoparallel import candidates
+    from colossal_lab.engine.planner.layout import candidates
     from colossal_lab.engine.models import GPTConfig
 
     out_lines = []

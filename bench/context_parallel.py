@@ -7,7 +7,7 @@ Ulysses at cp=2 and cp=4.
 One GPT training step (forward + backward of the loss over a batch of ``--batch`` sequences) per
 point, on gloo ranks (CPU). cp=1 is the plain model (attention through ``kernels.flash_attention``,
 SDPA's fused CPU flash kernel here); cp>1 is the same model after ``apply_context_parallel`` fed
-``shard_batch``'s shards. Each rank measures itself with ``colossal_lab.plan.measure``: the peak of
+``shard_batch``'s shards. Each rank measures itself with ``colossal_lab.engine.planner.memory.measure``: the peak of
 live tensor bytes held through PyTorch's CPU allocator during the step, every thread included
 (c10's process-wide allocation counter read from ``torch.profiler``'s memory events; gloo's
 buffers count), from a baseline taken just before the step (by default the second step at each
@@ -60,7 +60,7 @@ def _worker(rank, world, port, args, modes, q):
     try:
         from colossal_lab.engine import context_parallel as cp
         from colossal_lab.engine.models import GPT, GPTConfig
-        from colossal_lab.plan import measure
+        from colossal_lab.engine.planner import measure
 
         cfg = GPTConfig(vocab_size=args.vocab, block_size=max(args.seqs), n_layer=args.layers,
                         n_head=args.heads, n_embd=args.embd)

@@ -6,7 +6,7 @@
 Two real gloo ranks train a GPT ``--steps`` steps (AdamW) under each plugin in turn — DDP, ZeRO-1,
 ZeRO-2, Gemini ``cpu``, Gemini ``auto`` + NVMe (a RAM budget below the model, every optimizer
 state on disk), hybrid tp=2, hybrid pp=2 (1F1B) — in one run. Each rank measures itself with
-``colossal_lab.plan.measure`` from before the model is built: the peak of live tensor bytes its
+``colossal_lab.engine.planner.memory.measure`` from before the model is built: the peak of live tensor bytes its
 CPU allocator holds after ``boost`` (profiler allocation events, not RSS) and the most bytes its
 NVMe directory held (files, sampled every 2 ms). The parent predicts the same runs with
 ``cl.plan`` (on fake tensors: nothing allocated) and prints a table — predicted, measured, error
@@ -79,7 +79,7 @@ def measure_case(rank: int, name: str, cfg, batch: int, seq: int, steps: int, nv
     after boost (everything allocated since the model was built still counts as live)."""
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT
-    from colossal_lab.plan import measure
+    from colossal_lab.engine.planner import measure
 
     kind, _, mp_ = CASES[name]
     g = torch.Generator().manual_seed(rank)

@@ -30,7 +30,7 @@ Measured per rank, on one step after a warm-up step (which allocates the gradien
 * **activations**: bytes of the tensors autograd saves for backward (``saved_tensors_hooks``,
   storages counted once, parameters excluded, gathered weight blocks included), i.e. what a rank
   holds between forward and backward; and **step peak**: the peak of live CPU tensor bytes during
-  forward + backward above what was live before (``colossal_lab.plan.measure``: the profiler's
+  forward + backward above what was live before (``colossal_lab.engine.planner.memory.measure``: the profiler's
   allocator events, every thread), which adds temporaries and communication buffers.
 * tokens/s: the median of ``--steps`` plain steps (no counting modes), printed, not a target (two
   shared cores here).
@@ -106,7 +106,7 @@ def _worker(rank, world, port, args, q):
         from colossal_lab.engine.models import GPT, GPTConfig
         from colossal_lab.engine.plugins import HybridParallelPlugin
         from colossal_lab.engine.tp_nd import COUNTER, CrossEntropy, count_dtensor
-        from colossal_lab.plan import measure
+        from colossal_lab.engine.planner import measure
 
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         n_embd=args.embd)

@@ -13,21 +13,31 @@ from .launch import launch  # noqa: E402
 
 
 def __getattr__(name: str):
-    """``cl.plan`` / ``cl.FitPlan``, loaded on first use (the planner imports torch; importing the
-    package must not). ``colossal_lab.plan`` is a callable module: ``cl.plan(...)`` runs the planner
-    and ``cl.plan.measure`` is its meter, however it was imported first."""
-    if name in ("plan", "FitPlan"):
-        import importlib
+    """``cl.plan``, ``cl.autoplan``, ``cl.autoshard`` and their result types, loaded on first use
+    (the planners live in the engine, ``colossal_lab.engine.planner``, and import torch; importing
+    this package must not)."""
+    if name in ("plan", "FitPlan", "autoplan", "AutoPlan", "autoshard", "ShardPlan"):
+        from .engine import planner
 
-        mod = importlib.import_module(f"{__name__}.plan")
-        return mod if name == "plan" else mod.FitPlan
-    if name == "autoshard":  # a callable module, as plan is: cl.autoshard(model, inputs, tp_size)
-        return __import__(f"{__name__}.autoshard", fromlist=["autoshard"])
-    if name in ("autoplan", "AutoPlan"):
-        from . import autoparallel as mod
-
-        return getattr(mod, name)
+        return getattr(planner, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _launch_for_planner(n: int):
+    """What the engine's planners call when a search needs ranks and was given none."""
+    return launch(n=n, threads=1)
+
+
+def _register_launcher() -> None:
+    # the engine cannot import the front, so the front hands it a launcher (without importing torch)
+    try:
+        from .engine.planner import runner
+    except ImportError:  # a torch below the engine's floor: the planners cannot run anyway
+        return
+    runner.set_launcher(_launch_for_planner)
+
+
+_register_launcher()
 
 
 def load_ipython_extension(ipython) -> None:

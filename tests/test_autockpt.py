@@ -14,7 +14,7 @@ from colossal_lab.engine import autockpt
 from colossal_lab.engine.autockpt import (CheckpointProfile, OptionCost, UnitProfile, apply, min_peak,
                                           plan_checkpointing, profile_checkpointing, solve)
 from colossal_lab.engine.models import GPT, GPTConfig
-from colossal_lab.plan import measure
+from colossal_lab.engine.planner import measure
 
 
 class Res(nn.Module):

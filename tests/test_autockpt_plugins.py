@@ -84,7 +84,7 @@ def _inner_gpt(model):
 # ---- tensor parallelism: one plan over the ranks --------------------------------------------------
 def _measured_step(step):
     """The peak one more step allocates, its gradients already there (as after a first step)."""
-    from colossal_lab.plan import measure
+    from colossal_lab.engine.planner import measure
 
     step()
     with measure() as meter:
@@ -203,7 +203,7 @@ def _user_model():
 def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
-    from colossal_lab.plan import measure
+    from colossal_lab.engine.planner import measure
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -10,7 +10,7 @@ pytest.importorskip("ipyparallel")
 import torch
 
 import colossal_lab as cl
-from colossal_lab.autoparallel import (Candidate, Costs, candidates, choose_probes, features, fit_overheads,
+from colossal_lab.engine.planner.layout import (Candidate, Costs, candidates, choose_probes, features, fit_overheads,
                                        merge_calibrations, predict)
 from colossal_lab.engine.models import GPTConfig
 
@@ -162,7 +162,7 @@ def test_zero1_pays_its_measured_asynchronous_sync_not_a_blocking_latency_per_te
 
 
 def test_a_probe_is_the_fastest_step_of_the_slowest_rank_per_step():
-    from colossal_lab.autoparallel import merge_probe
+    from colossal_lab.engine.planner.layout import merge_probe
 
     got = merge_probe([{"peak": 10, "step_seconds": [1.0, 0.2, 0.3]},
                        {"peak": 30, "step_seconds": [0.1, 0.4, 0.35]}])
@@ -171,7 +171,7 @@ def test_a_probe_is_the_fastest_step_of_the_slowest_rank_per_step():
 
 
 def test_the_run_off_reruns_the_leader_and_a_runner_up_inside_the_noise():
-    from colossal_lab.autoparallel import runoff_pick
+    from colossal_lab.engine.planner.layout import runoff_pick
 
     fits = lambda c: c != "big"
     # within 10%: the runner-up, then the leader, run again
@@ -184,9 +184,9 @@ def test_the_run_off_reruns_the_leader_and_a_runner_up_inside_the_noise():
 
 
 def test_n_d_layouts_cost_their_textbook_traffic():
-    from colossal_lab.autoparallel import nd_traffic
+    from colossal_lab.engine.planner.layout import nd_traffic
     from colossal_lab.engine.tp_nd.volume import textbook
-    from colossal_lab.plan import _meta_model
+    from colossal_lab.engine.planner.memory import _meta_model
 
     meta, _ = _meta_model(FOUR)
     two = Candidate(1, 4, 1, tp_mode="2d")
@@ -227,7 +227,7 @@ def test_a_measured_zero1_peak_needs_more_headroom_than_others():
     # spread 8% between runs); at 11 MiB both fit and ZeRO-1, the faster, is chosen
     from dataclasses import asdict
 
-    from colossal_lab.autoparallel import PEAK_MARGIN, PEAK_MARGIN_ZERO
+    from colossal_lab.engine.planner.layout import PEAK_MARGIN, PEAK_MARGIN_ZERO
 
     assert (PEAK_MARGIN, PEAK_MARGIN_ZERO) == (0.02, 0.08)
     cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
@@ -307,7 +307,7 @@ def _train_one_step(kw, batch, seq):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from colossal_lab.autoparallel import Candidate
+    from colossal_lab.engine.planner.layout import Candidate
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT, GPTConfig
 

@@ -60,14 +60,14 @@ def crit(out, batch):
 
 @pytest.fixture(scope="module")
 def gpt_plan():
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     return autoshard(_gpt(), (_gpt_batch()["idx"],), 2, costs=ShardCosts(**CHEAP))
 
 
 @pytest.fixture(scope="module")
 def mlp_plans():
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     free = autoshard(_mlp(), (_mlp_data()[0]["idx"],), 2, costs=ShardCosts())
     out = {}
@@ -83,7 +83,7 @@ def _megatron(plan):
 
 def test_tight_budget_gives_megatron_pairs(gpt_plan):
     import colossal_lab as cl
-    from colossal_lab.autoshard import ShardCosts
+    from colossal_lab.engine.planner.shard import ShardCosts
 
     least = gpt_plan.frontier[0][0]
     tight = cl.autoshard(_gpt(), None, 2, costs=ShardCosts(**CHEAP), device_memory=least, graph=gpt_plan.graph)
@@ -104,7 +104,7 @@ def test_tight_budget_gives_megatron_pairs(gpt_plan):
 
 
 def test_huge_budget_and_slow_collectives_replicate(gpt_plan):
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     plan = autoshard(_gpt(), None, 2, costs=ShardCosts(**SLOW), device_memory=1 << 40, graph=gpt_plan.graph)
     assert set(plan.strategies.values()) == {"replicated"}, plan
@@ -120,7 +120,7 @@ def test_huge_budget_and_slow_collectives_replicate(gpt_plan):
 
 
 def test_two_d_only_where_it_applies(gpt_plan):
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     # tp=2 is no 2D grid: 1D only, and 2D-only is refused
     assert "2d" not in autoshard(_gpt(), None, 2, costs=ShardCosts(), graph=gpt_plan.graph,
@@ -130,7 +130,7 @@ def test_two_d_only_where_it_applies(gpt_plan):
 
 
 def test_bad_input_errors_before_work():
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     class DataDependent(nn.Module):
         def __init__(self):
@@ -200,7 +200,7 @@ def _boosted(make, plan, loss_fn):
 
 
 def _ranks(rank, world, mlp_plans, gpt_plan):
-    from colossal_lab.autoshard import calibrate
+    from colossal_lab.engine.planner.shard import calibrate
 
     out = {"costs": calibrate(sizes=(16 << 10, 256 << 10), reps=2)}
     for key, plan in mlp_plans.items():
@@ -233,7 +233,7 @@ def _reference(make, loss_fn, batches):
 
 
 def test_plans_train_like_one_process_and_memory_matches(mlp_plans, gpt_plan):
-    from colossal_lab.autoshard import ShardCosts, autoshard
+    from colossal_lab.engine.planner.shard import ShardCosts, autoshard
 
     tight_gpt = autoshard(_gpt(), None, 2, costs=ShardCosts(**CHEAP), device_memory=gpt_plan.frontier[0][0],
                           graph=gpt_plan.graph)
@@ -257,8 +257,8 @@ def test_autoplans_calibration_prices_the_strategies_as_the_layout_search_does(g
     # the stretch asks for "the same cost model": an AutoPlan.calibration (what cl.autoplan measured
     # on the ranks) is read as the solver's costs: the matmul rate from the model's measured
     # forward+backward, the all-reduce from its curve, an all-gather as half an all-reduce's bytes
-    from colossal_lab.autoparallel import Costs
-    from colossal_lab.autoshard import CalibratedCosts, autoshard
+    from colossal_lab.engine.planner.layout import Costs
+    from colossal_lab.engine.planner.shard import CalibratedCosts, autoshard
 
     def cal(ar_scale):
         return {"compute": {1: {"tokens": [64, 256], "f": [0.001, 0.004], "fb": [0.003, 0.012]}},

@@ -3,7 +3,7 @@
 The measured check: two real gloo processes train the ``small`` GPT three AdamW steps under DDP,
 ZeRO-1, ZeRO-2, Gemini ``cpu``, Gemini ``auto`` + NVMe (RAM budget below the model, all optimizer
 state on disk), hybrid tp=2 and hybrid pp=2, one after another in one spawn (CI has 2 cores). Each
-rank measures itself with ``colossal_lab.plan.measure`` (live CPU tensor bytes from the profiler's
+rank measures itself with ``colossal_lab.engine.planner.memory.measure`` (live CPU tensor bytes from the profiler's
 allocation events with c10's all-thread counter; NVMe directory bytes sampled) and the parent checks
 ``cl.plan``'s prediction of every rank and tier is within 10%. The meter itself is checked on
 allocations whose sizes we know, including a free on another thread.
@@ -23,7 +23,7 @@ from _dist import run_distributed
 import colossal_lab as cl
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
-from colossal_lab.plan import FitPlan, _fmt, measure
+from colossal_lab.engine.planner.memory import FitPlan, _fmt, measure
 
 MIB = 1 << 20
 BATCH, SEQ, STEPS, WORLD = 2, 64, 3, 2

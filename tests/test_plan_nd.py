@@ -34,7 +34,7 @@ def _train(rank, world, names):
     import gc
 
     from colossal_lab.engine import Booster
-    from colossal_lab.plan import measure
+    from colossal_lab.engine.planner import measure
 
     out = {}
     for name in names:

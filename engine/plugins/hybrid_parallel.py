@@ -396,9 +396,8 @@ class HybridParallelPlugin(Plugin):
         """The layout ``cl.autoplan`` chooses for this model on ``world_size`` ranks (default: the
         running process group's), as a plugin; its table is ``plugin.autoplan``. Call it on every rank
         (the ranks calibrate together) or in the notebook with ``cluster=``. Arguments:
-        docs/autoplan.md. (The search lives beside ``cl.plan`` in ``colossal_lab.autoparallel``,
-        imported here on use: it measures, and the engine does not depend on it.)"""
-        from colossal_lab.autoparallel import autoplan
+        docs/autoplan.md. (The search is ``planner/layout.py``, imported here on use.)"""
+        from ..planner.layout import autoplan
 
         world_size = world_size if world_size is not None else _world_size()
         if world_size is None:

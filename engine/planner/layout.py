@@ -1,4 +1,4 @@
-"""``cl.autoplan`` (this module: ``colossal_lab.autoparallel``): search the parallel layout, with a cost model calibrated on this machine.
+"""``cl.autoplan`` (this module: ``colossal_lab.engine.planner.layout``): search the parallel layout, with a cost model calibrated on this machine.
 
     best = cl.autoplan(GPTConfig.preset("small"), world_size=4, batch=16, seq=256,
                        device_memory=512 << 20, cluster=cluster)
@@ -78,7 +78,7 @@ layout).
 Built on: ``cl.plan`` (memory), torch.distributed collectives (calibration), the model contract
 (``tp_plan``, ``check_tp``, ``num_layers``). Written by hand: the enumeration, the calibration
 probes and the step-time model. The layout is per model, as torchtitan plans it; Colossal-AI's
-per-operator strategies on a torch.fx graph are ``cl.autoshard`` (``colossal_lab.autoshard``),
+per-operator strategies on a torch.fx graph are ``cl.autoshard`` (``colossal_lab.engine.planner.shard``),
 whose ``tp_plan()`` a layout's ``HybridParallelPlugin(tp_plan=...)`` takes.
 """
 
@@ -161,7 +161,7 @@ class Candidate:
         return kw
 
     def plugin(self):
-        from colossal_lab.engine.plugins import HybridParallelPlugin
+        from ..plugins import HybridParallelPlugin
 
         return HybridParallelPlugin(**self.plugin_kwargs())
 
@@ -171,7 +171,7 @@ class Candidate:
 
 def _model_facts(model_or_config) -> Tuple[Any, int]:
     """(a meta-device model, its number of pipeline units)."""
-    from colossal_lab.plan import _meta_model
+    from .memory import _meta_model
 
     meta, _ = _meta_model(model_or_config)
     n = meta.num_layers() if callable(getattr(meta, "num_layers", None)) else len(meta)
@@ -195,7 +195,7 @@ def _tp_ok(meta, tp: int) -> bool:
 def _tp_modes_supported() -> Tuple[str, ...]:
     import inspect
 
-    from colossal_lab.engine.plugins import HybridParallelPlugin
+    from ..plugins import HybridParallelPlugin
 
     return ("1d", "2d", "2.5d", "3d") if "tp_mode" in inspect.signature(HybridParallelPlugin).parameters else ("1d",)
 
@@ -211,7 +211,7 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
     ``tp_modes`` (default: every mode the plugin offers and the model has a plan for: 1D always,
     2D/2.5D/3D with the contract's ``tp_nd_plan()``) where ``tp`` factors into the mode's grid,
     its heads split over the grid's hidden cut and each microbatch's rows over its batch cut."""
-    from colossal_lab.engine.pipeline.schedules import validate_schedule
+    from ..pipeline.schedules import validate_schedule
 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"autoplan(world_size={world_size!r}): must be an int >= 1")
@@ -262,7 +262,7 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
 def _grids(tp: int, modes: Sequence[str]) -> Iterable[Tuple[str, int]]:
     """``(mode, depth)`` for each mode that ``tp`` ranks can form (2.5D: every depth d > 1 with
     ``tp = q² d``, q > 1; 1D only at tp = 1)."""
-    from colossal_lab.engine.tp_nd.grid import factor
+    from ..tp_nd.grid import factor
 
     for mode in modes:
         if mode == "1d":
@@ -283,7 +283,7 @@ def _cuts(mode: str, tp: int, depth: int = 1) -> Tuple[int, int]:
     """``(q, nb)``: the grid's hidden cut and batch cut (``q · nb = tp``); 1D: ``(tp, 1)``."""
     if mode == "1d":
         return tp, 1
-    from colossal_lab.engine.tp_nd.grid import factor
+    from ..tp_nd.grid import factor
 
     sizes = factor(mode, tp, depth)
     q = sizes["y"] if mode == "3d" else sizes["row"]
@@ -586,7 +586,7 @@ def nd_traffic(meta, c: Candidate, batch: int, seq: int) -> Tuple[float, float]:
     gathers/scatters. ``(0, 0)`` for 1D."""
     if c.tp_mode == "1d" or c.tp == 1:
         return 0.0, 0.0
-    from colossal_lab.engine.tp_nd.volume import textbook
+    from ..tp_nd.volume import textbook
 
     m = c.num_microbatches if c.pp > 1 else 1
     tokens = batch // c.dp * seq
@@ -685,8 +685,8 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from colossal_lab.engine import Booster
-    from colossal_lab.plan import measure
+    from .. import Booster
+    from .memory import measure
 
     c = Candidate(**cand)
 
@@ -861,7 +861,7 @@ class AutoPlan:
                          for r in self.rows]}
 
     def table(self, top: Optional[int] = None) -> str:
-        from colossal_lab.plan import _fmt
+        from .memory import _fmt
 
         head = ("layout", "step (model)", "step (run)", "tokens/s", "peak/rank (plan)", "peak (run)", "fits")
         rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms",
@@ -884,24 +884,6 @@ class AutoPlan:
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(self.table())
-
-
-class _InProcess:
-    """``cluster.run`` for code already running on every rank (``HybridParallelPlugin.auto`` in a
-    ``%%colossal`` cell or a torchrun script): each rank runs ``fn`` itself and every rank gets
-    every rank's result, so all of them choose the same layout."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.n = dist.get_world_size()
-
-    def run(self, fn, *args):
-        import torch.distributed as dist
-
-        out: List[Any] = [None] * self.n
-        dist.all_gather_object(out, fn(*args))
-        return out
 
 
 def _probe_tokens(cands: Sequence[Candidate], batch: int, seq: int) -> Dict[int, List[int]]:
@@ -933,8 +915,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
     time, every layout up to the first that fits; the rest show no planned peak
     (:meth:`AutoPlan.fill_peaks` plans them later). ``space``: narrows :func:`candidates` (``schedules``,
     ``microbatch_factors``, ``zero_stages``, ``activation_checkpointing``, ``tp_modes``)."""
-    import colossal_lab as cl
-    from colossal_lab.plan import plan as fit_plan
+    from . import runner
+    from .memory import TraceCache
 
     if device_memory is not None and not (isinstance(device_memory, int) and device_memory > 0):
         raise ValueError(f"autoplan(device_memory={device_memory!r}): bytes per rank, an int > 0 (or None)")
@@ -954,7 +936,7 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
 
     peaks: Dict[Candidate, Tuple[int, bool]] = {}
     t_mem = [0.0]
-    shared: dict = {}  # cl.plan's traces, shared by the layouts with the same per-rank batch
+    traces = TraceCache()  # cl.plan's traces, shared by the layouts with the same per-rank batch
     # every rank builds the whole model before boost() cuts it (as probe_step does, and a user who
     # calls model = GPT(cfg) on each rank): whatever the layout, a rank holds that much once
     built = sum(p.numel() * p.element_size() for p in unique) + sum(b.numel() * b.element_size()
@@ -966,8 +948,8 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
             return peaks[c]
         t0 = time.perf_counter()
         # N-d layouts too: cl.plan traces a rank's grid-form layers on a fake process group
-        fp = fit_plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
-                      device_memory=device_memory, host_memory=host_memory, _search=shared)
+        fp = traces.plan(model_or_config, c.plugin(), world_size=world_size, batch=batch // c.dp, seq=seq,
+                         device_memory=device_memory, host_memory=host_memory)
         tier = fp.tiers[0]
         # splitting a pipeline stage copies that stage while the built model is still alive
         peak = max(fp.peak(tier), built + (built // c.pp if c.pp > 1 else 0))
@@ -987,10 +969,10 @@ def autoplan(model_or_config, *, world_size: int, batch: int, seq: Optional[int]
         if dist.get_world_size() != world_size:
             raise ValueError(f"autoplan(world_size={world_size}): this process group has "
                              f"{dist.get_world_size()} ranks; plan for those")
-        cluster = _InProcess()  # every rank is here: calibrate and probe together
+        cluster = runner.InProcess()  # every rank is here: calibrate and probe together
     own = cluster is None and calibration is None
     if own:
-        cluster = cl.launch(n=world_size, threads=1)
+        cluster = runner.launch(world_size)
     # layouts run for real, this search's and any an earlier search measured (``calibration=``)
     measured: Dict[Candidate, Dict[str, float]] = {}
     try:

@@ -7,8 +7,8 @@
     plan                            # a table: rank group x tier x category, capacity, fits
     plan.to_dict()                  # plain data (what colossal_lab.widgets.FitPlan draws)
 
-``cl.plan`` is this module made callable (calling it calls :func:`plan`), so ``cl.plan.measure``
-works and ``import colossal_lab`` stays free of torch until the planner is first touched.
+``cl.plan`` is :func:`plan` (``cl.plan.measure`` its meter, ``cl.plan.FitPlan`` its result);
+``import colossal_lab`` stays free of torch until the planner is first touched.
 
 What it is built on, and why:
 
@@ -562,7 +562,7 @@ class _Model:
         first, last, make = True, True, self.token_inputs(b // nd.batch_shards if nd else b)
         if stage is not None:
             s, n = stage
-            from colossal_lab.engine.pipeline.stage import split_stage
+            from ..pipeline.stage import split_stage
 
             part = split_stage(self.meta, s, n)  # a copy of meta tensors: free
             first, last = s == 0, s == n - 1
@@ -584,7 +584,7 @@ class _Model:
         if nd is not None:
             # the real N-d modules (SUMMA / Tesseract / 3D) on this rank's blocks, their collectives on
             # a fake process group: the blocks they receive and the buffers they gather are traced too
-            from colossal_lab.engine.tp_nd import Grid, convert, resolve_plan
+            from ..tp_nd import Grid, convert, resolve_plan
 
             scope.enter_context(_fake_world(nd.tp_size))
             grid = Grid(nd.mode, dict(nd.sizes), [list(range(nd.tp_size))], 0)
@@ -599,7 +599,7 @@ class _Model:
         if nd is not None and last:
             # the plugin's step with a criterion for whole logits: the vocab pieces gathered
             # (``gather_vocab``), the targets this rank's rows (the logits' own batch cut)
-            from colossal_lab.engine.tp_nd import gather_vocab
+            from ..tp_nd import gather_vocab
 
             user_loss, dev = self.loss_fn, self.device
 
@@ -617,7 +617,7 @@ class _Model:
                 return torch.nn.functional.cross_entropy(y.flatten(0, 1).float(),
                                                          torch.zeros(n, dtype=torch.long, device=dev))
         if nd is not None and self.device == "cpu":
-            from colossal_lab.engine.tp_nd import counter
+            from ..tp_nd import counter
 
             gloo = counter.simulate_gloo()  # CPU ranks talk gloo, which copies a reduce-scatter's input
         try:
@@ -793,7 +793,7 @@ def _acts_summary(m: _Model, ac: bool, **kw) -> Dict[str, Any]:
 
 def _plan_replicated(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: bool) -> _Result:
     """plugin=None, DDPPlugin, LowLevelZeroPlugin(stage=1|2): every rank runs the whole model."""
-    from colossal_lab.engine.mixed_precision import autocast_dtype
+    from ..mixed_precision import autocast_dtype
 
     w, dev = env.world, env.compute_tier
     name = type(plugin).__name__ if plugin is not None else "None"
@@ -936,12 +936,12 @@ def _plan_gemini(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
     """GeminiPlugin: chunks packed and homed by the engine's own functions, then the step's
     bytes per tier: homes, gathered chunks (and ``auto``'s cache), gradient buffers, activations,
     the optimizer's windows."""
-    from colossal_lab.engine.gemini.build import max_chunk_elems
-    from colossal_lab.engine.gemini.chunk import TensorInfo, pack_chunks, search_chunk_size
-    from colossal_lab.engine.gemini.placement import (PlacementConfig, optim_block_bytes, plan_homes,
+    from ..gemini.build import max_chunk_elems
+    from ..gemini.chunk import TensorInfo, pack_chunks, search_chunk_size
+    from ..gemini.placement import (PlacementConfig, optim_block_bytes, plan_homes,
                                                       shares_master, working_set_bytes)
-    from colossal_lab.engine.gemini.tiers import UNLIMITED, Tier, TierStack
-    from colossal_lab.engine.mixed_precision import TORCH_DTYPE_MAP
+    from ..gemini.tiers import UNLIMITED, Tier, TierStack
+    from ..mixed_precision import TORCH_DTYPE_MAP
 
     if opt not in ("adamw", "adam"):
         raise ValueError(f"cl.plan(optimizer={opt!r}): GeminiPlugin runs torch.optim.AdamW/Adam only; pass "
@@ -1209,8 +1209,8 @@ def _in_flight(style: str, pp: int, s: int, m: int, j: int) -> int:
 def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: bool) -> _Result:
     """HybridParallelPlugin: per pipeline stage (and tensor-parallel shard) the stage's own
     parameters, its microbatches in flight, receive buffers, and the data-parallel gradient sync."""
-    from colossal_lab.engine.mixed_precision import autocast_dtype
-    from colossal_lab.engine.pipeline.schedules import ScheduleSpec
+    from ..mixed_precision import autocast_dtype
+    from ..pipeline.schedules import ScheduleSpec
 
     w, dev = env.world, env.compute_tier
     tp, pp, v = plugin.tp_size, plugin.pp_size, plugin.num_model_chunks
@@ -1231,7 +1231,7 @@ def _plan_hybrid(m: _Model, plugin, env: _Env, precision: str, opt: str, ac: boo
     notes: List[str] = []
     nd_mode = getattr(plugin, "tp_mode", "1d")
     if tp > 1 and nd_mode != "1d":
-        from colossal_lab.engine.tp_nd import apply as nd_apply
+        from ..tp_nd import apply as nd_apply
 
         nd_plan = nd_apply.resolve_plan(m.meta, plugin.tp_plan)  # ValueError naming what has no role
         nd_apply.check(m.meta, nd_plan, nd_mode, plugin.tp_grid, tp)  # blocks that do not cut evenly
@@ -1344,7 +1344,7 @@ class _NdKey:
     axis sizes, and the plugin's 1D ``tp_plan`` override (the model's ``tp_nd_plan()`` first)."""
 
     def __init__(self, mode: str, sizes: Dict[str, int], depth: int, plan: Optional[dict]):
-        from colossal_lab.engine.tp_nd.grid import layouts
+        from ..tp_nd.grid import layouts
 
         self.mode, self.sizes, self.depth, self.plan = mode, tuple(sorted(sizes.items())), depth, plan
         self.tp_size = math.prod(sizes.values())
@@ -1407,7 +1407,7 @@ def _stage_params(m: _Model, stage, tp_arg) -> Tuple[Dict[str, int], int]:
         return dict(tr.param_bytes), tr.buffer_bytes
     part = m.meta
     if stage is not None:
-        from colossal_lab.engine.pipeline.stage import split_stage
+        from ..pipeline.stage import split_stage
 
         part = split_stage(m.meta, *stage)
     shapes = _tp_shapes(m.meta, tp_arg[0], tp_arg[1].plan) if tp_arg else {}
@@ -1425,7 +1425,7 @@ _PLUGINS = ("None", "DDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridPa
 
 
 def _precision(plugin, precision: Optional[str]) -> str:
-    from colossal_lab.engine.mixed_precision import PRECISIONS, resolve_precision
+    from ..mixed_precision import PRECISIONS, resolve_precision
 
     name = type(plugin).__name__ if plugin is not None else "None"
     if precision is not None and precision not in PRECISIONS:
@@ -1448,7 +1448,7 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
          device_memory: Optional[int] = None, host_memory: Optional[int] = None, nvme_dir: Optional[str] = None,
          precision: Optional[str] = None, optimizer: str = "adamw", activation_checkpointing: Optional[bool] = None,
          device: Optional[str] = None, inputs: Optional[Callable] = None,
-         loss_fn: Optional[Callable] = None, _search: Optional[dict] = None) -> FitPlan:
+         loss_fn: Optional[Callable] = None) -> FitPlan:
     """Predict, per rank and tier, the peak bytes one training step of ``model_or_config`` takes
     under ``plugin`` on ``world_size`` ranks — without allocating the model.
 
@@ -1476,10 +1476,33 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
 
     Returns a :class:`FitPlan`. Raises ``ValueError``/``TypeError`` naming the argument for bad input.
     """
+    return _plan(model_or_config, plugin, world_size=world_size, batch=batch, seq=seq, device_memory=device_memory,
+                 host_memory=host_memory, nvme_dir=nvme_dir, precision=precision, optimizer=optimizer,
+                 activation_checkpointing=activation_checkpointing, device=device, inputs=inputs, loss_fn=loss_fn,
+                 cache=None)
+
+
+class TraceCache:
+    """Plans many layouts of one model, sharing the step traces of those with the same per-rank
+    batch, sequence and device (a layout search plans dozens). ``cache.plan(...)`` takes
+    :func:`plan`'s arguments and returns its :class:`FitPlan` without the advice (which re-plans)."""
+
+    def __init__(self):
+        self._models: Dict[tuple, "_Model"] = {}
+
+    def plan(self, model_or_config, plugin=None, **kw) -> FitPlan:
+        return _plan(model_or_config, plugin, cache=self._models, **kw)
+
+
+def _plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, seq: Optional[int] = None,
+          device_memory: Optional[int] = None, host_memory: Optional[int] = None, nvme_dir: Optional[str] = None,
+          precision: Optional[str] = None, optimizer: str = "adamw", activation_checkpointing: Optional[bool] = None,
+          device: Optional[str] = None, inputs: Optional[Callable] = None, loss_fn: Optional[Callable] = None,
+          cache: Optional[dict] = None) -> FitPlan:
     name = type(plugin).__name__ if plugin is not None else "None"
     if name not in _PLUGINS:
         raise TypeError(f"cl.plan(plugin={name}): unknown plugin; pass None, DDPPlugin, LowLevelZeroPlugin, "
-                        "GeminiPlugin or HybridParallelPlugin (from colossal_lab.engine.plugins)")
+                        "GeminiPlugin or HybridParallelPlugin (from ..plugins)")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"cl.plan(world_size={world_size!r}): must be an int >= 1")
     if not isinstance(batch, int) or batch < 1:
@@ -1504,11 +1527,11 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
     env = _env(device, world_size, device_memory, host_memory, nvme_dir)
     prec = _precision(plugin, precision)
     key = (batch, seq, env.device)
-    m = _search.get(key) if _search is not None else None
-    if m is None:  # ``_search``: a dict a caller planning many layouts keeps, to share traces (autoplan)
+    m = cache.get(key) if cache is not None else None
+    if m is None:
         m = _Model(model_or_config, inputs, loss_fn, batch, seq, env.device)
-        if _search is not None:
-            _search[key] = m
+        if cache is not None:
+            cache[key] = m
     ac = activation_checkpointing
     if ac is None:
         ac = m.ac_enabled() or bool(getattr(plugin, "activation_checkpointing", False))
@@ -1528,7 +1551,7 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
                  layout=res.layout, ranks=res.ranks, activations=res.act, traffic=res.traffic, notes=res.notes)
     if res.layout.get("refused"):
         fp.blocked = res.layout["refused"]
-    fp.advice = _advice(fp, m, plugin, env, prec, optimizer, ac) if _search is None else []
+    fp.advice = _advice(fp, m, plugin, env, prec, optimizer, ac) if cache is None else []
     return fp
 
 
@@ -1539,7 +1562,7 @@ def _nd_as_1d(model_or_config, plugin, world_size, batch, seq, env, prec, opt, a
     between blocks ``q`` ways, 1D keeps it whole)."""
     import dataclasses
 
-    from colossal_lab.engine.tp_nd.grid import layouts
+    from ..tp_nd.grid import layouts
 
     sizes = plugin.tp_grid
     q = sizes["y" if plugin.tp_mode == "3d" else "row"]
@@ -1589,7 +1612,7 @@ def _advice(fp: FitPlan, m: _Model, plugin, env: _Env, prec: str, opt: str, ac: 
         if fp.batch > 1 and act:
             out.append(f"batch={fp.batch // 2} (half) saves about {_fmt(act / 2)} of activations per rank; keep the "
                        f"global batch with gradient accumulation (booster.no_sync) or more ranks")
-        from colossal_lab.engine.plugins import GeminiPlugin, LowLevelZeroPlugin
+        from ..plugins import GeminiPlugin, LowLevelZeroPlugin
 
         if name in ("None", "DDPPlugin") or (name == "LowLevelZeroPlugin" and plugin.stage == 1):
             if env.world > 1:
@@ -1776,23 +1799,13 @@ class measure:
 
     def samples(self, rank: int = 0) -> list:
         """The peaks as telemetry ``MemorySample`` events (``used`` and ``peak`` = the peak)."""
-        from colossal_lab.engine.telemetry import MemorySample
+        from ..telemetry import MemorySample
 
         now = time.time()
         return [MemorySample(rank=rank, time=now, tier=t, used=int(v), capacity=0, peak=int(v))
                 for t, v in self.peak.items()]
 
 
-class _CallableModule(type(os)):
-    """This module, callable: ``cl.plan(...)`` is :func:`plan`, and ``cl.plan.measure`` /
-    ``cl.plan.FitPlan`` are this module's names, whichever way it was imported."""
-
-    def __call__(self, *args, **kwargs) -> FitPlan:
-        return plan(*args, **kwargs)
-
-
-import inspect as _inspect  # noqa: E402
-import sys as _sys  # noqa: E402
-
-__signature__ = _inspect.signature(plan)
-_sys.modules[__name__].__class__ = _CallableModule
+# ``cl.plan.measure`` / ``cl.plan.FitPlan``: the meter and the result type, reached from the planner itself
+plan.measure = measure
+plan.FitPlan = FitPlan

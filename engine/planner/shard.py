@@ -182,7 +182,7 @@ def calibrate(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20), reps: int 
 
 class CalibratedCosts:
     """``cl.autoplan``'s cost model for the solver: an ``AutoPlan.calibration`` (measured on the
-    ranks by ``colossal_lab.autoparallel.calibrate``) read as :class:`ShardCosts`'s functions, so
+    ranks by ``colossal_lab.engine.planner.layout.calibrate``) read as :class:`ShardCosts`'s functions, so
     both searches price a step from the same measurements. The matmul rate is the whole model's
     linear FLOPs (``6·N·in·out`` at the graph's tokens) over its measured forward+backward there,
     which charges attention, norms and the rest to the linears (a rate on the low side: the
@@ -191,7 +191,7 @@ class CalibratedCosts:
     half the bytes (a ring all-reduce is a reduce-scatter plus an all-gather)."""
 
     def __init__(self, calibration: Dict[str, Any], linear_flops: float, tokens: int):
-        from colossal_lab.autoparallel import Costs
+        from .layout import Costs
 
         self.calibration, self._c = calibration, Costs(calibration)
         fb = self._c.forward_backward(1, tokens) if 1 in self._c._fb else None
@@ -223,7 +223,7 @@ class _CostAdapter:
         for need in ("compute", "allreduce"):
             if not callable(getattr(costs, need, None)):
                 raise TypeError(f"autoshard: costs={type(costs).__name__} has no {need}(); pass a "
-                                "colossal_lab.autoshard.ShardCosts (or calibrate() on the ranks), or an object with "
+                                "colossal_lab.engine.planner.shard.ShardCosts (or calibrate() on the ranks), or an object with "
                                 "compute(flops), allreduce(k, nbytes) and allgather(k, nbytes)")
         self.c = costs
 
@@ -771,7 +771,7 @@ class ShardPlan:
         return {"tp_size": self.tp_size, "tp_plan": self.tp_plan()}
 
     def plugin(self, **kw):
-        from colossal_lab.engine.plugins import HybridParallelPlugin
+        from ..plugins import HybridParallelPlugin
 
         return HybridParallelPlugin(**{**self.plugin_kwargs(), **kw})
 
@@ -848,8 +848,8 @@ def _check_args(model, tp_size, device_memory) -> None:
 def _nd_alternative(model, graph: ShardGraph, mode: str, costs: _CostAdapter, activations: bool):
     """(seconds, memory bytes, param bytes) of the whole model under ``tp_nd``'s ``mode``, or None
     where it does not apply."""
-    from colossal_lab.engine import tp_nd
-    from colossal_lab.engine.tp_nd.grid import factor
+    from .. import tp_nd
+    from ..tp_nd.grid import factor
 
     tp = graph.tp_size
     try:
@@ -997,14 +997,3 @@ def autoshard(model: nn.Module, example_inputs, tp_size: int, *, device_memory: 
                              ">= 4 whose root divides every sharded size, every parameter given a tp_nd role)")
     plan.plan_s, plan.trace_s = time.perf_counter() - t0, (t1 - t0)
     return plan
-
-
-class _CallableModule(__import__("types").ModuleType):
-    """``cl.autoshard(...)`` is this module called: importing ``colossal_lab.autoshard`` sets the
-    package attribute to the module, which must then still plan when called."""
-
-    def __call__(self, *args, **kwargs) -> ShardPlan:
-        return autoshard(*args, **kwargs)
-
-
-__import__("sys").modules[__name__].__class__ = _CallableModule
