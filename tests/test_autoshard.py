@@ -200,9 +200,9 @@ def _boosted(make, plan, loss_fn):
 
 
 def _ranks(rank, world, mlp_plans, gpt_plan):
-    from colossal_lab.engine.planner.shard import calibrate
+    from colossal_lab.engine.planner.shard import calibrate_shard_costs
 
-    out = {"costs": calibrate(sizes=(16 << 10, 256 << 10), reps=2)}
+    out = {"costs": calibrate_shard_costs(sizes=(16 << 10, 256 << 10), reps=2)}
     for key, plan in mlp_plans.items():
         booster, m, o = _boosted(_mlp, plan, mse)
         losses = []

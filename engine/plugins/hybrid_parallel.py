@@ -396,7 +396,7 @@ class HybridParallelPlugin(Plugin):
         """The layout ``cl.autoplan`` chooses for this model on ``world_size`` ranks (default: the
         running process group's), as a plugin; its table is ``plugin.autoplan``. Call it on every rank
         (the ranks calibrate together) or in the notebook with ``cluster=``. Arguments:
-        docs/autoplan.md. (The search is ``planner/layout.py``, imported here on use.)"""
+        docs/autoplan.md. (The search is ``planner/layout``, imported here on use.)"""
         from ..planner.layout import autoplan
 
         world_size = world_size if world_size is not None else _world_size()
