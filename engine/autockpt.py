@@ -358,32 +358,12 @@ class _Meter:
         return False
 
     def _replay(self) -> None:
-        from torch._C._profiler import _EventType
+        from .telemetry.alloc_replay import cpu_allocations, replay
 
-        events, stack = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            e = stack.pop()
-            if e.tag == _EventType.Allocation:
-                f = e.extra_fields
-                if f.device.type == "cpu":
-                    events.append((e.start_time_ns, f.alloc_size < 0, f.alloc_size))
-            else:
-                stack.extend(e.children)
-        events.sort()  # by time; at one instant allocations before frees (never under-counts)
-        marks, live, peak = len(self.labels), 0, None
-        for _, _, size in events:
-            if _MARK < abs(size) <= _MARK + marks:
-                if size > 0:
-                    if peak is not None:
-                        self.peak_after.append(peak)
-                    self.live.append(live)
-                    peak = live
-                continue
-            live += size
-            if peak is not None:
-                peak = max(peak, live)
-        if peak is not None:
-            self.peak_after.append(peak)
+        marks = len(self.labels)
+        r = replay(cpu_allocations(self._prof), _MARK, marks, live="running")
+        self.live += r.live
+        self.peak_after += r.peak_after
         if len(self.live) != marks:
             raise RuntimeError(f"autockpt: {len(self.live)} of {marks} marks found in the profiler's allocation events")
 

@@ -215,6 +215,23 @@ def test_any_module_through_a_meta_forward_and_checkpointing_saves_activations()
     assert 1.8 < big.activations["without_checkpointing"] / gpt.activations["without_checkpointing"] < 2.2
 
 
+# ---- which memory model --------------------------------------------------------------------
+
+def test_a_subclass_of_gemini_is_planned_as_gemini():
+    """The memory model is found by isinstance: a GeminiPlugin subclass gets Gemini's chunks and
+    homes, the same bytes as GeminiPlugin itself, not a replica's (nor a refusal)."""
+    class MyGemini(GeminiPlugin):
+        pass
+
+    cfg = GPTConfig.preset("tiny")
+    kw = dict(placement_policy="cpu", precision="fp32")
+    sub = cl.plan(cfg, MyGemini(**kw), world_size=2, batch=2, seq=32)
+    base = cl.plan(cfg, GeminiPlugin(**kw), world_size=2, batch=2, seq=32)
+    assert sub.plugin == "MyGemini" and sub.layout["chunks"] >= 1 and sub.layout == base.layout
+    assert [g.to_dict() for g in sub.ranks] == [g.to_dict() for g in base.ranks]
+    assert sub.ranks[0].role == "ZeRO-3 chunks" and sub.precision == base.precision == "fp32"
+
+
 # ---- bad input ------------------------------------------------------------------------------
 
 def test_bad_input_names_the_argument_and_the_fix(tmp_path):

@@ -7,7 +7,7 @@ the manager made and the chunks filled, one at a time. ``GeminiPlugin.configure`
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,26 @@ def max_chunk_elems(elem: int, device_memory_limit: Optional[int], max_prefetch:
     return max(1, min(default, device_memory_limit // (8 * per_elem)))
 
 
+def chunk_elems(infos: Sequence[TensorInfo], elem: int, world: int, chunk_size_mb: Optional[float],
+                device_memory_limit: Optional[int], max_prefetch: int) -> Tuple[int, Optional[int]]:
+    """Elements per chunk for ``infos`` (in packing order) over ``world`` ranks, and the cap the size
+    search ran under (None when ``chunk_size_mb`` fixes the size; the execution-order re-pack
+    searches again under that cap). Touches nothing, so ``cl.plan`` sizes chunks with it too.
+    Raises ValueError when ``chunk_size_mb`` is below the largest parameter."""
+    numels = [t.numel for t in infos]
+    if chunk_size_mb is None:
+        search_max = max_chunk_elems(elem, device_memory_limit, max_prefetch)
+        return search_chunk_size(numels, world, max_size=search_max), search_max
+    size = int(chunk_size_mb * 2 ** 20) // elem
+    if size < max(numels):
+        big = max(infos, key=lambda t: t.numel)
+        raise ValueError(
+            f"GeminiPlugin(chunk_size_mb={chunk_size_mb}): a chunk holds {size} elements but parameter "
+            f"{big.name!r} has {big.numel}; parameters never straddle chunks, so set chunk_size_mb >= "
+            f"{max(numels) * elem / 2 ** 20:.3f} or None to search")
+    return -(-size // world) * world, None
+
+
 def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
           device: Optional[torch.device] = None, group=None, world: int = 1, rank: int = 0, placement_policy: str = "auto", shard_param_frac: float = 1.0,
           offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0, nvme_offload_dir: Optional[str] = None,
@@ -59,20 +79,8 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
         if id(p) not in seen:
             seen.add(id(p))
             named.append(TensorInfo(name=name, param=p, offset=0, numel=p.numel(), shape=p.shape))
-    numels = [t.numel for t in named]
-    search_max = None if chunk_size_mb is not None else max_chunk_elems(dtype.itemsize, device_memory_limit,
-                                                                         max_prefetch)
-    if chunk_size_mb is not None:
-        size = int(chunk_size_mb * 2 ** 20) // dtype.itemsize
-        if size < max(numels):
-            big = max(named, key=lambda t: t.numel)
-            raise ValueError(
-                f"GeminiPlugin(chunk_size_mb={chunk_size_mb}): a chunk holds {size} elements but parameter "
-                f"{big.name!r} has {big.numel}; parameters never straddle chunks, so set chunk_size_mb >= "
-                f"{max(numels) * dtype.itemsize / 2 ** 20:.3f} or None to search")
-        size = -(-size // world) * world
-    else:
-        size = search_chunk_size(numels, world, max_size=search_max)
+    size, search_max = chunk_elems(named, dtype.itemsize, world, chunk_size_mb, device_memory_limit,
+                                   max_prefetch)
     chunks = pack_chunks(named, size, dtype, world, rank, shard_param_frac)
     stack = TierStack.build(device, device_memory_limit, nvme_offload_dir)
     pair = min_working_set_bytes(chunks)

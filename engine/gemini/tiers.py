@@ -61,15 +61,27 @@ class TierStack:
         raise KeyError(name)
 
     @classmethod
-    def build(cls, device: torch.device, device_memory_limit: Optional[int],
-              nvme_dir: Optional[str]) -> "TierStack":
+    def of(cls, device: torch.device, device_total: Optional[int], device_memory_limit: Optional[int],
+           nvme_bytes: Optional[int]) -> "TierStack":
+        """The stack for capacities already known, touching nothing: ``device_total`` bytes of a CUDA
+        compute device (None: not known), Gemini's ``device_memory_limit`` over it (or over host RAM
+        on a CPU-only machine), ``nvme_bytes`` for the NVMe tier (None: no NVMe tier). :meth:`build`
+        measures the machine's; ``cl.plan`` passes the ones it plans for."""
         tiers: List[Tier] = []
         if device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            tiers.append(Tier("cuda", min(total, device_memory_limit or total), device))
+            cap = min(x for x in (device_total, device_memory_limit, UNLIMITED) if x is not None)
+            tiers.append(Tier("cuda", cap, device))
             tiers.append(Tier("cpu", UNLIMITED, torch.device("cpu")))
         else:
             tiers.append(Tier("cpu", device_memory_limit or UNLIMITED, torch.device("cpu")))
-        if nvme_dir is not None:
-            tiers.append(Tier("nvme", shutil.disk_usage(nvme_dir).free, None))
+        if nvme_bytes is not None:
+            tiers.append(Tier("nvme", nvme_bytes, None))
         return cls(tiers)
+
+    @classmethod
+    def build(cls, device: torch.device, device_memory_limit: Optional[int],
+              nvme_dir: Optional[str]) -> "TierStack":
+        """The stack of this machine: the device's total memory, the NVMe directory's free space."""
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        free = shutil.disk_usage(nvme_dir).free if nvme_dir is not None else None
+        return cls.of(device, total, device_memory_limit, free)
