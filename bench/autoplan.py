@@ -105,7 +105,7 @@ def _between(peaks, i: int) -> int:
     return (peaks[i] + above[0]) // 2 if above else peaks[i]
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,small")
     ap.add_argument("--world", type=int, default=4)
@@ -120,7 +120,112 @@ def main() -> None:
                          "fastest round (a shared box's slow periods outlast a layout's steps and only add "
                          "time); search / grid is taken against one round's time")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _grid(cluster, args, preset: str, cands: list, seq: int) -> tuple:
+    """Every layout measured ``--rounds`` times in alternating order: ({layout: its fastest round's
+    tokens/s, the largest peak, every round's tokens/s}, seconds measuring the grid once costs)."""
+    from dataclasses import asdict
+
+    grid, rounds = {}, {c: [] for c in cands}
+    t0 = time.perf_counter()
+    for k in range(args.rounds):
+        for c in (cands if k % 2 == 0 else cands[::-1]):
+            res = cluster.run(_measure, preset, asdict(c), args.batch, seq, args.warmup, args.steps)
+            # a step lasts as long as its slowest rank; the median step is the round's figure
+            # (a shared box's hiccups land in single steps), the mean beside it
+            per_step = [max(r["step_seconds"][i] for r in res) for i in range(args.steps)]
+            rounds[c].append({"tokens_per_s": args.batch * seq / statistics.median(per_step),
+                              "tokens_per_s_mean": args.steps * args.batch * seq / sum(per_step),
+                              "peak": max(r["peak"] for r in res)})
+            print(f"  measured {preset} {c.label}: {rounds[c][-1]['tokens_per_s']:.0f} tok/s, "
+                  f"peak {rounds[c][-1]['peak'] / 2**20:.1f} MiB", flush=True)
+    for c, rs in rounds.items():  # the fastest round's speed; the largest peak (never flatter)
+        grid[c] = {**max(rs, key=lambda r: r["tokens_per_s"]), "peak": max(r["peak"] for r in rs),
+                   "rounds_tokens_per_s": [round(r["tokens_per_s"], 1) for r in rs]}
+    return grid, (time.perf_counter() - t0) / args.rounds
+
+
+def _model_pick(plan, budget: int):
+    """What the cost model alone would have chosen (no verification runs), or None."""
+    pick = min((r for r in plan.rows if r["peak_bytes"] <= budget), key=lambda r: r["predicted_s"], default=None)
+    return pick["candidate"] if pick else None
+
+
+def _print_layouts(plan, grid: dict, budget: int, tokens: int, chosen, best_c, model_pick) -> None:
+    """Per layout: the cost model's tokens/s and planned peak beside the grid's and the search's run."""
+    print(f"{'layout':36s} {'model tok/s':>11s} {'grid tok/s':>10s} {'err':>6s} {'search ran':>10s} "
+          f"{'plan peak':>10s} {'grid peak':>10s} {'its peak':>9s} {'fits(grid)':>10s}")
+    for r in plan.rows:
+        c, g = r["candidate"], grid[r["candidate"]]
+        pred = tokens / r["predicted_s"]
+        err = pred / g["tokens_per_s"] - 1
+        ran = f"{tokens / r['measured_s']:.0f}" if r.get("measured_s") else "-"
+        its = f"{r['measured_peak'] / 2**20:.1f}M" if r.get("measured_peak") else "-"  # the search's run
+        mark = " <- chosen" if c == chosen else (" <- best" if c == best_c else "")
+        if c == model_pick:
+            mark += " (model's pick)"
+        print(f"{c.label:36s} {pred:11.0f} {g['tokens_per_s']:10.0f} {err:+6.0%} {ran:>10s} "
+              f"{r['peak_bytes'] / 2**20:9.1f}M {g['peak'] / 2**20:9.1f}M "
+              f"{its:>9s} "
+              f"{'yes' if g['peak'] <= budget else 'no':>10s}{mark}")
+
+
+def _verdict(args, preset: str, seq: int, budget: int, plan, grid: dict, grid_s: float, search_s: float,
+             best_c, model_pick) -> dict:
+    """The JSON line of one (preset, budget): the chosen layout against the best measured one that
+    fits, the search's cost against the grid's, and the cost model's median errors."""
+    fitting = {c: g for c, g in grid.items() if g["peak"] <= budget}
+    chosen = plan.best
+    tokens = args.batch * seq
+    return {"bench": "autoplan", "preset": preset, "world": args.world, "batch": args.batch,
+            "seq": seq, "budget_mib": round(budget / 2**20, 1), "grid_size": len(grid), "grid_rounds": args.rounds,
+            "chosen": chosen.label if chosen else None, "best": best_c.label if best_c else None,
+            "chosen_tok_s": round(grid[chosen]["tokens_per_s"], 1) if chosen else None,
+            "best_tok_s": round(fitting[best_c]["tokens_per_s"], 1) if best_c else None,
+            "ratio_chosen_vs_best": (round(grid[chosen]["tokens_per_s"] / fitting[best_c]["tokens_per_s"], 4)
+                                     if chosen and best_c else None),
+            "chosen_fits_measured": bool(chosen and grid[chosen]["peak"] <= budget),
+            "layouts_run_by_search": len(plan.calibration.get("measured", [])),
+            "model_only_choice": model_pick.label if model_pick else None,
+            "model_only_ratio": (round(grid[model_pick]["tokens_per_s"] / fitting[best_c]["tokens_per_s"], 4)
+                                 if model_pick and best_c else None),
+            "model_only_fits": bool(model_pick and grid[model_pick]["peak"] <= budget),
+            "search_s": round(search_s, 1), "grid_s": round(grid_s, 1),
+            "search_over_grid": round(search_s / grid_s, 4),
+            "calibration_s": round(plan.seconds["calibration"], 1),
+            "runs_s": round(plan.seconds.get("runs", 0.0), 1),
+            "memory_plans_s": round(plan.seconds["memory"], 1),
+            "median_abs_time_error": round(sorted(abs(tokens / r["predicted_s"]
+                                                      / grid[r["candidate"]]["tokens_per_s"] - 1)
+                                                  for r in plan.rows)[len(plan.rows) // 2], 4),
+            "median_abs_peak_error": round(sorted(abs(r["peak_bytes"] / grid[r["candidate"]]["peak"] - 1)
+                                                  for r in plan.rows)[len(plan.rows) // 2], 4),
+            "targets": {"ratio_chosen_vs_best": 0.9, "search_over_grid": 0.15}}
+
+
+def _search(cluster, args, preset: str, cfg, seq: int, budget: int, grid: dict, grid_s: float) -> dict:
+    """``cl.autoplan`` at one budget, timed; prints its table against the grid; returns the verdict."""
+    import colossal_lab as cl
+
+    t0 = time.perf_counter()
+    plan = cl.autoplan(cfg, world_size=args.world, batch=args.batch, seq=seq, device_memory=budget,
+                       cluster=cluster)
+    search_s = time.perf_counter() - t0
+    plan.fill_peaks()  # the table's planned peak for every layout, after the timed search
+    fitting = {c: g for c, g in grid.items() if g["peak"] <= budget}
+    best_c = max(fitting, key=lambda c: fitting[c]["tokens_per_s"]) if fitting else None
+    chosen = plan.best
+    print(f"\n{preset}, budget {budget / 2**20:.1f} MiB per rank (chosen: "
+          f"{chosen.label if chosen else 'none'}; best measured: {best_c.label if best_c else 'none'})")
+    model_pick = _model_pick(plan, budget)
+    _print_layouts(plan, grid, budget, args.batch * seq, chosen, best_c, model_pick)
+    return _verdict(args, preset, seq, budget, plan, grid, grid_s, search_s, best_c, model_pick)
+
+
+def main() -> None:
+    args = _parse()
 
     import colossal_lab as cl
     from colossal_lab.engine.planner.layout import candidates
@@ -131,83 +236,12 @@ def main() -> None:
         for preset in args.presets.split(","):
             cfg = GPTConfig.preset(preset)
             seq = min(args.seq, cfg.block_size)
-            cands = candidates(cfg, args.world, args.batch)
-            grid, rounds = {}, {c: [] for c in cands}
-            t0 = time.perf_counter()
-            for k in range(args.rounds):
-                for c in (cands if k % 2 == 0 else cands[::-1]):
-                    from dataclasses import asdict
-
-                    res = cluster.run(_measure, preset, asdict(c), args.batch, seq, args.warmup, args.steps)
-                    # a step lasts as long as its slowest rank; the median step is the round's figure
-                    # (a shared box's hiccups land in single steps), the mean beside it
-                    per_step = [max(r["step_seconds"][i] for r in res) for i in range(args.steps)]
-                    rounds[c].append({"tokens_per_s": args.batch * seq / statistics.median(per_step),
-                                      "tokens_per_s_mean": args.steps * args.batch * seq / sum(per_step),
-                                      "peak": max(r["peak"] for r in res)})
-                    print(f"  measured {preset} {c.label}: {rounds[c][-1]['tokens_per_s']:.0f} tok/s, "
-                          f"peak {rounds[c][-1]['peak'] / 2**20:.1f} MiB", flush=True)
-            for c, rs in rounds.items():  # the fastest round's speed; the largest peak (never flatter)
-                grid[c] = {**max(rs, key=lambda r: r["tokens_per_s"]), "peak": max(r["peak"] for r in rs),
-                           "rounds_tokens_per_s": [round(r["tokens_per_s"], 1) for r in rs]}
-            grid_s = (time.perf_counter() - t0) / args.rounds  # what measuring the grid once costs
+            grid, grid_s = _grid(cluster, args, preset, candidates(cfg, args.world, args.batch), seq)
             peaks = sorted(g["peak"] for g in grid.values())
             budgets = ([int(float(b) * 2**20) for b in args.budgets.split(",")] if args.budgets else
                        [_between(peaks, len(peaks) // 4), _between(peaks, (3 * len(peaks)) // 4)])
             for budget in budgets:
-                t0 = time.perf_counter()
-                plan = cl.autoplan(cfg, world_size=args.world, batch=args.batch, seq=seq, device_memory=budget,
-                                   cluster=cluster)
-                search_s = time.perf_counter() - t0
-                plan.fill_peaks()  # the table's planned peak for every layout, after the timed search
-                fitting = {c: g for c, g in grid.items() if g["peak"] <= budget}
-                best_c = max(fitting, key=lambda c: fitting[c]["tokens_per_s"]) if fitting else None
-                chosen = plan.best
-                print(f"\n{preset}, budget {budget / 2**20:.1f} MiB per rank (chosen: "
-                      f"{chosen.label if chosen else 'none'}; best measured: {best_c.label if best_c else 'none'})")
-                # what the cost model alone would have chosen (no verification runs)
-                model_pick = min((r for r in plan.rows if r["peak_bytes"] <= budget),
-                                 key=lambda r: r["predicted_s"], default=None)
-                model_pick = model_pick["candidate"] if model_pick else None
-                print(f"{'layout':36s} {'model tok/s':>11s} {'grid tok/s':>10s} {'err':>6s} {'search ran':>10s} "
-                      f"{'plan peak':>10s} {'grid peak':>10s} {'its peak':>9s} {'fits(grid)':>10s}")
-                for r in plan.rows:
-                    c, g = r["candidate"], grid[r["candidate"]]
-                    pred = args.batch * seq / r["predicted_s"]
-                    err = pred / g["tokens_per_s"] - 1
-                    ran = f"{args.batch * seq / r['measured_s']:.0f}" if r.get("measured_s") else "-"
-                    its = f"{r['measured_peak'] / 2**20:.1f}M" if r.get("measured_peak") else "-"  # the search's run
-                    mark = " <- chosen" if c == chosen else (" <- best" if c == best_c else "")
-                    if c == model_pick:
-                        mark += " (model's pick)"
-                    print(f"{c.label:36s} {pred:11.0f} {g['tokens_per_s']:10.0f} {err:+6.0%} {ran:>10s} "
-                          f"{r['peak_bytes'] / 2**20:9.1f}M {g['peak'] / 2**20:9.1f}M "
-                          f"{its:>9s} "
-                          f"{'yes' if g['peak'] <= budget else 'no':>10s}{mark}")
-                line = {"bench": "autoplan", "preset": preset, "world": args.world, "batch": args.batch,
-                        "seq": seq, "budget_mib": round(budget / 2**20, 1), "grid_size": len(grid), "grid_rounds": args.rounds,
-                        "chosen": chosen.label if chosen else None, "best": best_c.label if best_c else None,
-                        "chosen_tok_s": round(grid[chosen]["tokens_per_s"], 1) if chosen else None,
-                        "best_tok_s": round(fitting[best_c]["tokens_per_s"], 1) if best_c else None,
-                        "ratio_chosen_vs_best": (round(grid[chosen]["tokens_per_s"] / fitting[best_c]["tokens_per_s"], 4)
-                                                 if chosen and best_c else None),
-                        "chosen_fits_measured": bool(chosen and grid[chosen]["peak"] <= budget),
-                        "layouts_run_by_search": len(plan.calibration.get("measured", [])),
-                        "model_only_choice": model_pick.label if model_pick else None,
-                        "model_only_ratio": (round(grid[model_pick]["tokens_per_s"] / fitting[best_c]["tokens_per_s"], 4)
-                                             if model_pick and best_c else None),
-                        "model_only_fits": bool(model_pick and grid[model_pick]["peak"] <= budget),
-                        "search_s": round(search_s, 1), "grid_s": round(grid_s, 1),
-                        "search_over_grid": round(search_s / grid_s, 4),
-                        "calibration_s": round(plan.seconds["calibration"], 1),
-                        "runs_s": round(plan.seconds.get("runs", 0.0), 1),
-                        "memory_plans_s": round(plan.seconds["memory"], 1),
-                        "median_abs_time_error": round(sorted(abs(args.batch * seq / r["predicted_s"]
-                                                                  / grid[r["candidate"]]["tokens_per_s"] - 1)
-                                                              for r in plan.rows)[len(plan.rows) // 2], 4),
-                        "median_abs_peak_error": round(sorted(abs(r["peak_bytes"] / grid[r["candidate"]]["peak"] - 1)
-                                                              for r in plan.rows)[len(plan.rows) // 2], 4),
-                        "targets": {"ratio_chosen_vs_best": 0.9, "search_over_grid": 0.15}}
+                line = _search(cluster, args, preset, cfg, seq, budget, grid, grid_s)
                 print(json.dumps(line), flush=True)
                 out_lines.append(line)
     if args.json:

@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from datetime import timedelta
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
     ap.add_argument("--batch", type=int, default=8)
@@ -42,22 +43,24 @@ def main() -> None:
     ap.add_argument("--baseline", default="plain", choices=["plain", "ddp"],
                     help="plain: a bare torch loop; ddp: the same loop on torch DDP (on one rank DDPPlugin skips DDP, so this flatters us)")
     ap.add_argument("--telemetry", action="store_true", help="subscribe a no-op listener (StepMetrics built every step)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def _one_rank_group() -> torch.device:
+    """A 1-rank default process group (nccl on CUDA, gloo on CPU); returns the device."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
     if cuda:
         torch.cuda.set_device(0)
-    cfg = GPTConfig.preset(args.preset)
-    seq = args.seq or cfg.block_size
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=g).to(device) for _ in range(4)]
+    return device
 
-    # ours
+
+def _ours(cfg, precision: str) -> Callable:
+    """Our contender's step: the GPT under ``Booster(DDPPlugin)``."""
     torch.manual_seed(0)
-    booster = Booster(plugin=DDPPlugin(), mixed_precision=args.precision)
+    booster = Booster(plugin=DDPPlugin(), mixed_precision=precision)
     m1 = GPT(cfg)
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-4)
     m1, o1, *_ = booster.boost(m1, o1)
@@ -68,12 +71,17 @@ def main() -> None:
         o1.step()
         o1.zero_grad()
 
-    # baseline: what a user writes without us (autocast + GradScaler for reduced precision)
+    return step_ours
+
+
+def _baseline(cfg, args, device: torch.device) -> Callable:
+    """The baseline's step: what a user writes without us (autocast + GradScaler for reduced
+    precision), on torch DDP with ``--baseline ddp``."""
     torch.manual_seed(0)
     m2 = GPT(cfg).to(device)
     o2 = torch.optim.AdamW(m2.parameters(), lr=1e-4)
     if args.baseline == "ddp":
-        m2 = torch.nn.parallel.DistributedDataParallel(m2, device_ids=[0] if cuda else None)
+        m2 = torch.nn.parallel.DistributedDataParallel(m2, device_ids=[0] if device.type == "cuda" else None)
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
 
@@ -92,9 +100,15 @@ def main() -> None:
             o2.step()
         o2.zero_grad()
 
-    unsub = telemetry.subscribe(lambda e: None) if args.telemetry else None
+    return step_base
 
-    cpu_tps = {"ours": [], "base": []}
+
+def _alternate(steps: Dict[str, Callable], data: list, args, seq: int, device: torch.device) -> tuple:
+    """After two warm-up steps each, ``--repeats`` timed repeats of ``--steps`` steps per contender,
+    the order flipped every repeat. Returns ({name: wall tokens/s per repeat}, {name: CPU tokens/s
+    per repeat})."""
+    tps: Dict[str, List[float]] = {"ours": [], "base": []}
+    cpu_tps: Dict[str, List[float]] = {"ours": [], "base": []}
 
     def timed(step, name):
         _sync(device)
@@ -106,23 +120,25 @@ def main() -> None:
         cpu_tps[name].append(tokens / (time.process_time() - c))
         return tokens / (time.perf_counter() - t)
 
-    for step in (step_ours, step_base):  # warm-up (allocator, DDP buckets, optimizer state)
+    for step in (steps["ours"], steps["base"]):  # warm-up (allocator, DDP buckets, optimizer state)
         step(data[0])
         step(data[1])
-    ours, base = [], []
     for r in range(args.repeats):
-        order = (("ours", step_ours), ("base", step_base)) if r % 2 == 0 else (("base", step_base), ("ours", step_ours))
-        for name, step in order:
-            (ours if name == "ours" else base).append(timed(step, name))
-    if unsub:
-        unsub()
+        for name in (("ours", "base") if r % 2 == 0 else ("base", "ours")):
+            tps[name].append(timed(steps[name], name))
+    return tps, cpu_tps
+
+
+def _report(args, device: torch.device, seq: int, tps: dict, cpu_tps: dict) -> dict:
+    """The JSON line: median ratio, paired ratios (wall and CPU), every repeat's tokens/s."""
+    ours, base = tps["ours"], tps["base"]
     mo, mb = statistics.median(ours), statistics.median(base)
     # paired: each repeat timed both back to back, so load drift cancels within a pair
     paired = statistics.median(o / b for o, b in zip(ours, base))
     # CPU time of this process: on a CPU run with one thread, insensitive to other processes
     # competing for the cores (wall-clock figures on a shared machine swing widely)
     cpu_paired = statistics.median(o / b for o, b in zip(cpu_tps["ours"], cpu_tps["base"]))
-    print(json.dumps({
+    return {
         "bench": "engine", "contenders": f"Booster(DDPPlugin) vs {args.baseline} torch loop", "device": str(device),
         "preset": args.preset, "precision": args.precision, "batch": args.batch, "seq": seq,
         "steps": args.steps, "repeats": args.repeats, "telemetry": args.telemetry,
@@ -131,7 +147,22 @@ def main() -> None:
         "cpu_time_paired_ratio_median": round(cpu_paired, 4),
         "ours_tokens_per_s_median": round(mo, 1), "baseline_tokens_per_s_median": round(mb, 1),
         "ours_tokens_per_s": [round(v, 1) for v in ours], "baseline_tokens_per_s": [round(v, 1) for v in base],
-    }))
+    }
+
+
+def main() -> None:
+    args = _parse()
+    device = _one_rank_group()
+    cfg = GPTConfig.preset(args.preset)
+    seq = args.seq or cfg.block_size
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (args.batch, seq + 1), generator=g).to(device) for _ in range(4)]
+    steps = {"ours": _ours(cfg, args.precision), "base": _baseline(cfg, args, device)}
+    unsub = telemetry.subscribe(lambda e: None) if args.telemetry else None
+    tps, cpu_tps = _alternate(steps, data, args, seq, device)
+    if unsub:
+        unsub()
+    print(json.dumps(_report(args, device, seq, tps, cpu_tps)))
     dist.destroy_process_group()
 
 

@@ -4,10 +4,8 @@ These functions are shipped to engines by reference (``colossal_lab._rank.<name>
 engine imports this module instead of receiving code. They only touch the engine's own
 process: environment variables, device, default process group, import path.
 
-``Shipped`` is the rank half of how ``Cluster.run`` sends notebook functions and arguments
-(see ``cluster.py``): a value cloudpickled in the notebook, unpickled here while ipyparallel
-unpacks the apply message, so the rank calls the user's function itself (no wrapper frame in
-its traceback).
+How a ``Cluster.run`` call's function and arguments arrive on a rank (both halves) is in
+``shipping.py``.
 
 Why the notebook hosts the rendezvous store: the kernel opens ``dist.TCPStore`` on port 0, so
 the OS picks a free port and keeps it bound — there is no window between "find a free port"
@@ -16,16 +14,11 @@ and "bind it" for another process to steal it. Every rank joins that store as a 
 
 from __future__ import annotations
 
-import functools
 import os
-import pickle
 import socket
 import sys
-import types
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
-
-from ipyparallel.serialize.canning import CannedObject
 
 
 def probe() -> Dict[str, Any]:
@@ -160,59 +153,3 @@ def status() -> Dict[str, Any]:
     except Exception:
         row["dist"] = False
     return row
-
-
-class Shipped(CannedObject):
-    """One value of a ``Cluster.run`` call, pickled once in the notebook by cloudpickle.
-
-    ipyparallel passes ``CannedObject`` instances through its own canning untouched, sends
-    large ``buffers`` as separate frames (the payload is not pickled again per rank) and, on
-    the rank, calls ``get_object`` with the rank's interactive namespace. ``fill`` is set for a
-    function shipped by value: names it uses that the notebook did not define are then taken
-    from that namespace (where ``push`` and ``%%colossal`` put them), as ipyparallel's own
-    route (which runs such functions with the rank's namespace as globals) would find them.
-    The function gets a copy of those names: the rank's namespace itself is not changed.
-    ``sources`` are the notebook cells the shipped code comes from (filename -> lines), added
-    to the rank's ``linecache`` so its tracebacks show the cell's lines, as they do in the
-    notebook.
-    """
-
-    def __init__(self, payload: bytes, buffers: List[Any], fill: bool,
-                 sources: Optional[Dict[str, List[str]]] = None):
-        self.buffers = [payload, *buffers]
-        self.fill = fill
-        self.sources = sources or {}
-
-    def get_object(self, g: Optional[Dict[str, Any]] = None) -> Any:
-        import linecache
-
-        for filename, lines in self.sources.items():
-            # an mtime of None: linecache.checkcache keeps the entry (there is no file to check)
-            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        payload, *out_of_band = self.buffers
-        obj = pickle.loads(payload, buffers=out_of_band)
-        ns = _shipped_globals(obj) if self.fill else None
-        if ns is not None and g is not None:
-            for name, value in g.items():
-                if name not in ns:
-                    ns[name] = value
-        return obj
-
-
-def _shipped_globals(obj: Any) -> Optional[Dict[str, Any]]:
-    """The globals dict of a function shipped by value (or of the function inside a partial
-    or bound method)."""
-    if isinstance(obj, functools.partial):
-        obj = obj.func
-    if isinstance(obj, types.MethodType):
-        obj = obj.__func__
-    return obj.__globals__ if isinstance(obj, types.FunctionType) else None
-
-
-def ipython_object(attr: Optional[str]) -> Any:
-    """This rank's IPython shell, or one of its bound methods (``get_ipython``): what a
-    notebook function's reference to the notebook's own shell means on a rank."""
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell if attr is None else getattr(shell, attr)

@@ -21,37 +21,24 @@ groups). What we add, and why:
   says which of the two happened.
 * **Bounded collectives.** ``timeout`` bounds every collective; a timeout is reported as
   such, with its likely cause, and the broken process group is rebuilt.
-* **Functions travel with what they use.** ipyparallel ships a function by its code and, for
-  one defined in the notebook (``__main__``), runs it with the rank's namespace as globals, so
-  a helper from an earlier cell, a constant or ``np`` from ``import numpy as np`` is a
-  ``NameError`` on every rank. ``run`` sends such a function by value with cloudpickle (what
-  Ray and loky use): the function, the helpers it calls, the constants, closures and lambdas
-  it uses, with modules and importable functions referred to by name. A function the ranks
-  can import is sent the way ipyparallel sends it, and runs with its module's globals.
-  Arguments go through cloudpickle too, each pickled once for all ranks. Everything is pickled before any
-  rank is sent anything, so an object that cannot be pickled is reported by name with
-  nothing started. We wrap each value in an ipyparallel ``CannedObject`` (``_rank.Shipped``)
-  rather than call ``use_cloudpickle()``, which switches serialization for the whole kernel
-  and every engine (results included), must be redone after each restart, and would cut
-  shipped functions off from names that exist only on the ranks.
+* **Functions travel with what they use.** A function defined in the notebook is sent by
+  value with the helpers, constants and modules it uses, and every argument is pickled once
+  for all ranks before any rank is sent anything (``shipping.py``).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
-import io
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-import types
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
 
@@ -371,8 +358,10 @@ class Cluster:
 
     def run_on(self, ranks: Optional[Iterable[int]], fn: Callable[..., Any], *args, **kwargs) -> List[Any]:
         """Like ``run``, on a subset of ranks (results in rank order)."""
+        from .shipping import Call  # imports ipyparallel: on first use, so importing the package needs none
+
         ranks = self._check(ranks)
-        call = _Call(fn, args, kwargs)  # pickled here, once: nothing is sent if this raises
+        call = Call(fn, args, kwargs)  # pickled here, once: nothing is sent if this raises
         ars = {r: self._client[self._engines[r]].apply_async(call.fn(), *call.args(), **call.kwargs())
                for r in ranks}
         return self._wait(ars)
@@ -520,214 +509,6 @@ class Cluster:
                      and f.ename not in ("KeyboardInterrupt", "Unfinished")}
             raise RankError(first or failures, note=note, timeout_s=self.config.timeout)
         return results
-
-
-# ---------------------------------------------------------------------- shipping a call
-
-class _Call:
-    """A ``run`` call's function and arguments, pickled once for every rank.
-
-    The function goes by value (cloudpickle) unless the ranks can import it; every argument
-    goes through cloudpickle, except ipyparallel's own canned objects (``ipyparallel.Reference``
-    resolves a name on the rank, as ipyparallel documents). ``fn``/``args``/``kwargs`` give
-    fresh wrappers per rank because ipyparallel takes large buffers out of the one it sends.
-    """
-
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]):
-        from ipyparallel.serialize.canning import CannedObject
-
-        if not callable(fn):
-            raise TypeError(f"cluster.run: {fn!r} is not callable")
-        self._fn = fn if _ships_by_reference(fn) else _pickled(fn, _describe_fn(fn))
-        self._args = [a if isinstance(a, CannedObject) else _pickled(a, f"args[{i}]")
-                      for i, a in enumerate(args)]
-        self._kwargs = {k: v if isinstance(v, CannedObject) else _pickled(v, f"kwargs[{k!r}]")
-                        for k, v in kwargs.items()}
-
-    @staticmethod
-    def _unpack(item: Any) -> Any:
-        from ._rank import Shipped
-
-        return Shipped(*item) if isinstance(item, _Pickled) else item
-
-    def fn(self) -> Any:
-        return self._unpack(self._fn)
-
-    def args(self) -> list:
-        return [self._unpack(a) for a in self._args]
-
-    def kwargs(self) -> Dict[str, Any]:
-        return {k: self._unpack(v) for k, v in self._kwargs.items()}
-
-
-class _Pickled(tuple):
-    """(payload, out-of-band buffers, fill, sources): the arguments of a ``_rank.Shipped``."""
-
-
-def _ships_by_reference(fn: Any) -> bool:
-    """True for a plain function whose module the ranks can import by name (they get the
-    notebook's ``sys.path`` and working directory): ipyparallel sends it with that module's
-    globals. Not for ``__main__`` (the notebook) or a module made at run time."""
-    if not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)):
-        return False
-    name = getattr(fn, "__module__", None)
-    if not name or name == "__main__":
-        return False
-    module = sys.modules.get(name)
-    return module is not None and (getattr(module, "__file__", None) is not None
-                                   or getattr(module, "__spec__", None) is not None)
-
-
-def _by_value_function(obj: Any) -> Optional[types.FunctionType]:
-    """The function cloudpickle will send by value in ``obj`` (itself, or the function inside a
-    partial or bound method), or None."""
-    if isinstance(obj, functools.partial):
-        obj = obj.func
-    if isinstance(obj, types.MethodType):
-        obj = obj.__func__
-    if isinstance(obj, types.FunctionType) and not _ships_by_reference(obj):
-        return obj
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _pickler_class():
-    """cloudpickle's pickler, except that the notebook's IPython shell (and its bound methods,
-    such as the ``get_ipython`` in every notebook's namespace) becomes the rank's own shell: a
-    shell cannot be pickled, and on a rank ``get_ipython()`` must mean that rank's. Built on
-    first use, so importing the package (and the engine, on a bare GPU image) needs no
-    cloudpickle."""
-    import cloudpickle
-
-    class _Pickler(cloudpickle.CloudPickler):
-        shell: Any = None
-
-        def reducer_override(self, obj):
-            shell = self.shell
-            if shell is not None:
-                if obj is shell:
-                    return _rank_fn("ipython_object"), (None,)
-                if type(obj) is types.MethodType and obj.__self__ is shell:
-                    return _rank_fn("ipython_object"), (obj.__func__.__name__,)
-            return super().reducer_override(obj)
-
-    return _Pickler, cloudpickle.DEFAULT_PROTOCOL
-
-
-def _dumps(obj: Any) -> Tuple[bytes, list]:
-    """cloudpickle ``obj``; large buffers that support it (numpy arrays) stay out of band."""
-    buffers: list = []
-    f = io.BytesIO()
-    pickler, protocol = _pickler_class()
-    p = pickler(f, protocol=max(5, protocol), buffer_callback=buffers.append)
-    ipython = sys.modules.get("IPython")
-    p.shell = ipython.get_ipython() if ipython is not None else None
-    p.dump(obj)
-    return f.getvalue(), [b.raw() for b in buffers]
-
-
-def _pickled(obj: Any, what: str) -> _Pickled:
-    try:
-        payload, buffers = _dumps(obj)
-    except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
-        raise TypeError(_cannot_ship(obj, what, e)) from e
-    fn = _by_value_function(obj)
-    return _Pickled((payload, buffers, fn is not None, _cell_sources(fn) if fn is not None else {}))
-
-
-def _cell_sources(fn: types.FunctionType) -> Dict[str, List[str]]:
-    """Lines of the notebook cells that a by-value function and the helpers it calls were
-    defined in (IPython keeps them in ``linecache``; there is no file a rank could read)."""
-    import linecache
-
-    sources: Dict[str, List[str]] = {}
-    todo, seen = [fn], set()
-    while todo:
-        f = todo.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        filename = f.__code__.co_filename
-        if filename not in sources and not os.path.exists(filename):
-            lines = linecache.getlines(filename)
-            if lines:
-                sources[filename] = lines
-        todo += [h for h in map(_by_value_function, _referenced(f)) if h is not None]
-    return sources
-
-
-def _referenced(fn: types.FunctionType) -> list:
-    """The values a function's code can reach by name: globals it reads, closure cells."""
-    values = [fn.__globals__[n] for n in _code_names(fn.__code__) if n in fn.__globals__]
-    for cell in fn.__closure__ or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
-    return values
-
-
-_SHIP_FIX = ("Objects such as locks, open files, sockets, generators or process groups cannot "
-             "be sent: create them inside the function (it runs on every rank), or pass "
-             "something picklable they can be made from.")
-
-
-def _cannot_ship(obj: Any, what: str, err: Exception) -> str:
-    """One message naming what could not be pickled (the argument, or the global / closure
-    variable / default of the shipped function or of a helper it calls) and the fix."""
-    fn = _by_value_function(obj)
-    found = _culprit(fn, set()) if fn is not None else None
-    if found is not None:
-        where, err = found
-        head = f"cannot send {what} to the ranks: {where} cannot be pickled"
-    else:
-        head = f"{what} (a {type(obj).__name__}) cannot be pickled to send it to the ranks"
-    return f"cluster.run: {head} ({type(err).__name__}: {err}). {_SHIP_FIX}"
-
-
-def _describe_fn(fn: Any) -> str:
-    inner = _by_value_function(fn)
-    return f"the function {getattr(inner or fn, '__qualname__', type(fn).__name__)}()"
-
-
-def _code_names(code: types.CodeType) -> List[str]:
-    """Global names a code object (and the code nested in it) may read, in order."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names += [n for n in _code_names(const) if n not in names]
-    return names
-
-
-def _culprit(fn: types.FunctionType, seen: set) -> Optional[Tuple[str, Exception]]:
-    """The first value a by-value function refers to that cannot be pickled, described as
-    "global 'x' of f()" (following helpers it calls), with the pickling error."""
-    if id(fn) in seen:
-        return None
-    seen.add(id(fn))
-    owner = f"{fn.__qualname__}()"
-    code = fn.__code__
-    values = [(f"global {n!r} of {owner}", fn.__globals__[n]) for n in _code_names(code)
-              if n in fn.__globals__]
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            values.append((f"closure variable {name!r} of {owner}", cell.cell_contents))
-        except ValueError:  # an empty cell (a name assigned later in the enclosing function)
-            pass
-    values += [(f"a default argument of {owner}", v) for v in fn.__defaults__ or ()]
-    values += [(f"the default of {k!r} of {owner}", v) for k, v in (fn.__kwdefaults__ or {}).items()]
-    for where, value in values:
-        helper = _by_value_function(value)
-        if helper is not None:
-            found = _culprit(helper, seen)
-            if found is not None:
-                return found
-            continue
-        try:
-            _dumps(value)
-        except Exception as e:  # noqa: BLE001
-            return where, e
-    return None
 
 
 def _exception(ar) -> BaseException:

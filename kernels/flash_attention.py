@@ -47,11 +47,17 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
-def _build():
-    # Module globals (not closure names): Triton resolves a kernel's names through its globals.
+def _import_triton() -> None:
+    """Bind ``triton`` and ``tl`` as module globals (not closure names): Triton resolves a
+    kernel's names through its globals."""
     global triton, tl
     import triton
     import triton.language as tl
+
+
+def _build_fwd():
+    """The forward kernel: one program per (query block, batch*head); an online softmax over
+    key blocks, storing the output and the per-row log-sum-exp (base 2) in ``L``."""
 
     @triton.jit
     def fwd(Q, K, V, O, L, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
@@ -99,6 +105,13 @@ def _build():
         tl.store(L + bh * Tq + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < Tq)
         tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :],
                  acc.to(O.dtype.element_ty), mask=offs_m[:, None] < Tq)
+
+    return fwd
+
+
+def _build_bwd_dkdv():
+    """The backward's dK/dV kernel: one program per (key block, batch*head), looping over the
+    query blocks that see it and recomputing their probabilities from ``L``."""
 
     @triton.jit
     def bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
@@ -148,6 +161,13 @@ def _build():
         tl.store(DK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
         tl.store(DV + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask)
 
+    return bwd_dkdv
+
+
+def _build_bwd_dq():
+    """The backward's dQ kernel: one program per (query block, batch*head), looping over the
+    key blocks it sees."""
+
     @triton.jit
     def bwd_dq(Q, K, V, DO, L, DELTA, DQ, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                H, Tq, Tk, qk_scale, sm_scale, CAUSAL: tl.constexpr, BM: tl.constexpr,
@@ -191,7 +211,13 @@ def _build():
         dq = dq * sm_scale
         tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
 
-    return SimpleNamespace(fwd=fwd, bwd_dkdv=bwd_dkdv, bwd_dq=bwd_dq)
+    return bwd_dq
+
+
+def _build():
+    """Import Triton and decorate the three kernels (``lazy_kernels`` calls this once per mode)."""
+    _import_triton()
+    return SimpleNamespace(fwd=_build_fwd(), bwd_dkdv=_build_bwd_dkdv(), bwd_dq=_build_bwd_dq())
 
 
 _kernels = lazy_kernels(_build)
