@@ -65,7 +65,17 @@ def all_reduce(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
     dist.all_reduce(work, op=op, group=group)
     if work is not t:
         t.copy_(work)
+        release(work)
     return t
+
+
+def release(t: torch.Tensor) -> None:
+    """Free ``t``'s memory now, on this thread: for a temporary that a finished collective was given
+    and nothing reads again. gloo's work holds the tensors of its collective until gloo's worker
+    thread drops the work, which it does after waking the caller; under CPU contention that is
+    later, while the caller allocates on, so the block's free (and the process's peak with it) would
+    depend on the scheduler. With the storage emptied here the worker's drop frees nothing."""
+    t.untyped_storage().resize_(0)
 
 
 def any_rank(flag: bool, group=None) -> bool:
@@ -93,6 +103,7 @@ def all_gather(parts: List[torch.Tensor], t: torch.Tensor, group=None) -> List[t
     dist.all_gather(tmp, work, group=group)
     for dst, src in zip(parts, tmp):
         dst.copy_(src)
+        release(src)
     return parts
 
 
@@ -121,4 +132,4 @@ def _check_device(tensors, group, what: str) -> None:
 
 
 __all__ = ["initialized", "device_types_of", "backend_device_types", "comm_device", "all_reduce", "any_rank",
-           "reduce_values", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"]
+           "reduce_values", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "release"]

@@ -152,5 +152,7 @@ class PipelineRuntime:
                 has, stage, dp, tp, start, end, busy = part.tolist()
                 if has:  # a rank with no span this step has nothing to measure
                     ranks[r] = RankBusy(int(stage), int(dp), int(tp), start, end, busy)
+            for x in (t, *parts):
+                comm.release(x)  # freed here, not whenever gloo's worker drops the all-gather
         fractions = fractions_from_busy(ranks)
         return fractions, stage_means(fractions, ranks)

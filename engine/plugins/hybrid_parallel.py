@@ -653,6 +653,7 @@ class HybridParallelPlugin(Plugin):
                 for g in gs:
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
+                comm.release(flat)  # freed here, not whenever gloo's worker drops the all-reduce
 
     # ---- the pipeline ---------------------------------------------------------------------
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
