@@ -18,14 +18,15 @@ positions); only attention needs the whole sequence, and gets it one of two ways
   sharded) sequence, and one all-to-all turns the output back; backward all-to-alls the gradient
   and the output to heads, and dq/dk/dv back. Needs ``cp`` to divide the heads.
 
-Built on: ``torch.distributed`` (``batch_isend_irecv``/``P2POp`` for the ring, ``all_to_all_single``
-for Ulysses, ``all_gather`` in :func:`gather_sequence`) and our flash-attention dispatch
+Built on: ``torch.distributed``'s collectives through the engine's one route, ``engine/comm.py``
+(``exchange``: ``batch_isend_irecv`` for the ring; ``all_to_all_single`` for Ulysses; ``all_gather``
+in :func:`gather_sequence`), which counts their bytes and times them, and our flash-attention dispatch
 (``colossal_lab.kernels``: ``flash_attention_forward``/``flash_attention_backward``, which expose the
 lse, for the ring's blocks and Ulysses' local attention).
 Written by hand here: the ring's ``autograd.Function`` (both rings, the online-softmax merge, the
 zig-zag block plan, after zhuzilin/ring-flash-attention's ``zigzag_ring_flash_attn``), Ulysses'
 ``autograd.Function`` (the all-to-all layouts after DeepSpeed-Ulysses; it saves its own output
-rather than a head-sharded copy), the sharding helpers, the byte counter and the telemetry spans.
+rather than a head-sharded copy) and the sharding helpers.
 
 API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
 
@@ -45,7 +46,9 @@ API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
                                                          # .positions(local_T, device), .shard(x, dim),
                                                          # .check_heads(h)
     cp.COMM.bytes / cp.COMM.total / cp.COMM.reset()      # bytes sent at the collective calls, by kind
+                                                         # (the cp part of comm.COUNTER)
     with cp.comm_spans(recorder): ...                    # StageSpan(kind="comm") per collective wait
+                                                         # (comm.spans)
 
 Modes fix the layout: ``"ring"`` shards zig-zag (needed for causal load balance), ``"ulysses"``
 contiguously. A model joins through the model contract's optional ``enable_context_parallel(group,
@@ -59,72 +62,31 @@ docs/hybrid.md, "Context parallelism".
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections import defaultdict
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from . import comm
+from .traffic import COUNTER as _ALL, CounterView
+
 MODES = ("ring", "ulysses")
 
 
-# ---- bookkeeping: bytes at the collective calls, comm spans -----------------------------------
+# ---- bookkeeping: the cp part of the engine's one counter, comm spans --------------------------
 
-class CommCounter:
-    """Bytes this process sent through context-parallel collectives, by kind: ``ring_kv`` (K/V
-    blocks, forward and backward), ``ring_grad`` (dK/dV accumulators), ``all_to_all`` (Ulysses,
-    forward and backward); ``calls`` counts the collective calls per kind."""
-
-    def __init__(self):
-        self.bytes: Dict[str, int] = defaultdict(int)
-        self.calls: Dict[str, int] = defaultdict(int)
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.bytes[kind] += int(nbytes)
-        self.calls[kind] += 1
-
-    @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-
-    def snapshot(self) -> Dict[str, int]:
-        return dict(self.bytes)
-
-
-COMM = CommCounter()
-_recorder = None  # something with .add(kind, microbatch, start, end): the pipeline's SpanRecorder
-
-
-@contextlib.contextmanager
-def comm_spans(recorder) -> Iterator[None]:
-    """While active, every context-parallel collective this process waits on is recorded as a
-    ``StageSpan(kind="comm")`` through ``recorder.add("comm", -1, start, end)`` (the pipeline
-    runtime's ``SpanRecorder``, which emits it on the telemetry bus)."""
-    global _recorder
-    prev, _recorder = _recorder, recorder
-    try:
-        yield
-    finally:
-        _recorder = prev
-
-
-@contextlib.contextmanager
-def _timed_comm() -> Iterator[None]:
-    if _recorder is None:
-        yield
-        return
-    t0 = time.time()
-    try:
-        yield
-    finally:
-        _recorder.add("comm", -1, t0, time.time())
+#: bytes this process sent through context-parallel collectives, by kind: ``ring_kv`` (K/V blocks,
+#: forward and backward), ``ring_grad`` (dK/dV accumulators), ``all_to_all`` (Ulysses, forward and
+#: backward); ``calls`` counts the collective calls per kind (a ring transfer: one per tensor sent).
+#: The ``cp.`` labels of ``comm.COUNTER``, where every collective of the engine is counted.
+PREFIX = "cp."
+COMM = _ALL.view(PREFIX, int)
+CommCounter = CounterView  # the type of COMM
+#: while active, every context-parallel collective this process waits on is recorded as a
+#: ``StageSpan(kind="comm")`` through ``recorder.add("comm", -1, start, end)`` (the pipeline
+#: runtime's ``SpanRecorder``, which emits it on the telemetry bus): ``comm.spans``
+comm_spans = comm.spans
 
 
 # ---- sharding ----------------------------------------------------------------------------------
@@ -182,7 +144,7 @@ def unshard_sequence(shards: Sequence[torch.Tensor], mode: str, dim: int = 1) ->
 def gather_sequence(x: torch.Tensor, group, mode: str, dim: int = 1) -> torch.Tensor:
     """All-gather every rank's shard over ``group`` and return the whole tensor (no autograd)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    comm.all_gather(parts, x.contiguous(), group=group)
     return unshard_sequence(parts, mode, dim)
 
 
@@ -214,20 +176,11 @@ def _peers(group):
 def _exchange(sends: Sequence[torch.Tensor], tags: Sequence[int], nxt: int, prv: int, group, kind: str):
     """Start sending ``sends`` to the next rank and receiving same-shaped tensors from the previous
     one; returns ``(received tensors, works)``."""
-    sends = [t.contiguous() for t in sends]
-    recvs = [torch.empty_like(t) for t in sends]
-    ops = []
-    for t, r, tag in zip(sends, recvs, tags):
-        ops.append(dist.P2POp(dist.isend, t, nxt, group, tag))
-        ops.append(dist.P2POp(dist.irecv, r, prv, group, tag))
-        COMM.add(kind, t.numel() * t.element_size())
-    return recvs, dist.batch_isend_irecv(ops)
+    return comm.exchange(sends, nxt, prv, group=group, tags=tags, label=PREFIX + kind)
 
 
 def _wait(works) -> None:
-    with _timed_comm():
-        for w in works:
-            w.wait()
+    comm.wait(works, label=PREFIX + "wait")
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
@@ -349,12 +302,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """``all_to_all_single`` over dim 0 (one slot per rank)."""
     x = x.contiguous()
-    out = torch.empty_like(x)
-    size = dist.get_world_size(group)
-    COMM.add("all_to_all", x.numel() * x.element_size() * (size - 1) // size)
-    with _timed_comm():
-        dist.all_to_all_single(out, x, group=group)
-    return out
+    return comm.all_to_all_single(torch.empty_like(x), x, group=group, label=PREFIX + "all_to_all")
 
 
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:

@@ -127,6 +127,46 @@ def test_checker_catches_a_direct_engine_collective():
     assert len(violations) == 1 and "scaler_like.py" in violations[0]
 
 
+def _one_counter(rank, world):
+    """N-d tensor parallelism's, context parallelism's and the engine's own collectives on two real
+    ranks, under the checker: what comm's one counter holds by kind and label, and its spans."""
+    from colossal_lab.engine import comm
+    from colossal_lab.engine import context_parallel as cp
+    from colossal_lab.engine.pipeline.timing import SpanRecorder
+    from colossal_lab.engine.tp_nd import COUNTER, counter
+    from colossal_lab.engine.tp_nd.grid import Group
+
+    g = Group(axes=("row",), pg=dist.group.WORLD, ranks=(0, 1), rank=rank)
+    x = torch.ones(4, 8)  # 128 bytes
+    q = cp.shard_sequence(torch.randn(1, 2, 16, 4, generator=torch.Generator().manual_seed(0)), rank, world,
+                          "ring", dim=2)  # (1, 2, 8, 4): 256 bytes
+    comm.COUNTER.reset()
+    rec = SpanRecorder(rank=rank, stage=0)
+    with CollectiveChecker() as chk, comm.spans(rec), torch.no_grad():
+        counter.broadcast(x.clone(), 0, g, "summa.bcast_x")
+        counter.all_reduce(x.clone(), g, "norm.stats")
+        counter.all_gather(x, g, "3d.gather_x")
+        counter.reduce_scatter(x, g, "3d.rs_y")
+        cp.ring_attention(q, q, q, None)
+        cp.ulysses_attention(q, q, q, None)
+        comm.reduce_values([1.0])  # the engine's own bookkeeping: counted, not a span
+    return {"kinds": comm.COUNTER.by_kind(), "labels": comm.COUNTER.by_label(), "total": comm.COUNTER.total,
+            "tp": COUNTER.snapshot(), "cp": cp.COMM.snapshot(), "views": COUNTER.total + cp.COMM.total,
+            "spans": len(rec.spans), "violations": chk.violations}
+
+
+def test_tp_nd_cp_and_engine_collectives_are_counted_in_comm():
+    for rank, got in enumerate(run_distributed(_one_counter, 2)):
+        assert got["violations"] == [], got["violations"]
+        assert got["kinds"] == {"broadcast": 128 if rank == 0 else 0, "all_reduce": 128 + 8, "all_gather": 128,
+                                "reduce_scatter": 64, "p2p": 2 * 256, "all_to_all": (3 * 256 + 256) // 2}
+        assert got["tp"] == {"summa.bcast_x": 128 if rank == 0 else 0, "norm.stats": 128, "3d.gather_x": 128,
+                             "3d.rs_y": 64}
+        assert got["cp"] == {"ring_kv": 512, "all_to_all": 512}
+        assert got["labels"][""] == 8 and got["views"] + 8 == got["total"]
+        assert got["spans"] == 4 + 1 + 2  # tp's calls, the ring's one wait, Ulysses' two all-to-alls
+
+
 @pytest.mark.gpu
 def test_engine_collectives_on_nccl(tmp_path):
     names = ["ddp", "zero1", "zero2", "gemini", "tp2", "pp2"] if torch.cuda.device_count() >= 2 else \

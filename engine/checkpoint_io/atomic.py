@@ -104,7 +104,7 @@ def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
     name = [str(_usual_mode(Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent)), True))] \
         if lead else [None]
     if multi:
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0,
+        comm.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0,
                                    group=group)
     tmp = Path(name[0])
     failed = False
@@ -122,7 +122,7 @@ def atomic_dir(path: PathLike, group: Optional["dist.ProcessGroup"] = None,
             else:
                 commit_dir(tmp, path)
         if multi:
-            dist.barrier(group=group)
+            comm.barrier(group=group)
     # Reached only by a rank that did not raise itself: if a peer did, the save failed too.
     if failed:
         raise RuntimeError(f"checkpoint save to {path} failed on another rank; nothing was replaced")

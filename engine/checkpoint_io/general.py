@@ -40,7 +40,7 @@ class GeneralCheckpointIO(CheckpointIO):
 
     def _barrier(self) -> None:
         if comm.initialized():
-            dist.barrier(self.group)
+            comm.barrier(self.group)
 
     # ---- model ---------------------------------------------------------------------------
     def full_model_state_dict(self, model) -> dict:

@@ -76,7 +76,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
                 else:
                     t.copy_(src)
         if comm.initialized():
-            dist.barrier()
+            comm.barrier()
 
     # ---- optimizer ---------------------------------------------------------------------
     def save_optimizer(self, optimizer, path, model=None) -> None:
@@ -107,7 +107,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         optim, model = _targets(optimizer, model)
         path = recover(path) if not comm.initialized() or dist.get_rank() == 0 else Path(path)
         if comm.initialized():
-            dist.barrier()
+            comm.barrier()
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         local, names = _local(optim), _names(model)
         nd = getattr(model, "nd", None)
@@ -149,7 +149,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         # every rank learns of any rank's error before the collective load (else peers would hang)
         if comm.initialized():
             errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
+            comm.all_gather_object(errors, error)
             error = next((e for e in errors if e), None)
         if error:
             raise RuntimeError(error)

@@ -244,7 +244,7 @@ class HybridParallelModule(nn.Module):
         if group is None or dist.get_world_size(group) == 1:
             return local
         parts: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, local, group=group)
+        comm.all_gather_object(parts, local, group=group)
         return {n: t for part in parts for n, t in part.items()}
 
 
@@ -608,7 +608,7 @@ class HybridParallelPlugin(Plugin):
             if n in which and all(q is not p for _, q in local.get(which[n], [])):
                 local.setdefault(which[n], []).append((n, p))
         held: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(held, sorted(local))
+        comm.all_gather_object(held, sorted(local))
         ranks, me = self.mesh.mesh, dist.get_rank()  # (dp, pp, cp, tp) tensor of global ranks
         pipelines = ranks.permute(0, 2, 3, 1).reshape(-1, ranks.shape[1]).tolist()  # one per (dp, cp, tp)
         for i in range(len(tied)):
@@ -703,7 +703,7 @@ class HybridParallelPlugin(Plugin):
         if not bad:
             return
         msgs: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(msgs, self._ac_errors)
+        comm.all_gather_object(msgs, self._ac_errors)
         seen = list(dict.fromkeys(m for part in msgs for m in part))
         raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {len(seen)} pipeline stage(s) cannot "
                          f"hold their share of the activation budget (this step ran under their lowest-peak plans): "

@@ -4,7 +4,7 @@ on torch.distributed collectives (issue #18). ``HybridParallelPlugin(tp_size=, t
 
 ==================  ==================================================================================
 ``grid.py``         axes of each mode, this rank's coordinates, the process groups, block layouts
-``counter.py``      every collective, counted (bytes sent) and timed (``comm`` spans); 1D's DTensor bytes
+``counter.py``      every collective on the grid's groups, through ``comm`` (counted, timed); 1D's DTensor bytes
 ``layers_common``   layout-generic layers: parameter pieces, RMSNorm, Embedding, vocab-parallel loss
 ``layers_2d.py``    SUMMA (forward and backward), ``Linear2D``
 ``layers_2p5d.py``  ``Linear2p5D``: SUMMA per depth layer, weights sliced over the depth

@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import comm
+
 MODES = ("1d", "2d", "2.5d", "3d")
 AXES = {"2d": ("dep", "row", "col"), "2.5d": ("dep", "row", "col"), "3d": ("x", "y", "z")}
 
@@ -232,7 +234,7 @@ class Grid:
         if g.pg is None:
             return block.detach().clone().reshape(shape)
         parts = [torch.empty_like(block) for _ in range(g.size)]
-        dist.all_gather(parts, block.detach().contiguous(), group=g.pg)
+        comm.all_gather(parts, block.detach().contiguous(), group=g.pg)
         out = block.new_empty(shape)
         for t, part in enumerate(parts):
             c = self.coords_of(t)
