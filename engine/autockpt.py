@@ -106,6 +106,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .telemetry.units import format_bytes
+
 __all__ = ["CheckpointPlan", "CheckpointProfile", "OptionCost", "apply", "min_peak", "plan_checkpointing",
            "plan_event", "profile_checkpointing", "solve"]
 
@@ -116,12 +118,7 @@ _MARK = 5_000_011  # odd byte counts no tensor of a step has: marks in the CPU a
 Entry = Union[int, str]
 
 
-def _fmt(n: float) -> str:
-    n = float(n)
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= div:
-            return f"{n / div:.1f} {unit}"
-    return f"{int(n)} B"
+_fmt = format_bytes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import plotly.graph_objects as go
 
-from colossal_lab.engine.telemetry import MemorySample
+from colossal_lab.engine.telemetry import MemorySample, format_bytes
 from colossal_lab.engine.telemetry.events import CheckpointPlanEvent
 
 from ._live import LiveView, template_json
@@ -51,9 +51,7 @@ def _unit(top: float) -> Tuple[float, str]:
     return 1.0, "B"
 
 
-def _fmt(n: float) -> str:
-    div, unit = _unit(abs(n))
-    return f"{n / div:,.1f} {unit}" if div > 1 else f"{int(n)} B"
+_fmt = format_bytes
 
 
 def plan_tier(e: CheckpointPlanEvent) -> str:

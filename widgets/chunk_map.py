@@ -36,14 +36,13 @@ or without a cache the dict is the same.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import Counter, deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import plotly.graph_objects as go
 
-from colossal_lab.engine.telemetry import TIERS, ChunkEvent, MemorySample
+from colossal_lab.engine.telemetry import TIERS, ChunkEvent, MemorySample, format_bytes
 
 from ._live import LiveView, columns_layout, template_json
 from .state import TIER_COLORS, ChunkState, MemoryState, Move, reduce_all
@@ -107,16 +106,7 @@ def cell_code(e: ChunkEvent) -> int:
     return CODES[(e.tier, STATE_FILL.get(e.state, "other"))]
 
 
-@functools.lru_cache(maxsize=4096)  # a model's chunks share a handful of sizes
-def human_bytes(n: int) -> str:
-    v, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            break
-        v /= 1024
-    if unit == "B":
-        return f"{n} B"
-    return f"{v:.2f} {unit}" if v < 10 else f"{v:.1f} {unit}" if v < 100 else f"{v:.0f} {unit}"
+human_bytes = format_bytes  # a chunk's size in its hover label
 
 
 def abbreviate_params(names: Sequence[str], limit: int = MAX_PARAMS_SHOWN) -> str:

@@ -51,7 +51,7 @@ class AutoPlan:
                          for r in self.rows]}
 
     def table(self, top: Optional[int] = None) -> str:
-        from ..memory import _fmt
+        from ...telemetry.units import format_bytes as _fmt
 
         head = ("layout", "step (model)", "step (run)", "tokens/s", "peak/rank (plan)", "peak (run)", "fits")
         rows = [(r["label"], f"{r['predicted_s'] * 1e3:.1f} ms",

@@ -6,22 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from ...telemetry.units import format_bytes
+
 TIERS = ("cuda", "cpu", "nvme")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "working")
-GiB, MiB = float(1 << 30), float(1 << 20)
 
 
-def _fmt(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.1f} MiB"
-    if abs(n) >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{int(n)} B"
+_fmt = format_bytes  # the planner's tables and notes
 
 
 @dataclass
