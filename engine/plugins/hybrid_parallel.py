@@ -445,12 +445,14 @@ class HybridParallelPlugin(Plugin):
         # ---- every check that needs the model, still before any group exists ----
         if self.pp_size > 1:
             check_divisible(model, spec.num_stages)
+        from ..autockpt_request import requested_budget, take
+
         auto_ac, ac_budget = self.activation_checkpointing == "auto", self.activation_budget
-        cfg = getattr(model, "cfg", None)
-        if self.activation_checkpointing is not True and getattr(cfg, "activation_checkpointing", None) == "auto":
+        asked = requested_budget(model)  # the model contract's checkpoint_budget()
+        if self.activation_checkpointing is not True and asked is not None:
             # the model asks for "auto" itself (GPTConfig): planned here like the plugin's, with the criterion
             # a pipeline runs and the stage's share, for the model's budget unless the plugin gives one
-            auto_ac, ac_budget = True, ac_budget if ac_budget is not None else cfg.activation_budget
+            auto_ac, ac_budget = True, ac_budget if ac_budget is not None else asked
         if auto_ac:
             _check_checkpoint_contract(model)
         own_ac = self.activation_checkpointing is True and callable(getattr(model, "enable_activation_checkpointing", None))
@@ -566,6 +568,7 @@ class HybridParallelPlugin(Plugin):
             mod.inner.stage_index = sid  # which stage a plan (and its CheckpointPlanEvent) belongs to
         if auto_ac:
             for sid, mod in zip(ids, modules):
+                take(mod.inner)  # the model's own request is planned here: its hook stands aside
                 mod.inner.register_forward_pre_hook(
                     _AutoCheckpoint(self, runtime, ac_groups, pp_rank, ac_budget, is_last=sid == spec.num_stages - 1),
                     with_kwargs=True)
