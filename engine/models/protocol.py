@@ -47,7 +47,9 @@ class ModelContract(Protocol):
         a call replaces the previous choice. ``autockpt.plan_checkpointing`` needs ``layers``. A model
         may also define ``checkpoint_parts() -> ("attn", "mlp")``, names of sub-modules of every layer
         that can recompute on their own, and then accept ``"i.attn"`` entries (GPT does); the planner
-        weighs those too. Default: ``checkpoint_wrapper`` on a Sequential's children."""
+        weighs those too. A model with a ``checkpoint_budget()`` request gets the engine's plans (and the
+        profiler's trials) through a list, which must not withdraw the request
+        (:class:`CheckpointRequestContract`). Default: ``checkpoint_wrapper`` on a Sequential's children."""
 
     def enable_context_parallel(self, group, mode: str) -> None:
         """Context parallelism over ``group``, ``mode`` ``"ring"`` or ``"ulysses"``: from now on the
