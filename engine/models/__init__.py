@@ -1,6 +1,7 @@
 """Reference models shared by tests, benchmarks and tutorials, and the contract any model may implement."""
 
 from .gpt import GPT, PRESETS, GPTConfig, KVCache
-from .protocol import ModelConfig, ModelContract, NdTensorParallelContract
+from .protocol import CheckpointRequestContract, ModelConfig, ModelContract, NdTensorParallelContract
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "ModelConfig", "ModelContract", "NdTensorParallelContract", "PRESETS"]
+__all__ = ["CheckpointRequestContract", "GPT", "GPTConfig", "KVCache", "ModelConfig", "ModelContract",
+           "NdTensorParallelContract", "PRESETS"]

@@ -32,9 +32,9 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     tie_embeddings: bool = False
-    # True: every block recomputes in backward; "auto": the blocks (or their attention/MLP) chosen by
-    # engine/autockpt.py so a training step's activations stay under activation_budget bytes (under
-    # HybridParallelPlugin / GeminiPlugin the plugin makes that plan: a pipeline stage gets its share)
+    # True: every block recomputes in backward; "auto": a request (checkpoint_budget) that the engine
+    # plans (engine/autockpt_request.py) so a training step's activations stay under activation_budget
+    # bytes (under HybridParallelPlugin / GeminiPlugin the plugin makes that plan: a stage gets its share)
     activation_checkpointing: Union[bool, str] = False
     activation_budget: Optional[int] = None
     rope_theta: float = 10000.0
@@ -231,10 +231,14 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.context_parallel = None  # set by enable_context_parallel
         # activation checkpointing (cfg.activation_checkpointing switches it on): block index -> what
-        # recomputes ({"layer"} = the whole block, or parts); None = every block whole
+        # recomputes ({"layer"} = the whole block, or parts); None = every block whole ("auto": none
+        # until the engine's first plan)
         self.checkpoint_layers: Optional[Dict[int, FrozenSet[str]]] = None
         self.checkpoint_plan = None  # the autockpt.CheckpointPlan in use ("auto", or autockpt.apply)
-        self._auto_plans: Dict[tuple, object] = {}  # "auto": one plan per input shape
+        # "auto" is a request (checkpoint_budget) the engine plans at training forwards, never this model
+        from ..autockpt_request import plan_on_request
+
+        plan_on_request(self)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("attn.wo.weight") or name.endswith("mlp.w2.weight"):
@@ -264,7 +268,7 @@ class GPT(nn.Module):
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         else:  # a shard of the sequence: the rows of its tokens' global positions, sharded alike
             cos, sin = (cp.shard_constant(t[:T * cp.size], dim=0) for t in (self.rope_cos, self.rope_sin))
-        recompute = self._recompute(idx, targets, cache)
+        recompute = self._recompute(cache)
         h = self.drop(self.tok_emb(idx)) if self.tok_emb is not None else idx
         for key, block in self.blocks.items():
             what = recompute.get(int(key), frozenset())
@@ -374,9 +378,16 @@ class GPT(nn.Module):
     def enable_activation_checkpointing(self, layers: Optional[Iterable[Union[int, str]]] = None) -> None:
         """Recompute in backward every block (``layers=None``) or the listed ones: ``i`` is block ``i``
         whole, ``"i.attn"`` / ``"i.mlp"`` only that sub-module of it (``checkpoint_parts()``); ``[]``
-        recomputes nothing. Replaces an earlier choice, an ``"auto"`` one included."""
+        recomputes nothing. Replaces an earlier choice. Every block (``None``) also replaces an
+        ``"auto"`` request; under ``"auto"`` a list is the plan for the current input (the engine
+        profiles and hands its plans back this way) and the request stands for the next input shape."""
         self.checkpoint_layers = None if layers is None else self._parse_layers(layers)
-        self.cfg.activation_checkpointing = True
+        if layers is None or self.cfg.activation_checkpointing != "auto":
+            self.cfg.activation_checkpointing = True
+
+    def checkpoint_budget(self) -> Optional[int]:
+        """The model contract's request: ``activation_budget`` while the config asks for ``"auto"``."""
+        return self.cfg.activation_budget if self.cfg.activation_checkpointing == "auto" else None
 
     def checkpoint_parts(self) -> tuple:
         """Sub-modules of a block that can recompute on their own (the model contract)."""
@@ -401,57 +412,17 @@ class GPT(nn.Module):
             have.add(part)
         return {i: frozenset(p) for i, p in out.items()}
 
-    def _recompute(self, idx, targets, cache) -> Dict[int, FrozenSet[str]]:
+    def _recompute(self, cache) -> Dict[int, FrozenSet[str]]:
         """What each block recomputes in this forward (block index -> parts; {"layer"} = whole)."""
         ac = self.cfg.activation_checkpointing
         if not ac or not self.training or cache is not None:
             return {}
-        if ac == "auto":
-            if not torch.is_grad_enabled():
-                return {}
-            layers = self._auto_layers(idx, targets)
-        else:
-            layers = self.checkpoint_layers
+        layers = self.checkpoint_layers
+        if ac == "auto" and (layers is None or not torch.is_grad_enabled()):
+            return {}  # "auto": the engine's plan for this input, once it made one
         if layers is None:
             return {int(k): frozenset(("layer",)) for k in self.blocks}
         return layers
-
-    def _collectives_in_blocks(self) -> Optional[str]:
-        """What parallelism puts collectives inside the blocks (their recompute would run them too)."""
-        if self.context_parallel is not None:
-            return "context parallelism"
-        from torch.distributed.tensor import DTensor
-
-        base = __name__.rsplit(".", 2)[0]  # colossal_lab.engine
-        for m in self.blocks.modules():
-            if type(m).__module__.startswith(base + ".tp_nd"):
-                return "2D/2.5D/3D tensor parallelism"
-            if any(isinstance(p, DTensor) for p in m.parameters(recurse=False)):
-                return "tensor parallelism"
-        return None
-
-    def _auto_layers(self, idx, targets) -> Dict[int, FrozenSet[str]]:
-        """``activation_checkpointing="auto"``: the plan for this input shape, profiled on this batch
-        the first time the shape is seen (engine/autockpt.py; the result is ``self.checkpoint_plan``).
-        Where the blocks hold collectives (tensor, sequence or context parallelism) every rank of their
-        groups profiles, the profiles are merged to their worst case over those ranks and each solves
-        the merged one, so all choose the same plan (engine/autockpt_dist.py): a block recomputed on
-        one rank but not on another would deadlock the collectives inside it."""
-        key = (tuple(idx.shape), idx.dtype, targets is not None, torch.is_autocast_enabled(idx.device.type))
-        plan = self._auto_plans.get(key)
-        if plan is None:
-            from ..autockpt_dist import collective_groups, plan_agreed
-
-            # [] when nothing is shared; None (2D/2.5D/3D layers, groups unknown here): the world
-            groups = collective_groups(self) if self._collectives_in_blocks() else []
-            was = (self.cfg.activation_checkpointing, self.checkpoint_layers)
-            try:
-                plan = plan_agreed(self, (idx, targets), self.cfg.activation_budget, groups=groups)
-            finally:
-                self.cfg.activation_checkpointing, self.checkpoint_layers = was
-            self._auto_plans[key] = plan
-        self.checkpoint_plan = plan
-        return self._parse_layers(plan.layers)
 
     def split_points(self, num_stages: int) -> List[int]:
         """Layer indices where stages 1..n-1 begin (even split; blocks must divide evenly)."""

@@ -6,7 +6,9 @@ an error naming the method. The reference GPT implements them all, as torchtitan
 bring their own parallel plans. Tied weights need no method: the engine finds a parameter
 registered under two names itself. A pipeline stage keeps the full model's parameter names, so
 checkpoints, optimizers and tied copies line up across layouts. 2D/2.5D/3D tensor parallelism
-asks one more (:class:`NdTensorParallelContract`, ``tp_nd_plan``), kept in its own protocol.
+asks one more (:class:`NdTensorParallelContract`, ``tp_nd_plan``), and a model may ask the engine to
+plan its activation checkpointing (:class:`CheckpointRequestContract`, ``checkpoint_budget``); each is
+kept in its own protocol.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class ModelContract(Protocol):
         a call replaces the previous choice. ``autockpt.plan_checkpointing`` needs ``layers``. A model
         may also define ``checkpoint_parts() -> ("attn", "mlp")``, names of sub-modules of every layer
         that can recompute on their own, and then accept ``"i.attn"`` entries (GPT does); the planner
-        weighs those too. Default: ``checkpoint_wrapper`` on a Sequential's children."""
+        weighs those too. A model with a ``checkpoint_budget()`` request gets the engine's plans (and the
+        profiler's trials) through a list, which must not withdraw the request
+        (:class:`CheckpointRequestContract`). Default: ``checkpoint_wrapper`` on a Sequential's children."""
 
     def enable_context_parallel(self, group, mode: str) -> None:
         """Context parallelism over ``group``, ``mode`` ``"ring"`` or ``"ulysses"``: from now on the
@@ -78,3 +82,23 @@ class NdTensorParallelContract(Protocol):
         ``("rmsnorm", eps)``); every parameter must belong to a named module. Default: the
         ``Colwise``/``RowwiseParallel`` entries of ``tp_plan()`` plus every ``nn.Embedding``, and
         an error naming any parameter left without a role (``engine/tp_nd/apply.py``)."""
+
+
+@runtime_checkable
+class CheckpointRequestContract(Protocol):
+    """One more optional method, for a model that asks the engine to plan which of its layers
+    recompute (GPT: ``GPTConfig(activation_checkpointing="auto", activation_budget=...)``); kept apart
+    from :class:`ModelContract` so a model that never asks satisfies that one without it."""
+
+    def checkpoint_budget(self) -> Optional[int]:
+        """The peak activation bytes of one training step the model asks its checkpointing be planned
+        for, or None: no request now. Read at every training forward (and by a plugin at boost), so a
+        model may make or drop the request at any time. The engine resolves it, never the model: a
+        plugin plans it as its own ``activation_checkpointing="auto"`` (a pipeline stage its share of
+        the budget), and elsewhere the hook the model registers once with
+        ``autockpt_request.plan_on_request(model)`` (GPT does in ``__init__``) plans at the first
+        training forward of each input shape. Either hands the plan back through the contract:
+        ``enable_activation_checkpointing(layers=plan.layers)`` (so the model also needs ``layers``;
+        while the request stands the model recomputes exactly those, and a list does not withdraw
+        it) and ``model.checkpoint_plan = plan``. Default: None (no method: nothing is planned unless
+        a plugin's own ``activation_checkpointing="auto"`` asks)."""

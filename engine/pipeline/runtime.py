@@ -72,6 +72,16 @@ class PipelineRuntime:
         self.last_bubble: Dict[int, float] = {}       # {stage: mean bubble over its ranks}
         self.last_rank_bubble: Dict[int, float] = {}  # {rank: bubble}, every rank of the job
 
+    @property
+    def criterion(self) -> Optional[Callable]:
+        """The criterion of the step in progress (the last one run, between steps)."""
+        return self._criterion
+
+    @property
+    def microbatches(self) -> List[dict]:
+        """The microbatches of the step in progress, on this rank's device."""
+        return self._mbs
+
     # ---- torch-facing loss -------------------------------------------------------------
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         mb = int(target.reshape(-1)[0])

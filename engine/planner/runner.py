@@ -28,10 +28,11 @@ class InProcess:
         self.n = dist.get_world_size()
 
     def run(self, fn, *args):
-        import torch.distributed as dist
 
         out: List[Any] = [None] * self.n
-        dist.all_gather_object(out, fn(*args))
+        from .. import comm
+
+        comm.all_gather_object(out, fn(*args))
         return out
 
 

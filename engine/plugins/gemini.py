@@ -118,11 +118,13 @@ class GeminiPlugin(Plugin):
     # ---- the boost -----------------------------------------------------------------------
     def configure(self, model: nn.Module, optimizer, criterion, dataloader, lr_scheduler, mixed_precision=None):
         precision = resolve_precision(mixed_precision, self.precision, "GeminiPlugin")
+        from ..autockpt_request import requested_budget
+
         ac, budget = self.activation_checkpointing, self.activation_budget
-        cfg = getattr(model, "cfg", None)
-        if ac is not True and getattr(cfg, "activation_checkpointing", None) == "auto":
+        asked = requested_budget(model)  # the model contract's checkpoint_budget()
+        if ac is not True and asked is not None:
             # the model asks for "auto" itself: planned here, outside Gemini's hooks, with its own budget
-            ac, budget = "auto", budget if ac == "auto" and budget is not None else cfg.activation_budget
+            ac, budget = "auto", budget if ac == "auto" and budget is not None else asked
         if ac:
             _check_checkpoint_contract(model, ac)
         skip = ("precision", "activation_checkpointing", "activation_budget")
@@ -138,6 +140,9 @@ class GeminiPlugin(Plugin):
                 for i in range(len(model)):
                     model[i] = checkpoint_wrapper(model[i])
         if ac == "auto":
+            from ..autockpt_request import take
+
+            take(model)  # the model's own request (if any) is planned here, not by its hook
             if budget is None:
                 budget = self.resident_budget(manager)
             gmodel.register_forward_pre_hook(_AutoCheckpoint(gmodel, manager, budget, self.dp_group),

@@ -15,6 +15,10 @@ waits for it). Measured, in seconds:
   faster a rank computes when the others idle: more than 1 where ranks share cores);
 * the optimizer: AdamW's step per parameter element.
 
+The timed collectives call torch.distributed itself, not ``comm``: what is measured is the
+transport a layout's collectives will ride, without the engine's counting around it; the barriers
+between measurements go through ``comm`` like every other engine collective.
+
 Built on torch.distributed collectives and the model contract (``build``, ``tp_plan``,
 ``cfg.vocab_size``). The results are plain data (dicts keyed by int sizes), as they travel back
 from the ranks; :mod:`.calibration` reads them.
@@ -229,12 +233,14 @@ def _timed(fn, reps: int, warm_up: bool = True) -> float:
     """Median seconds of ``reps`` calls (after one warm-up call), every rank starting together."""
     import torch.distributed as dist
 
+    from ... import comm
+
     if warm_up:
         fn()
     times = []
     for _ in range(reps):
         if dist.is_initialized():
-            dist.barrier()
+            comm.barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

@@ -42,10 +42,9 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
     import copy
 
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ... import Booster
+    from ... import Booster, comm
     from ..memory import measure
 
     c = Candidate(**cand)
@@ -76,7 +75,7 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
     peak = int(max(meter.peak.values(), default=0)) if measure_peak else None
     times = []  # the measured step was the warm-up (a median over the steps shrugs off a slow one)
     for _ in range(steps):
-        dist.barrier()  # every rank starts the step together: its time is the step's, not a wait
+        comm.barrier()  # every rank starts the step together: its time is the step's, not a wait
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)

@@ -59,6 +59,8 @@ def calibrate_shard_costs(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20)
     calibration, which measures a whole step's constants: pass that as :class:`CalibratedCosts`.)"""
     import torch.distributed as dist
 
+    from ... import comm
+
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("autoshard: calibrate_shard_costs: torch.distributed is not initialised; call it on the ranks "
                            "(a %%colossal cell, a torchrun script) or pass costs=ShardCosts(...)")
@@ -70,7 +72,7 @@ def calibrate_shard_costs(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20)
         for _ in range(reps):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            dist.barrier(group=group)
+            comm.barrier(group=group)
             t = time.perf_counter()
             fn()
             if dev.type == "cuda":
@@ -89,7 +91,7 @@ def calibrate_shard_costs(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20)
         out = [torch.empty_like(piece) for _ in range(k)]
         ag.append((float(n), timed(lambda: dist.all_gather(out, piece, group=group))))
     figures = torch.tensor([mm, *(s for _, s in ar), *(s for _, s in ag)], dtype=torch.float64, device=dev)
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
     f = figures.tolist()
     n = len(sizes)
     ar = [(b, s) for (b, _), s in zip(ar, f[1:1 + n])]

@@ -1,0 +1,104 @@
+"""The gradient sync a hybrid step runs at ``optimizer.step()``: tied copies, then the data-parallel mean.
+
+A pipeline split may put the copies of a tied weight (GPT's embedding and head) on different stages;
+:meth:`TiedCopies.find` finds them once at boost, and every step sums their gradients (locally for
+copies on one rank, over a group of the ranks holding them otherwise). :class:`GradSync` then
+averages every gradient over the ranks holding the same parameters (dp × cp) and, under 2D/2.5D/3D
+tensor parallelism, over the batch pieces, bucketed per dtype into one all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import comm
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TiedCopies:
+    """This rank's copies of each tied weight with the group summing them (``copies``), and the names
+    of copies a gradient norm skips (``skip``: after the sync every copy holds the same gradient, so a
+    norm counts one, the first of the lowest pipeline rank)."""
+
+    def __init__(self):
+        self.copies: List[tuple] = []  # ([this rank's copies of one tied weight], group of the holders or None)
+        self.skip: set = set()
+
+    @classmethod
+    def find(cls, model, tied: List[List[str]], dims) -> "TiedCopies":
+        """Collective over the world: every rank says which tied weights it holds, then every rank makes
+        the holders' group of each tied weight per pipeline (same dp, cp and tp coordinates)."""
+        out = cls()
+        which = {n: i for i, names in enumerate(tied) for n in names}
+        local: Dict[int, List[tuple]] = {}  # tied weight -> this rank's distinct copies (name, param)
+        for n, p in model.named_model_parameters():
+            if n in which and all(q is not p for _, q in local.get(which[n], [])):
+                local.setdefault(which[n], []).append((n, p))
+        held: List[Any] = [None] * dist.get_world_size()
+        comm.all_gather_object(held, sorted(local))
+        me = dist.get_rank()
+        for i in range(len(tied)):
+            for pipeline in dims.pipelines():
+                holders = [r for r in pipeline if i in held[r]]
+                group = dist.new_group(holders) if len(holders) > 1 else None  # every rank, same order
+                if me in holders:
+                    out.copies.append(([p for _, p in local[i]], group))
+                    out.skip.update(n for n, _ in local[i][int(me == holders[0]):])
+        return out
+
+    def sum_grads(self) -> None:
+        for params, group in self.copies:
+            grads = [p.grad for p in params if p.grad is not None]
+            if not grads:
+                continue
+            total = sum(grads[1:], grads[0])
+            if group is not None:
+                comm.all_reduce(_local(total), group=group)
+            for g in grads:
+                g.copy_(total)  # a no-op on the one copy a rank holds alone
+
+    def groups(self) -> List[Any]:
+        return [g for _, g in self.copies]
+
+
+class GradSync:
+    """``sync(model)``: tied copies summed, then the mean over ``group`` (dp × cp; None: this rank
+    alone) and the N-d batch pieces."""
+
+    def __init__(self, ties: TiedCopies, group: Optional[Any]):
+        self.ties, self.group = ties, group
+
+    def __call__(self, model) -> None:
+        self.ties.sum_grads()
+        named = list(model.named_model_parameters())
+        # N-d: each rank's loss is the mean over its piece of the batch and the grid's reductions sum
+        # the pieces, so gradients are averaged over the nb pieces as over data parallelism
+        nb = model.nd.grid.batch_shards if model.nd is not None else 1
+        # (context parallelism likewise: each rank's loss is the mean over its shard of the sequence)
+        if self.group is None:
+            if nb > 1:
+                for _, p in named:
+                    if p.grad is not None:
+                        p.grad.div_(nb)
+            return
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for _, p in named:
+            if p.grad is not None:
+                g = _local(p.grad)
+                by_dtype.setdefault(g.dtype, []).append(g)
+        n = dist.get_world_size(self.group) * nb
+        for gs in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            comm.all_reduce(flat, group=self.group)
+            flat.div_(n)
+            off = 0
+            for g in gs:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+            comm.release(flat)  # freed here, not whenever gloo's worker drops the all-reduce
