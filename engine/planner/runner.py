@@ -28,10 +28,9 @@ class InProcess:
         self.n = dist.get_world_size()
 
     def run(self, fn, *args):
-
-        out: List[Any] = [None] * self.n
         from .. import comm
 
+        out: List[Any] = [None] * self.n
         comm.all_gather_object(out, fn(*args))
         return out
 
