@@ -152,7 +152,7 @@ def _dtensor_storages():
     parameters and saved tensors apart by their storages, and a DTensor (tensor parallelism's
     parameters, and what autograd saves around them) has none of its own, so ``untyped_storage()``
     raises on it; its bytes are its local tensor's, which the allocator events count. (Scoped to the
-    profiling steps; ``engine/autockpt.py`` reading ``to_local()`` itself would make this unneeded.)"""
+    profiling steps; ``engine/autockpt/`` reading ``to_local()`` itself would make this unneeded.)"""
     from torch.distributed.tensor import DTensor
 
     had = "untyped_storage" in DTensor.__dict__

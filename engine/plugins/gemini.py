@@ -7,7 +7,7 @@ RAM") included. The plugin validates its arguments before any work and hands the
 
 ``activation_checkpointing``: ``True`` recomputes every layer (``enable_activation_checkpointing()``, or
 ``checkpoint_wrapper`` on a Sequential's children); ``"auto"`` plans which layers recompute at the
-first training forward (engine/autockpt.py) for ``activation_budget`` bytes, or, without one, for
+first training forward (engine/autockpt/) for ``activation_budget`` bytes, or, without one, for
 what the compute tier has left: ``device_memory_limit`` (or the device's memory) minus the bytes
 Gemini keeps resident there (chunk homes and optimizer state on the compute tier) minus its
 run-time working set (``placement.working_set_bytes``: chunks being computed and prefetched,

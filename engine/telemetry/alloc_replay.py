@@ -15,7 +15,7 @@ Two ways to count what is live (``live=``):
   holds every thread's blocks, so a block another thread frees or allocates is in it.
 
 The planner's meter (``engine/planner/memory/meter.py``) and activation checkpointing's profile
-(``engine/autockpt.py``) both read their peaks from :func:`replay`. Only torch is used.
+(``engine/autockpt/``) both read their peaks from :func:`replay`. Only torch is used.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ CHECKPOINT_OPTIONS = ("none", "layer", "attn", "mlp")  # what GPT's blocks can r
 
 @dataclass(frozen=True)
 class CheckpointPlanEvent:
-    """The activation-checkpoint plan one rank chose (``engine/autockpt.py``), emitted when a plan
+    """The activation-checkpoint plan one rank chose (``engine/autockpt/``), emitted when a plan
     is made (``autockpt.solve``, which ``plan_checkpointing``, GPT's ``activation_checkpointing="auto"``
     (once per batch shape) and the plugins' agreed plans end in) and when one is applied
     (``autockpt.apply``).
