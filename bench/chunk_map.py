@@ -1,5 +1,5 @@
 """ChunkMap redraw rate at 8 ranks × 2 000 chunks: the wrapped strip (widgets/chunk_map.py)
-against the layout it replaced (one SVG marker per chunk), side by side in one run.
+against a layout with one SVG marker per chunk ("old" below), side by side in one run.
 
 Workload, per step: every chunk of every rank gets a ChunkEvent (Gemini's chunk manager
 re-sends each chunk once per step, ``ChunkManager.snapshot``), of which ``--move-frac`` of

@@ -22,7 +22,7 @@ same length, the goal ``1/cp``, and the excess over ``cp1_peak / cp`` (the "cons
 ``peak = slope * seq + intercept``, the slope ratio to cp=1's (the goal: ``<= 1/cp``, checked
 strictly: ``slope_goal_met``) and what a rank holds per local token beyond ``1/cp`` of cp=1. Bytes
 sent per rank per step (counted at the collective calls) and the step's seconds are printed too;
-absolute times from this machine are noise.
+the seconds of gloo ranks on shared CPU cores are a rough figure, the bytes are exact.
 """
 
 from __future__ import annotations

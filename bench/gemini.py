@@ -49,8 +49,9 @@ LADDER = [(256, 4), (384, 4), (512, 4), (640, 4), (768, 4), (1024, 4), (1024, 8)
 def _cfg(d, layers=4):
     from colossal_lab.engine.models import GPTConfig
 
-    # activation checkpointing for every contender: at batch 2 x 64 a 32-layer model's saved
-    # activations (~350 MiB) would otherwise dominate the budget, and the bench measures state capacity
+    # activation checkpointing for every contender: at batch 2 x 64 a deep model's saved activations
+    # would otherwise take most of the budget (docs/gemini.md, "Measured"), and the bench measures
+    # state capacity
     return GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=max(1, d // 64), n_embd=d,
                      activation_checkpointing=True)
 

@@ -1,10 +1,11 @@
 """What the engine's telemetry costs training when someone listens, with nobody drawing.
 
-The tiny GPT boosted with GeminiPlugin (CPU + NVMe tiers: ~57 ChunkEvents per step) in one
-process; two contenders in alternating blocks: ``emit`` (a bus subscriber that only counts
-events, so Gemini, the optimizer wrapper and StepMetrics build and emit theirs) and ``none``
-(no subscriber: the engine builds nothing). ``bench/widgets.py --emit-only`` has the same
-contender beside a live dashboard; this one isolates it, with more blocks in the same time.
+The tiny GPT boosted with GeminiPlugin (CPU + NVMe tiers, so chunks change tier and ChunkEvents
+flow every step) in one process; two contenders in alternating blocks: ``emit`` (a bus
+subscriber that only counts events, so Gemini, the optimizer wrapper and StepMetrics build and
+emit theirs) and ``none`` (no subscriber: the engine builds nothing). ``bench/widgets.py
+--emit-only`` has the same contender beside a live dashboard; this one isolates it, with more
+blocks in the same time.
 
     OMP_NUM_THREADS=1 python bench/telemetry_cost.py --blocks 60
 """

@@ -32,8 +32,8 @@ Measured per rank, on one step after a warm-up step (which allocates the gradien
   holds between forward and backward; and **step peak**: the peak of live CPU tensor bytes during
   forward + backward above what was live before (``colossal_lab.engine.planner.memory.measure``: the profiler's
   allocator events, every thread), which adds temporaries and communication buffers.
-* tokens/s: the median of ``--steps`` plain steps (no counting modes), printed, not a target (two
-  shared cores here).
+* tokens/s: the median of ``--steps`` plain steps (no counting modes), printed, not a target (gloo
+  ranks sharing a few CPU cores make it a rough figure).
 
 Prints a table and one JSON line: per case the raw figures, and the ratios (per-rank bytes and
 activations) against 1D at the same tp.

@@ -311,7 +311,7 @@ def run_cluster(args, comm_stats) -> dict:
 
     contenders = ("attached", "detached") + (("relay_only",) if args.relay_only else ())
     res = {c: [] for c in contenders}
-    relay_kw = {}  # only what was asked for, so the bench also runs against older relays
+    relay_kw = {}  # only what was asked for: a relay whose attach() lacks a keyword still runs
     if args.relay_interval is not None:
         relay_kw["interval"] = args.relay_interval
     if args.no_coalesce:

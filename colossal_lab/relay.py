@@ -31,8 +31,8 @@ and every event costs encoding and decoding, all on CPU the ranks' training woul
 use (on a machine whose cores the ranks fill, the kernel's share is taken from them too). So
 a rank sends one message per ``interval``, folds the events to what the widgets draw, and
 writes rows without key names; the receiver wakes once per interval for all ranks rather
-than once per message. What this costs and what each step saved is measured in
-``bench/widgets.py --mode cluster`` (see ``docs/widgets.md``, "The relay").
+than once per message. ``bench/widgets.py --mode cluster`` measures what this costs (figures,
+and what each of these choices saves: ``docs/widgets.md``, "The relay").
 ``attach(cluster, coalesce=False)`` re-emits every event as the rank emitted it (to record a
 complete trace in the kernel); ``interval`` sets the batch period.
 

@@ -266,7 +266,7 @@ def scenario_int8_generate(cpu: bool) -> dict:
 
 
 def readme_snippet() -> str:
-    """README's "A first session" ``%%colossal`` cell body, as the README has it now."""
+    """README's "A first session" ``%%colossal`` cell body, read from README.md at run time."""
     text = (ROOT / "README.md").read_text()
     for block in re.findall(r"```python\n(.*?)```", text, re.S):
         lines = block.splitlines()

@@ -81,5 +81,7 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
         for g, saved in zip(opt.param_groups, meta["param_groups"]):
             for k, v in saved.items():
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
-        if opt.loss_scaler is not None:  # older checkpoints kept the scale alone
+        # the scaler's whole state where the file has one; else the scale alone (a file written
+        # without a scaler, or one holding only ``loss_scale``)
+        if opt.loss_scaler is not None:
             opt.loss_scaler.load_state_dict(meta.get("loss_scaler") or {"scale": meta.get("loss_scale", opt.scale)})

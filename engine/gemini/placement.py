@@ -52,8 +52,9 @@ def working_set_bytes(chunks: List[Chunk], max_prefetch: int, capacity: Optional
     awaiting reduction; during the step the optimizer windows: the one being updated and the
     next one being read ahead, plus — when that is at most a quarter of ``capacity`` — a third for
     the one being written behind (with two, the read-ahead waits for the write-behind to land and
-    NVMe reads and writes stop overlapping: measured 247 vs 464 MB/s for a 608M-parameter step;
-    under a budget only a few chunks wide the third window would push every home off the tier).
+    NVMe reads and writes stop overlapping and the step's disk throughput drops far below the
+    disk's, see docs/gemini.md, "Measured"; under a budget only a few chunks wide the third
+    window would push every home off the tier).
     """
     full = max(c.full_bytes for c in chunks)
     grad = max(c.size * 4 for c in chunks)

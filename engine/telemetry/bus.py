@@ -62,7 +62,7 @@ def background_priority(nice: Optional[int] = None) -> bool:
     not CPU the ranks want. On a CPU-bound box (ranks filling every core) a normal-priority
     thread waking at 5 Hz preempts a rank, and the ranks, in lockstep at each collective, all
     wait for that one; at nice 10 it runs in the gaps (or at ~1/10 of a core's share when
-    there are none), which is still far more than a few ms per redraw. Linux applies nice per
+    there are none), which is still plenty for a throttled redraw. Linux applies nice per
     thread (``setpriority`` on the thread id) within the process's scheduling autogroup, so
     it orders these threads against ranks launched from the same session (``cl.launch`` ranks
     are), not against other sessions. Elsewhere (macOS, Windows) nothing changes. Never raises:
@@ -106,8 +106,9 @@ def session_background(nice: Optional[int] = None) -> Optional[int]:
     makes its threads take what the ranks leave. Only where it can be undone: unprivileged
     processes may lower their priority but not raise it back (unless ``RLIMIT_NICE`` allows),
     and a kernel left at the lower weight after detach would be a surprise; there it does
-    nothing. Measured (docs/widgets.md): no effect on a quiet 2-core box (its target ratio met
-    with and without); it is for a kernel that draws while other work competes."""
+    nothing. Where the cores have room for the kernel anyway it changes nothing; it is for a
+    kernel that draws while other work competes for them (figures: docs/widgets.md, "The 0.97x
+    target")."""
     nice = BACKGROUND_NICE if nice is None else nice
     try:
         with open(_AUTOGROUP) as f:
