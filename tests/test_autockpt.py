@@ -1,4 +1,4 @@
-"""Activation checkpointing within a budget (engine/autockpt.py): the profile's saved bytes against a
+"""Activation checkpointing within a budget (engine/autockpt/): the profile's saved bytes against a
 hand count, the dynamic program against brute force, measured peaks under budgets spread between
 checkpointing everything and nothing (with loss and gradients equal to the plain model's), GPTConfig's
 "auto", and the errors a user can meet."""

@@ -1,6 +1,6 @@
 """CheckpointPlanView: the activation-checkpoint plan each rank chose, block by block, live.
 
-``engine/autockpt.py`` emits a ``CheckpointPlanEvent`` when it makes a plan (``plan_checkpointing``,
+``engine/autockpt/`` emits a ``CheckpointPlanEvent`` when it makes a plan (``plan_checkpointing``,
 GPT's ``activation_checkpointing="auto"``) and when one is applied (``autockpt.apply``). This view
 draws, per ``(rank, stage)`` one row of a shared figure (ordered by stage, then rank):
 
