@@ -183,7 +183,7 @@ def test_dynamic_program_coarsens_long_chains_safely(monkeypatch):
     prof = _random_profile(rng, n=5, parts=("attn", "mlp"))
     budget = (min_peak(prof)[0] + prof.predict(["none"] * 5)[0]) // 2
     exact = solve(prof, budget)
-    monkeypatch.setattr(autockpt, "MAX_STATES", 3)  # forces rounding kept bytes up to a grid
+    monkeypatch.setattr(autockpt.solver, "MAX_STATES", 3)  # forces rounding kept bytes up to a grid
     coarse = solve(prof, budget)
     assert coarse.predicted_peak <= budget and coarse.predicted_recompute_s >= exact.predicted_recompute_s - 1e-12
 

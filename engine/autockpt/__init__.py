@@ -95,7 +95,7 @@ solves without reporting. ``colossal_lab.widgets.CheckpointPlanView`` draws it.
 from .events import plan_event
 from .measure import profile_checkpointing
 from .profile import LAYER, NONE, CheckpointProfile, OptionCost, UnitProfile
-from .solve import CheckpointPlan, apply, min_peak, plan_checkpointing, solve
+from .solver import CheckpointPlan, apply, min_peak, plan_checkpointing, solve
 
 __all__ = ["LAYER", "NONE", "CheckpointPlan", "CheckpointProfile", "OptionCost", "UnitProfile", "apply", "min_peak",
            "plan_checkpointing", "plan_event", "profile_checkpointing", "solve"]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from .solve import CheckpointPlan
+    from .solver import CheckpointPlan
 
 
 def _stage_of(model: nn.Module, default: int = 0) -> int:

@@ -8,7 +8,6 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from ..telemetry.units import format_bytes
 
 NONE, LAYER = "none", "layer"
-MAX_STATES = 20000
 _MARK = 5_000_011  # odd byte counts no tensor of a step has: marks in the CPU allocator's event stream
 
 Entry = Union[int, str]

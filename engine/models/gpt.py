@@ -389,6 +389,10 @@ class GPT(nn.Module):
         """The model contract's request: ``activation_budget`` while the config asks for ``"auto"``."""
         return self.cfg.activation_budget if self.cfg.activation_checkpointing == "auto" else None
 
+    def activation_checkpointing_enabled(self) -> bool:
+        """The model contract: ``cfg.activation_checkpointing`` is on (True or ``"auto"``)."""
+        return bool(self.cfg.activation_checkpointing)
+
     def checkpoint_parts(self) -> tuple:
         """Sub-modules of a block that can recompute on their own (the model contract)."""
         return ("attn", "mlp")

@@ -102,3 +102,8 @@ class CheckpointRequestContract(Protocol):
         while the request stands the model recomputes exactly those, and a list does not withdraw
         it) and ``model.checkpoint_plan = plan``. Default: None (no method: nothing is planned unless
         a plugin's own ``activation_checkpointing="auto"`` asks)."""
+
+    def activation_checkpointing_enabled(self) -> bool:
+        """Whether the model recomputes in backward by its own choice (its config: every layer, or a
+        request the engine plans), so that ``cl.plan`` counts its step as checkpointed. Default:
+        False (no method: only a plugin's ``activation_checkpointing`` turns it on)."""

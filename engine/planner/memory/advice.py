@@ -58,7 +58,8 @@ def _smaller_step(fp: FitPlan, m, plugin, ac: bool, peak: int, dev: str,
         alt = replan(plugin, True)
         if alt is not None and alt < peak:
             out.append(f"activation checkpointing saves {_fmt(peak - alt)} per rank on {dev} "
-                       f"(peak {_fmt(peak)} -> {_fmt(alt)}): GPTConfig(activation_checkpointing=True)"
+                       f"(peak {_fmt(peak)} -> {_fmt(alt)}): {m.name}.enable_activation_checkpointing() (a config's "
+                       "activation_checkpointing=True)"
                        + (" or HybridParallelPlugin(activation_checkpointing=True)"
                           if isinstance(plugin, HybridParallelPlugin) else ""))
     act = fp.activations.get("with_checkpointing" if ac else "without_checkpointing") or 0
@@ -126,8 +127,7 @@ def _parallel(m, plugin, env: _Env) -> List[str]:
             or ((plugin is None or isinstance(plugin, DDPPlugin)) and env.world > 1)):
         return out
     tp = getattr(plugin, "tp_size", 1)
-    heads = getattr(getattr(m.meta, "cfg", None), "n_head", None)
-    if callable(getattr(m.meta, "tp_plan", None)) and env.world % (2 * tp) == 0 and (heads is None or heads % (2 * tp) == 0):
+    if callable(getattr(m.meta, "tp_plan", None)) and env.world % (2 * tp) == 0 and _tp_fits(m.meta, 2 * tp):
         out.append(f"tp_size={2 * tp} (HybridParallelPlugin) splits every block's weights and activations "
                    f"over {2 * tp} ranks")
     pp = getattr(plugin, "pp_size", 1)
@@ -135,3 +135,15 @@ def _parallel(m, plugin, env: _Env) -> List[str]:
             and env.world % (2 * pp * tp) == 0:
         out.append(f"pp_size={2 * pp} (HybridParallelPlugin) holds 1/{2 * pp} of the layers per rank")
     return out
+
+
+def _tp_fits(meta, tp: int) -> bool:
+    """The model contract's ``check_tp`` accepts ``tp`` ranks (no such method: nothing to check)."""
+    check = getattr(meta, "check_tp", None)
+    if not callable(check):
+        return True
+    try:
+        check(tp)
+    except (ValueError, TypeError):
+        return False
+    return True

@@ -44,7 +44,7 @@ def _meta_model(model_or_config) -> Tuple[nn.Module, str]:
                             f"{type(m).__name__}, not an nn.Module")
         return m, type(m).__name__
     raise TypeError(f"cl.plan(model_or_config={type(model_or_config).__name__}): pass an nn.Module (real, meta or "
-                    "lazy_init), a GPTConfig, or a config with build() (the model contract, "
+                    "lazy_init), or a config with build() (the model contract, "
                     "colossal_lab.engine.models.protocol.ModelConfig)")
 
 
@@ -77,8 +77,8 @@ class _Model:
         return callable(getattr(self.meta, "enable_activation_checkpointing", None)) or isinstance(self.meta, nn.Sequential)
 
     def ac_enabled(self) -> bool:
-        cfg = getattr(self.meta, "cfg", None)
-        return bool(getattr(cfg, "activation_checkpointing", False))
+        """The model checkpoints by its own choice (the model contract's ``activation_checkpointing_enabled``)."""
+        return _checkpoints_itself(self.meta)
 
     def token_inputs(self, b: int):
         if self.inputs is not None:
@@ -136,8 +136,11 @@ class _Model:
             _convert_nd(scope, fake, mode, nd)
         if ac:
             _enable_ac(fake)
-        elif getattr(getattr(fake, "cfg", None), "activation_checkpointing", False):
-            fake.cfg.activation_checkpointing = False  # the copy's own config: the user's is untouched
+        elif _checkpoints_itself(fake):  # switched off on the copy (the user's model is untouched)
+            from ...autockpt_request import take
+
+            take(fake)  # no request planned on fake tensors
+            fake.enable_activation_checkpointing([])
         fake.train()
         loss_fn = self._loss_for(nd, first, last, b)
         if nd is not None and self.device == "cpu":
@@ -233,3 +236,8 @@ class _PlanKey:
 
     def __eq__(self, other):
         return isinstance(other, _PlanKey) and sorted(self.plan) == sorted(other.plan)
+
+
+def _checkpoints_itself(model: nn.Module) -> bool:
+    own = getattr(model, "activation_checkpointing_enabled", None)
+    return bool(own()) if callable(own) else False

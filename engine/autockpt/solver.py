@@ -11,7 +11,10 @@ import torch.nn as nn
 from .chain import _setter
 from .events import _emit, _stage_of
 from .measure import profile_checkpointing
-from .profile import MAX_STATES, NONE, CheckpointProfile, Entry, _fmt
+from .profile import NONE, CheckpointProfile, Entry, _fmt
+
+
+MAX_STATES = 20000  # the most states a front keeps before kept bytes are rounded to a grid
 
 
 @dataclass
