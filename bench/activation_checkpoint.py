@@ -54,7 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from colossal_lab.engine.autockpt import NONE, min_peak, profile_checkpointing, solve  # noqa: E402
+from colossal_lab.engine.autockpt import min_peak, profile_checkpointing, solve  # noqa: E402
 from colossal_lab.engine.models import GPT, GPTConfig  # noqa: E402
 from colossal_lab.engine.planner import measure  # noqa: E402
 

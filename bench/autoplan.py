@@ -52,10 +52,10 @@ def _measure(preset: str, cand: dict, batch: int, seq: int, warmup: int, steps: 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from colossal_lab.engine.planner.layout import Candidate
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT, GPTConfig
     from colossal_lab.engine.planner import measure
+    from colossal_lab.engine.planner.layout import Candidate
 
     c = Candidate(**cand)
     cfg = GPTConfig.preset(preset)
@@ -228,8 +228,8 @@ def main() -> None:
     args = _parse()
 
     import colossal_lab as cl
-    from colossal_lab.engine.planner.layout import candidates
     from colossal_lab.engine.models import GPTConfig
+    from colossal_lab.engine.planner.layout import candidates
 
     out_lines = []
     with cl.launch(n=args.world, backend="gloo", threads=1) as cluster:

@@ -200,7 +200,6 @@ PAGE_JS = """async ([names, rounds]) => {
 
 def browser_side(sent: dict, rounds: int, screenshot: str = "") -> dict:
     import plotly
-
     from playwright.sync_api import sync_playwright
 
     bundle = os.path.join(os.path.dirname(plotly.__file__), "package_data", "plotly.min.js")

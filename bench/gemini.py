@@ -29,7 +29,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess

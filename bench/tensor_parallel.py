@@ -104,9 +104,9 @@ def _worker(rank, world, port, args, q):
     try:
         from colossal_lab.engine import Booster
         from colossal_lab.engine.models import GPT, GPTConfig
+        from colossal_lab.engine.planner import measure
         from colossal_lab.engine.plugins import HybridParallelPlugin
         from colossal_lab.engine.tp_nd import COUNTER, CrossEntropy, count_dtensor
-        from colossal_lab.engine.planner import measure
 
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         n_embd=args.embd)
@@ -148,7 +148,7 @@ def _worker(rank, world, port, args, q):
             del model, opt, booster, plugin
             gc.collect()
         q.put((rank, res))
-    except BaseException as e:
+    except BaseException:
         import traceback
 
         q.put((rank, traceback.format_exc()))

@@ -99,8 +99,8 @@ def install_serializing_comm() -> dict:
 
 def _build(preset, device_memory_limit, chunk_mb, batch, seq):
     """Model, Gemini booster (CPU + NVMe), a few fixed batches; returns (step_fn, cleanup, seq)."""
-    import tempfile as _tf
     import shutil as _sh
+    import tempfile as _tf
 
     import torch
 

@@ -72,7 +72,6 @@ import zmq
 
 from colossal_lab.engine import telemetry
 
-
 WIRE_VERSION = 2  # frame 0 of every message: b"<version> <events folded in>"
 
 

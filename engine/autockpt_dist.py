@@ -28,7 +28,6 @@ import zlib
 from dataclasses import replace
 from typing import Iterable, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 

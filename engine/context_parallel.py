@@ -69,7 +69,8 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .traffic import COUNTER as _ALL, CounterView
+from .traffic import COUNTER as _ALL
+from .traffic import CounterView
 
 MODES = ("ring", "ulysses")
 

@@ -9,8 +9,14 @@ See ``docs/kernels.md``.
 
 from .adamw import FusedAdamW, adamw_reference, fused_adamw
 from .dispatch import BACKENDS, interpret_mode, triton_available
-from .flash_attention import (attention_backward_reference, attention_reference, attention_reference_lse,
-                              flash_attention, flash_attention_backward, flash_attention_forward)
+from .flash_attention import (
+                              attention_backward_reference,
+                              attention_reference,
+                              attention_reference_lse,
+                              flash_attention,
+                              flash_attention_backward,
+                              flash_attention_forward,
+)
 from .int8_matmul import int8_linear, int8_linear_reference
 from .rms_norm import rms_norm, rms_norm_reference
 

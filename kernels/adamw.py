@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 

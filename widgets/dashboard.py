@@ -30,7 +30,6 @@ from .gauges import MemoryGauges
 from .state import MetricsState, reduce_all
 from .timeline import PipelineTimeline
 
-
 MAX_POINTS = 1000  # per curve: a long run's redraw (and its comm message) stays bounded
 
 

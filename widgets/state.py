@@ -29,7 +29,6 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
-from colossal_lab.engine.telemetry.events import CheckpointPlanEvent
 from colossal_lab.engine.telemetry import (
     TIERS,
     ChunkEvent,
@@ -40,6 +39,7 @@ from colossal_lab.engine.telemetry import (
     rank_busy,
     stage_means,
 )
+from colossal_lab.engine.telemetry.events import CheckpointPlanEvent
 
 TIER_COLORS = {"cuda": "#76b900", "cpu": "#1f77b4", "nvme": "#ff7f0e"}
 KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1",

@@ -13,7 +13,6 @@ from .events import _emit, _stage_of
 from .measure import profile_checkpointing
 from .profile import NONE, CheckpointProfile, Entry, _fmt
 
-
 MAX_STATES = 20000  # the most states a front keeps before kept bytes are rounded to a grid
 
 

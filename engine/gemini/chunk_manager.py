@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
 import torch

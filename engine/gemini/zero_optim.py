@@ -14,8 +14,8 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-from torch.optim.adam import adam as _adam
 from torch.optim import Optimizer
+from torch.optim.adam import adam as _adam
 
 from .. import comm
 from ..wrappers import OptimizerWrapper

@@ -20,9 +20,9 @@ them (a recompute gathers chunks again: the ranks must recompute the same layers
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-import contextlib
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Union
 

@@ -46,11 +46,25 @@ from ..device import default_device
 from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from .base import Plugin
-from .hybrid.apply import (apply_auto_checkpointing, apply_context_parallel, apply_optimizer, apply_pipeline,
-                           apply_ties, nd_grid, parameter_names, prepare_part)
+from .hybrid.apply import (
+    apply_auto_checkpointing,
+    apply_context_parallel,
+    apply_optimizer,
+    apply_pipeline,
+    apply_ties,
+    nd_grid,
+    parameter_names,
+    prepare_part,
+)
 from .hybrid.auto_checkpoint import PipelineStep
-from .hybrid.checks import (Checkpointing, check_checkpointing, check_context_parallel, check_running,
-                            check_tensor_parallel, resolve_checkpointing)
+from .hybrid.checks import (
+    Checkpointing,
+    check_checkpointing,
+    check_context_parallel,
+    check_running,
+    check_tensor_parallel,
+    resolve_checkpointing,
+)
 from .hybrid.dims import ParallelDims
 from .hybrid.grads import GradSync, TiedCopies, _local  # noqa: F401 - _local: tests read it here
 from .hybrid.module import HybridParallelModule

@@ -8,13 +8,35 @@
     events = telemetry.read_trace("trace.jsonl")
 """
 
+from .analysis import (
+                     RankBusy,
+                     bubble_fractions,
+                     bubble_fractions_by_rank,
+                     dedupe,
+                     fractions_from_busy,
+                     rank_busy,
+                     rank_label,
+                     stage_means,
+                     to_chrome_trace,
+)
 from .bus import emit, has_subscribers, subscribe
-from .events import (EVENT_TYPES, ROW_TYPES, SPAN_KINDS, TIERS, ChunkEvent, Event, MemorySample, StageSpan,
-                     StepMetrics, from_dict, from_row, to_dict, to_row)
+from .events import (
+                     EVENT_TYPES,
+                     ROW_TYPES,
+                     SPAN_KINDS,
+                     TIERS,
+                     ChunkEvent,
+                     Event,
+                     MemorySample,
+                     StageSpan,
+                     StepMetrics,
+                     from_dict,
+                     from_row,
+                     to_dict,
+                     to_row,
+)
 from .trace import read_trace, record, write_trace
 from .units import format_bytes
-from .analysis import (RankBusy, bubble_fractions, bubble_fractions_by_rank, dedupe, fractions_from_busy, rank_busy,
-                       rank_label, stage_means, to_chrome_trace)
 
 __all__ = [
     "format_bytes",

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from .. import comm
 from ..comm import simulate_gloo  # noqa: F401 - the planners' name for it
-from ..traffic import COUNTER as _ALL, CounterView, sent_bytes
+from ..traffic import COUNTER as _ALL
+from ..traffic import CounterView, sent_bytes
 
 PREFIX = "tp_nd."
 COUNTER = _ALL.view(PREFIX, float)

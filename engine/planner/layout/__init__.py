@@ -30,8 +30,7 @@ from .costs import Costs, features, fit_overheads, nd_traffic, predict
 from .microbench import calibrate, merge_calibrations
 from .probe import RUNOFF, choose_probes, merge_probe, probe_step, runoff_pick
 from .result import AutoPlan
-from .search import (MARGIN_PER_ERROR, MIN_MARGIN, PEAK_MARGIN, PEAK_MARGIN_ZERO, PLAN_HEADROOM, PLAN_TOLERANCE,
-                     autoplan)
+from .search import MARGIN_PER_ERROR, MIN_MARGIN, PEAK_MARGIN, PEAK_MARGIN_ZERO, PLAN_HEADROOM, PLAN_TOLERANCE, autoplan
 from .space import SCHEDULES, Candidate, candidates
 
 __all__ = ["AutoPlan", "Calibration", "Candidate", "Costs", "SearchRecord", "autoplan", "calibrate", "candidates",
