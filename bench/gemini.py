@@ -211,9 +211,14 @@ def overhead(steps=8):
     tt, tg = [], []
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        _, l = ref(x, x); l.backward(); ropt.step(); ropt.zero_grad()
+        _, l = ref(x, x)
+        l.backward()
+        ropt.step()
+        ropt.zero_grad()
         t1 = time.perf_counter()
-        _, l = gm(x, x); gopt.backward(l); gopt.step()
+        _, l = gm(x, x)
+        gopt.backward(l)
+        gopt.step()
         t2 = time.perf_counter()
         if i:  # first step is warm-up for both
             tt.append(tok / (t1 - t0))

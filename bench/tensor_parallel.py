@@ -96,6 +96,13 @@ class SavedBytes:
         return self._ctx.__exit__(*exc)
 
 
+def _train_step(booster, batch, model, criterion, opt):
+    """One training step; a function of its arguments, so nothing outlives the case's ``del``."""
+    booster.execute_pipeline(iter([batch]), model, criterion, opt)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
 def _worker(rank, world, port, args, q):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -120,13 +127,7 @@ def _worker(rank, world, port, args, q):
             booster = Booster(plugin=plugin)
             model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=1e-3))
             criterion = crit if mode == "1d" else CrossEntropy()
-
-            def step():
-                booster.execute_pipeline(iter([batch]), model, criterion, opt)
-                opt.step()
-                opt.zero_grad(set_to_none=False)
-
-            step()  # warm-up: every .grad allocated
+            _train_step(booster, batch, model, criterion, opt)  # warm-up: every .grad allocated
             gc.collect()
             dist.barrier()
             COUNTER.reset()
@@ -141,7 +142,7 @@ def _worker(rank, world, port, args, q):
             for _ in range(args.steps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                step()
+                _train_step(booster, batch, model, criterion, opt)
                 times.append(time.perf_counter() - t0)
             res[(mode, depth)] = {"sent": sent, "saved": saved.total, "peak": meter.peak["cpu"],
                                   "step_s": statistics.median(times)}

@@ -248,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur_k, cur_v = k, v
-        dk = dv = grad_works = None
+        dk = dv = grad_in = grad_works = None  # grad_in: the accumulators that arrive with the next k/v block
         for step in range(cp):
             if step + 1 < cp:
                 (nk, nv), kv_works = _exchange((cur_k, cur_v), (1, 2), nxt, prv, group, "ring_kv")

@@ -24,8 +24,9 @@ measures the real thing. ``docs/plan.md`` has the measured table and what is not
 
 from .api import TraceCache, plan
 from .meter import measure
-from .model import _meta_model
-from .result import CATEGORIES, TIERS, FitPlan, RankPlan, TierPlan, _fmt
+from .model import _meta_model as _meta_model  # re-exported for the layout search
+from .result import CATEGORIES, TIERS, FitPlan, RankPlan, TierPlan
+from .result import _fmt as _fmt  # re-exported: how the plan writes bytes
 
 # ``cl.plan.measure`` / ``cl.plan.FitPlan``: the meter and the result type, reached from the planner itself
 plan.measure = measure

@@ -121,7 +121,10 @@ class _Model:
                 prev = self.trace(ac=ac, autocast=autocast, dtype=dtype, micro=micro, stage=(s - 1, n), tp=tp)
                 shape, dt = prev.out_meta
                 dev = self.device
-                make = lambda: (torch.empty(shape, dtype=dt, device=dev),)
+
+                def make():  # the previous stage's output, as this stage's input
+                    return (torch.empty(shape, dtype=dt, device=dev),)
+
         with contextlib.ExitStack() as scope:  # the fake process group (N-d) ends with the trace, however it ends
             tr = self._trace_on(scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b)
         self._traces[key] = tr

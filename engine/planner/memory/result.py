@@ -129,7 +129,10 @@ class FitPlan:
                             + [_fmt(getattr(tp, c)) for c in CATEGORIES]
                             + [_fmt(tp.peak), _fmt(tp.capacity), "yes" if tp.fits else "NO"])
         widths = [max(len(str(r[i])) for r in rows + [cols]) for i in range(len(cols))]
-        line = lambda r: "  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+
+        def line(r):  # the first two columns left-aligned, the numbers right-aligned
+            return "  ".join(str(v).rjust(w) if i > 1 else str(v).ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+
         out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
         act = self.activations
         if act:
