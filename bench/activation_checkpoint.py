@@ -18,11 +18,12 @@ untimed step before each timed one) and the median counts; a plan equal to a uni
 is that policy's measurement. Tokens/s is per CPU second of this process (``time.process_time``:
 on a shared machine the wall clock mostly measures the neighbours), median over rounds; also
 reported: the least CPU time over rounds (``*_best``: contention only adds time) and the median
-wall time (``*_wall``), each with its own best uniform policy. Per budget one JSON line: our plan, its predicted and measured peak, whether it held, our
-tokens/s, the best uniform policy whose measured peak fits the same budget, and the ratio
-ours / best uniform. A last line sums up (every peak held? the least ratio) with a noise floor: the
-largest tokens/s difference between two uniform policies that recompute as many (identical) blocks
-(k=5 and k=6 both recompute two). A markdown table goes to stderr.
+wall time (``*_wall``), each with its own best uniform policy. Per budget one JSON line: our plan,
+its predicted and measured peak, whether it held, our tokens/s, the best uniform policy whose
+measured peak fits the same budget, and the ratio ours / best uniform. A last line sums up (every
+peak held? the least ratio) with a noise floor: the largest tokens/s difference between two uniform
+policies that recompute as many (identical) blocks (k=5 and k=6 both recompute two). A markdown
+table goes to stderr.
 
 **Head-to-head** (``--h2h N``, the verdict's resolution). On a shared machine a step's CPU time
 moves ±10% from one step to the next (neighbours' load slows the core itself), while at some

@@ -113,8 +113,9 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per layout (enough to tell 10%% apart)")
-    ap.add_argument("--budgets", default="", help="MiB per rank, comma-separated (default: two per model, "
-                                                  "near the grid's lower and upper quartile measured peaks, halfway to the next one)")
+    ap.add_argument("--budgets", default="",
+                    help="MiB per rank, comma-separated (default: two per model, "
+                         "near the grid's lower and upper quartile measured peaks, halfway to the next one)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="measure the grid this many times, in alternating order; a layout's figure is its "
                          "fastest round (a shared box's slow periods outlast a layout's steps and only add "

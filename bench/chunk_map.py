@@ -5,7 +5,8 @@ Workload, per step: every chunk of every rank gets a ChunkEvent (Gemini's chunk 
 re-sends each chunk once per step, ``ChunkManager.snapshot``), of which ``--move-frac`` of
 the chunks changed tier (a move: their events also come first, as ``_moved`` emits them) and
 ``--state-frac`` changed state only; ``--no-snapshot`` sends only the events of the chunks
-that moved or changed state (after a first step with every chunk, the warm-up placement). Both contenders get the same events.
+that moved or changed state (after a first step with every chunk, the warm-up placement). Both
+contenders get the same events.
 
 Kernel side, per step and contender: fold the step's events into the view's state
 (``LiveView._take``), then ``redraw()``: build the figure dict, compare it with the last one,

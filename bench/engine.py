@@ -40,8 +40,10 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--baseline", default="plain", choices=["plain", "ddp"],
-                    help="plain: a bare torch loop; ddp: the same loop on torch DDP (on one rank DDPPlugin skips DDP, so this flatters us)")
-    ap.add_argument("--telemetry", action="store_true", help="subscribe a no-op listener (StepMetrics built every step)")
+                    help="plain: a bare torch loop; ddp: the same loop on torch DDP "
+                         "(on one rank DDPPlugin skips DDP, so this flatters us)")
+    ap.add_argument("--telemetry", action="store_true",
+                    help="subscribe a no-op listener (StepMetrics built every step)")
     return ap.parse_args()
 
 

@@ -75,8 +75,8 @@ def run(order: str, cfg: GPTConfig, args, nvme_dir: str) -> dict:
         reads.append(mgr.nvme.bytes_read - r0)
         moves.append(mgr.moves - m0)
     out = {"step_s": statistics.median(times), "nvme_read": statistics.median(reads),
-           "moves": statistics.median(moves), "first_s": first, "compute_peak": mgr.compute.peak, "repack_s": gm.pack.seconds,
-           "status": gm.pack.status, "chunks": len(mgr.chunks), "loss": loss.item()}
+           "moves": statistics.median(moves), "first_s": first, "compute_peak": mgr.compute.peak,
+           "repack_s": gm.pack.seconds, "status": gm.pack.status, "chunks": len(mgr.chunks), "loss": loss.item()}
     plugin.close()
     return out
 

@@ -178,8 +178,9 @@ def run(names, preset="small", batch=2, seq=64, steps=3, world=2):
                     g = plan.rank_plan(r).tiers[tier]
                     rows.append({"case": n, "rank": r, "tier": tier, "predicted": pred, "measured": meas,
                                  "error_pct": round(100.0 * (pred - meas) / meas, 2) if meas else None,
-                                 "phase": g.phase, "by_category": {c: getattr(g, c) for c in
-                                                                   ("params", "grads", "optimizer", "activations", "working")},
+                                 "phase": g.phase,
+                                 "by_category": {c: getattr(g, c) for c in
+                                                 ("params", "grads", "optimizer", "activations", "working")},
                                  "left_live": res["final"]})
             for r in range(world):
                 res = next(x for x in measured[r] if x["case"] == n)
@@ -211,7 +212,8 @@ def main():
     print(f"{'case':24s} {'rank':>4s} {'tier':5s} {'predicted':>12s} {'measured':>12s} {'error':>8s}  phase")
     mem = [r for r in rows if "tier" in r]
     for r in mem:
-        print(f"{r['case']:24s} {r['rank']:4d} {r['tier']:5s} {r['predicted'] / mib:9.2f} MiB {r['measured'] / mib:9.2f} MiB "
+        print(f"{r['case']:24s} {r['rank']:4d} {r['tier']:5s} "
+              f"{r['predicted'] / mib:9.2f} MiB {r['measured'] / mib:9.2f} MiB "
               f"{r['error_pct']:+7.1f}%  {r['phase']}")
     traffic = [r for r in rows if "traffic" in r]
     if traffic:

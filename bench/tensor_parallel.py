@@ -211,7 +211,8 @@ def main(argv=None) -> int:
             mean = sum(per_rank) / len(per_rank)
             book = textbook(GPT(cfg), mode, tp, tokens=N, depth=depth, vocab_parallel_loss=mode != "1d")
             parts = {k: round(sum(by_part(r["sent"]).get(k, 0) for r in rs) / len(rs)) for k in book}
-            row = {"tp": tp, "mode": mode, "grid": factor(mode, tp, depth), "sent_mean": mean, "sent_max": max(per_rank),
+            row = {"tp": tp, "mode": mode, "grid": factor(mode, tp, depth),
+                   "sent_mean": mean, "sent_max": max(per_rank),
                    "textbook": sum(book.values()), "sent_by_part": parts,
                    "textbook_by_part": {k: round(v) for k, v in book.items()},
                    "saved_max": max(r["saved"] for r in rs), "peak_max": max(r["peak"] for r in rs),

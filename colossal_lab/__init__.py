@@ -53,6 +53,7 @@ def unload_ipython_extension(ipython) -> None:
         mm.magics[kind].pop("colossal", None)
 
 
-__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch", "plan", "FitPlan", "autoplan", "AutoPlan", "autoshard",
+__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch",
+           "plan", "FitPlan", "autoplan", "AutoPlan", "autoshard",
            "__version__",
            "load_ipython_extension", "unload_ipython_extension"]

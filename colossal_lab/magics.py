@@ -66,7 +66,8 @@ def _parse_targets(text: Optional[str]) -> Optional[List[int]]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise UsageError(f"%%colossal: --targets {text!r} must be comma-separated rank numbers, e.g. --targets 0,2") from None
+        raise UsageError(f"%%colossal: --targets {text!r} must be comma-separated rank numbers, "
+                         "e.g. --targets 0,2") from None
 
 
 def _split(line: str, prog: str) -> List[str]:

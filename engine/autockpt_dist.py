@@ -80,7 +80,8 @@ def merge_profiles(profile: CheckpointProfile, group=None) -> CheckpointProfile:
         return profile
     from . import comm
 
-    shape = [float(len(profile.units)), float(len(profile.options)), float(zlib.crc32(",".join(profile.options).encode()))]
+    shape = [float(len(profile.units)), float(len(profile.options)),
+             float(zlib.crc32(",".join(profile.options).encode()))]
     got = comm.reduce_values(shape + [-v for v in shape], op=dist.ReduceOp.MAX, group=group)
     if got[:3] != [-v for v in got[3:]]:
         raise ValueError(f"merge_profiles: the ranks of the group profiled different layers or options (this rank: "

@@ -21,7 +21,8 @@ def seq_boundary(n_inputs: int = 1, into: Optional[str] = None, out: Optional[st
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 
-    moves, rest, kw = {"shard": (Replicate(), Shard(1)), "gather": (Shard(1), Replicate())}, (None,) * (n_inputs - 1), {}
+    moves, rest, kw = ({"shard": (Replicate(), Shard(1)), "gather": (Shard(1), Replicate())},
+                       (None,) * (n_inputs - 1), {})
     if into:
         kw.update(input_layouts=(moves[into][0],) + rest, desired_input_layouts=(moves[into][1],) + rest)
     if out:

@@ -128,7 +128,8 @@ class OptimizerWrapper:
         self.model = model
         self.mixed_precision = mixed_precision
         self.checkpoint_optim = checkpoint_optim or optim
-        self.loss_scaler = loss_scaler or (DynamicLossScaler(group=group) if needs_loss_scaling(mixed_precision) else None)
+        self.loss_scaler = loss_scaler or (
+            DynamicLossScaler(group=group) if needs_loss_scaling(mixed_precision) else None)
         self._unscaled = False
         self._found_inf = False
         self._last_loss: Optional[torch.Tensor] = None

@@ -158,8 +158,10 @@ def _build_bwd_dkdv():
             dsT = pT * (dpT - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
         dk = dk * sm_scale
-        tl.store(DK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
-        tl.store(DV + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask)
+        tl.store(DK + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=kmask)
+        tl.store(DV + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                 mask=kmask)
 
     return bwd_dkdv
 
@@ -209,7 +211,8 @@ def _build_bwd_dq():
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
         dq = dq * sm_scale
-        tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=qmask)
+        tl.store(DQ + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=qmask)
 
     return bwd_dq
 
@@ -257,9 +260,11 @@ def _triton_bwd(q, k, v, o, lse, do, causal, scale):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     kern.bwd_dkdv[(triton_cdiv(Tk, BN), B * H)](q, k, v, do, lse, delta, dk, dv, *strides, H, Tq, Tk,
-                                                 scale * _LOG2E, scale, CAUSAL=causal, BM=BM, BN=BN, D=D, UP=_upcast(q), **extra)
+                                                 scale * _LOG2E, scale,
+                                                 CAUSAL=causal, BM=BM, BN=BN, D=D, UP=_upcast(q), **extra)
     kern.bwd_dq[(triton_cdiv(Tq, BM), B * H)](q, k, v, do, lse, delta, dq, *strides, H, Tq, Tk,
-                                               scale * _LOG2E, scale, CAUSAL=causal, BM=BM, BN=BN, D=D, UP=_upcast(q), **extra)
+                                               scale * _LOG2E, scale,
+                                               CAUSAL=causal, BM=BM, BN=BN, D=D, UP=_upcast(q), **extra)
     return dq, dk, dv
 
 
@@ -389,10 +394,11 @@ def _lse_path(op: str, q, k, v, causal, backend) -> str:
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             backend: Optional[str] = None, scale: Optional[float] = None):
     """``(out, lse)``: attention's output (``q``'s dtype) and each query row's log-sum-exp of its
-    scaled scores, ``(B, H, Tq)`` fp32 (fp64 for fp64 inputs on the CPU flash path), natural log. No autograd graph: pair it with
-    :func:`flash_attention_backward` inside your own ``autograd.Function`` (for a differentiable
-    call use :func:`flash_attention`). Same dispatch, shapes and checks as ``flash_attention``;
-    the torch path off CUDA is ATen's fused CPU flash kernel, the fallback the fp32 reference."""
+    scaled scores, ``(B, H, Tq)`` fp32 (fp64 for fp64 inputs on the CPU flash path), natural log. No
+    autograd graph: pair it with :func:`flash_attention_backward` inside your own
+    ``autograd.Function`` (for a differentiable call use :func:`flash_attention`). Same dispatch,
+    shapes and checks as ``flash_attention``; the torch path off CUDA is ATen's fused CPU flash
+    kernel, the fallback the fp32 reference."""
     path = _lse_path("flash_attention_forward", q, k, v, causal, backend)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if path == "triton":

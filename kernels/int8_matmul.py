@@ -100,7 +100,8 @@ def _build():
         acc = acc * s[None, :]
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     return SimpleNamespace(mm=mm)
 

@@ -206,7 +206,8 @@ def scenario_gemini(placement: str, cpu: bool) -> dict:
     _check_losses(losses)
     size = f"{n_params / 1e9:.2f}B" if n_params >= 1e8 else f"{n_params / 1e6:.2f}M"
     return {"figure": f"{_fmt_tps(tps)}, {size} params, loss {losses[0]:.2f}->{losses[-1]:.2f}",
-            "tokens_per_s": tps, "params": n_params, "losses": losses, "plugin_kwargs": {k: str(v) for k, v in kw.items()}}
+            "tokens_per_s": tps, "params": n_params, "losses": losses,
+            "plugin_kwargs": {k: str(v) for k, v in kw.items()}}
 
 
 def scenario_int8_generate(cpu: bool) -> dict:
@@ -261,7 +262,8 @@ def scenario_int8_generate(cpu: bool) -> dict:
         raise AssertionError(f"int8 tokens differ from bf16's: {same:.1%} equal")
     tps = prompt.shape[0] * new / seconds
     ratio = model_bytes(bf16) / model_bytes(int8)
-    return {"figure": f"tokens == bf16 ({got.numel() - prompt.numel()}), {_fmt_tps(tps)} int8, bytes bf16/int8 {ratio:.2f}",
+    return {"figure": f"tokens == bf16 ({got.numel() - prompt.numel()}), {_fmt_tps(tps)} int8, "
+                      f"bytes bf16/int8 {ratio:.2f}",
             "tokens_per_s": tps, "train_loss": final, "bytes_ratio_bf16_over_int8": ratio}
 
 
@@ -345,7 +347,8 @@ class Row:
 
 
 def _pytest_summary(out: str) -> str:
-    lines = [l for l in out.strip().splitlines() if re.search(r"\b(passed|failed|skipped|error|errors|deselected|collected|no tests ran)\b", l)]
+    summary = r"\b(passed|failed|skipped|error|errors|deselected|collected|no tests ran)\b"
+    lines = [l for l in out.strip().splitlines() if re.search(summary, l)]
     if not lines:
         return ""
     return re.sub(r"^=+\s*|\s*=+$", "", lines[-1]).strip()

@@ -8,8 +8,9 @@
     PipelineTimeline.from_trace("run.jsonl").export_chrome_trace("run.trace.json")
 
 Each view: a no-argument constructor that subscribes to ``telemetry.subscribe``;
-``from_trace(path)``; ``.figure`` (a plotly figure, built on read from the plain dict the live path sends); ``feed(event)`` / ``update(events)``;
-``close()``. Only telemetry event types, plotly and ipywidgets are imported here (DESIGN.md).
+``from_trace(path)``; ``.figure`` (a plotly figure, built on read from the plain dict the live path
+sends); ``feed(event)`` / ``update(events)``; ``close()``. Only telemetry event types, plotly and
+ipywidgets are imported here (DESIGN.md).
 """
 
 from ._live import display_mode, set_display_mode, widget_frontend_present

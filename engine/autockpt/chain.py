@@ -75,4 +75,5 @@ def _setter(model: nn.Module) -> Callable[[List[Entry]], None]:
                 model[i] = checkpoint_wrapper(inner) if i in entries else inner
         return set_seq
     raise ValueError(f"plan_checkpointing: {type(model).__name__} has no enable_activation_checkpointing(layers=...) "
-                     "(the model contract) and is not an nn.Sequential; implement it or wrap the layers in nn.Sequential")
+                     "(the model contract) and is not an nn.Sequential; "
+                     "implement it or wrap the layers in nn.Sequential")

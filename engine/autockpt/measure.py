@@ -332,8 +332,8 @@ def profile_checkpointing(model: nn.Module, sample_inputs, loss_fn: Optional[Cal
                         key = ("bwd", u, None if o == LAYER else o)
                         if key not in probe.spans:
                             raise ValueError(
-                                f"plan_checkpointing: enable_activation_checkpointing(layers={entries(choice)}) did not "
-                                f"recompute layer {layers[u][1]}{'' if o == LAYER else '.' + o} in backward")
+                                f"plan_checkpointing: enable_activation_checkpointing(layers={entries(choice)}) "
+                                f"did not recompute layer {layers[u][1]}{'' if o == LAYER else '.' + o} in backward")
                         got[(u, o)]["recompute_s"] = min(got[(u, o)].get("recompute_s", math.inf), probe.spans[key])
                 # saved bytes of a layer that keeps everything (this profiling step's saved hooks)
                 for u, o in enumerate(choice):

@@ -143,8 +143,8 @@ def solve(profile: CheckpointProfile, budget: int, *, report: bool = True) -> Ch
         raise ValueError(
             f"plan_checkpointing: budget={budget} bytes ({_fmt(budget)}) is below the lowest peak activation memory "
             f"any checkpointing plan reaches on inputs {profile.inputs}: {lowest} bytes ({_fmt(lowest)}, recomputing "
-            f"{sum(o != NONE for o in lowest_choice)} of {len(lowest_choice)} layers). Raise the budget to at least that, "
-            "or make the step smaller (batch size, sequence length)")
+            f"{sum(o != NONE for o in lowest_choice)} of {len(lowest_choice)} layers). "
+            "Raise the budget to at least that, or make the step smaller (batch size, sequence length)")
     _, choice = res
     peak, t = profile.predict(choice)
     entries = [e for u, o in zip(profile.units, choice) if (e := u.entry(o)) is not None]

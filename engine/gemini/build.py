@@ -61,7 +61,8 @@ def chunk_elems(infos: Sequence[TensorInfo], elem: int, world: int, chunk_size_m
 
 
 def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
-          device: Optional[torch.device] = None, group=None, world: int = 1, rank: int = 0, placement_policy: str = "auto", shard_param_frac: float = 1.0,
+          device: Optional[torch.device] = None, group=None, world: int = 1, rank: int = 0,
+          placement_policy: str = "auto", shard_param_frac: float = 1.0,
           offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0, nvme_offload_dir: Optional[str] = None,
           nvme_offload_frac: float = 0.0, device_memory_limit: Optional[int] = None,
           chunk_size_mb: Optional[float] = None, max_prefetch: int = 2, pin_memory: bool = True,

@@ -18,7 +18,8 @@ from .zero_optim import GeminiOptimizer
 def _groups_json(optim: GeminiOptimizer) -> str:
     groups = []
     for g in optim.param_groups:
-        groups.append({k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, list, tuple, type(None)))})
+        groups.append({k: v for k, v in g.items()
+                       if k != "params" and isinstance(v, (int, float, str, bool, list, tuple, type(None)))})
     scaler = optim.loss_scaler.state_dict() if optim.loss_scaler is not None else None
     return json.dumps({"param_groups": groups, "loss_scaler": scaler}, indent=2)
 

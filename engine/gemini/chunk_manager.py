@@ -391,7 +391,8 @@ class ChunkManager:
             if self.check_finite and not self.found_inf and not bool(torch.isfinite(host).all()):
                 self.found_inf = True  # fp16: seen here, before the gradient goes to disk
             # for gradient clipping: norms of what goes to disk, so clipping never reads it back
-            self._grad_norms[c.id] = (float(host.double().pow(2).sum()), float(host.abs().max()) if host.numel() else 0.0)
+            self._grad_norms[c.id] = (float(host.double().pow(2).sum()),
+                                      float(host.abs().max()) if host.numel() else 0.0)
             self.stack.host.alloc(host.numel() * 4)
             self._writes.append((self.nvme.write(f"c{c.id}.grad", host), self.stack.host, host.numel() * 4, host))
             self._grad_on_nvme[c.id] = True
@@ -486,7 +487,8 @@ class ChunkManager:
         if c.optim_home == "nvme":
             # the window's buffers: the state buffer is handed to the write (freed when it lands)
             self.stack.host.free(optim_block_bytes(c) - w.state.numel() * 4)
-            self._writes.append((self.nvme.write(f"c{c.id}.state", w.state), self.stack.host, w.state.numel() * 4, w.state))
+            self._writes.append((self.nvme.write(f"c{c.id}.state", w.state), self.stack.host,
+                                 w.state.numel() * 4, w.state))
             self._grad_on_nvme.pop(c.id, None)
             self._grad_norms.pop(c.id, None)
             self.nvme.remove(f"c{c.id}.grad")

@@ -123,7 +123,8 @@ def plan_homes(chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig) -> N
                 raise ValueError(
                     f"GeminiPlugin: parameters and optimizer states need {need / 2**20:.1f} MiB per rank "
                     f"but device_memory_limit={stack.compute.capacity} bytes leaves room for less "
-                    f"(working-set reserve {working_set_bytes(chunks, cfg.max_prefetch, stack.compute.capacity) / 2**20:.1f} MiB); "
+                    "(working-set reserve "
+                    f"{working_set_bytes(chunks, cfg.max_prefetch, stack.compute.capacity) / 2**20:.1f} MiB); "
                     "raise device_memory_limit or set nvme_offload_dir=... to spill to NVMe")
             raise ValueError(
                 f"GeminiPlugin: nvme_offload_dir has {stack.nvme.capacity / 2**30:.2f} GiB free, but the plan "

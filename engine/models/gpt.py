@@ -45,7 +45,8 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"GPTConfig: head dim n_embd/n_head={self.n_embd // self.n_head} must be even for rotary positions")
+            raise ValueError(f"GPTConfig: head dim n_embd/n_head={self.n_embd // self.n_head} "
+                             "must be even for rotary positions")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
@@ -196,7 +197,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = "", recompute: FrozenSet[str] = frozenset()):
+    def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = "",
+                recompute: FrozenSet[str] = frozenset()):
         # recompute: the sub-modules ("attn", "mlp") checkpointed on their own (GPT.forward decides)
         a = self.attn_norm(x)
         if "attn" in recompute:  # the same five positional inputs a tensor-parallel plan expects
@@ -399,7 +401,8 @@ class GPT(nn.Module):
 
     def _parse_layers(self, layers) -> Dict[int, FrozenSet[str]]:
         if isinstance(layers, (str, int)):
-            raise TypeError(f"enable_activation_checkpointing(layers={layers!r}): pass a list, e.g. layers=[{layers!r}]")
+            raise TypeError(f"enable_activation_checkpointing(layers={layers!r}): "
+                            f"pass a list, e.g. layers=[{layers!r}]")
         out: Dict[int, set] = {}
         for e in layers:
             i, part = e, "layer"
@@ -412,7 +415,8 @@ class GPT(nn.Module):
                                  f"[0, {self.cfg.n_layer}) or 'i.attn' / 'i.mlp'")
             have = out.setdefault(i, set())
             if "layer" in have or (have and part == "layer"):
-                raise ValueError(f"enable_activation_checkpointing: block {i} is listed whole and in part; list it once")
+                raise ValueError(f"enable_activation_checkpointing: block {i} is listed whole and in part; "
+                                 "list it once")
             have.add(part)
         return {i: frozenset(p) for i, p in out.items()}
 

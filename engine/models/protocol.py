@@ -56,8 +56,8 @@ class ModelContract(Protocol):
         model is fed this rank's shard of every sequence (``context_parallel.shard_batch``: dim 1,
         zig-zag for ring, contiguous for Ulysses) and must compute each attention over the whole
         sequence through ``ContextParallel(group, mode)`` (called as ``cp(q, k, v, causal=True)``
-        on ``(B, H, T/cp, D)`` shards) and take positions from ``cp.positions(local_T, device)`` (or shard whole-sequence tables
-        with ``cp.shard(table, dim)``).
+        on ``(B, H, T/cp, D)`` shards) and take positions from ``cp.positions(local_T, device)`` (or
+        shard whole-sequence tables with ``cp.shard(table, dim)``).
         Raise ``ValueError`` if it cannot (``cp.check_heads(heads)`` for Ulysses). Default: an
         error naming this method (``context_parallel.apply_context_parallel``)."""
 

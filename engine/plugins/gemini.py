@@ -97,9 +97,9 @@ class GeminiPlugin(Plugin):
         if self.activation_checkpointing == "auto" and self.activation_budget is None \
                 and self.device_memory_limit is None and not torch.cuda.is_available():
             raise ValueError("GeminiPlugin(activation_checkpointing='auto'): without activation_budget the budget is "
-                             "what device_memory_limit leaves after Gemini's resident chunks, and on a CPU-only machine "
-                             "no limit is set; pass activation_budget=<bytes> (e.g. 2 << 30) or "
-                             "device_memory_limit=<bytes>")
+                             "what device_memory_limit leaves after Gemini's resident chunks, "
+                             "and on a CPU-only machine no limit is set; "
+                             "pass activation_budget=<bytes> (e.g. 2 << 30) or device_memory_limit=<bytes>")
         if self.nvme_offload_dir is not None:
             self._check_dir(self.nvme_offload_dir)
             if self.nvme_direct_io:
@@ -198,7 +198,8 @@ def _check_checkpoint_contract(model: nn.Module, ac) -> None:
                          "(engine/models/protocol.py) or use activation_checkpointing=True")
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"GeminiPlugin(activation_checkpointing={ac!r}): {type(model).__name__} has no "
-                         "enable_activation_checkpointing(layers=...) (the model contract) and is not an nn.Sequential; "
+                         "enable_activation_checkpointing(layers=...) (the model contract) "
+                         "and is not an nn.Sequential; "
                          "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
 
 

@@ -106,7 +106,8 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
                              "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
         if precision not in self.supported_precisions:
-            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): choose one of {self.supported_precisions}")
+            raise ValueError(f"HybridParallelPlugin(precision={precision!r}): "
+                             f"choose one of {self.supported_precisions}")
         if pp_size > 1 and num_microbatches is None and microbatch_size is None:
             raise ValueError(f"HybridParallelPlugin(pp_size={pp_size}): set num_microbatches (e.g. "
                              f"num_microbatches={2 * pp_size}) or microbatch_size")
@@ -273,14 +274,16 @@ class HybridParallelPlugin(Plugin):
             raise TypeError("execute_pipeline(model=...): pass the model returned by booster.boost / plugin.configure")
         batch = next(data_iter)
         if not isinstance(batch, dict):
-            raise TypeError(f"execute_pipeline: batches must be dicts like {{'idx': x, 'targets': y}}, got {type(batch).__name__}")
+            raise TypeError("execute_pipeline: batches must be dicts like {'idx': x, 'targets': y}, "
+                            f"got {type(batch).__name__}")
         m = self.num_microbatches
         if m is None and self.microbatch_size is None:
             m = 1  # pp_size == 1 without a split: the whole batch at once
         if m is None:
             bs = batch[self.input_key].shape[0]
             if bs % self.microbatch_size:
-                raise ValueError(f"execute_pipeline: batch size {bs} is not a multiple of microbatch_size={self.microbatch_size}")
+                raise ValueError(f"execute_pipeline: batch size {bs} "
+                                 f"is not a multiple of microbatch_size={self.microbatch_size}")
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})

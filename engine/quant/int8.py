@@ -24,7 +24,8 @@ _F32 = torch.float32
 def quantize_weight(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(N, K)`` float → int8 ``(N, K)`` and fp32 scales ``(N,)``: ``w ≈ q * scale[:, None]``."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"quantize_weight: expected a 2-D floating-point weight, got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError("quantize_weight: expected a 2-D floating-point weight, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -65,7 +66,8 @@ class Int8Linear(nn.Module):
         p, b = self._plan, self._buffers
         if (p is not None and _cpu.ENABLED and x.dtype is _F32 and x.is_cpu and x.shape[-1] == p.K
                 and x.numel() <= p.max_numel and x.is_contiguous() and p.q is b["weight_int8"]
-                and p.scale is b["scale"] and p.bias is b["bias"] and not (x.requires_grad and torch.is_grad_enabled())):
+                and p.scale is b["scale"] and p.bias is b["bias"]
+                and not (x.requires_grad and torch.is_grad_enabled())):
             return p.run(x)
         return self._forward_slow(x)
 

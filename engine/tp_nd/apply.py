@@ -51,7 +51,8 @@ def resolve_plan(model: nn.Module, tp_plan: Optional[dict] = None) -> Dict[str, 
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        plan = tp_plan if tp_plan is not None else (model.tp_plan() if callable(getattr(model, "tp_plan", None)) else None)
+        plan = tp_plan if tp_plan is not None else (
+            model.tp_plan() if callable(getattr(model, "tp_plan", None)) else None)
         if plan is None:
             raise ValueError(f"N-d tensor parallelism: {type(model).__name__} has neither tp_nd_plan() nor tp_plan() "
                              "(the model contract); implement tp_nd_plan() -> {module name: 'colwise' | 'rowwise' | "
@@ -73,9 +74,9 @@ def resolve_plan(model: nn.Module, tp_plan: Optional[dict] = None) -> Dict[str, 
     loose = [n for n, _ in model.named_parameters()
              if n.rpartition(".")[0] not in covered or n.rpartition(".")[2] not in ("weight", "bias")]
     if loose:
-        raise ValueError(f"N-d tensor parallelism: no role for parameters {loose[:6]}{' ...' if len(loose) > 6 else ''} "
-                         f"of {type(model).__name__}; give their modules a role in tp_nd_plan() (the model contract: "
-                         f"{ROLES})")
+        raise ValueError(f"N-d tensor parallelism: no role for parameters {loose[:6]}"
+                         f"{' ...' if len(loose) > 6 else ''} of {type(model).__name__}; "
+                         f"give their modules a role in tp_nd_plan() (the model contract: {ROLES})")
     seen: Dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:

@@ -65,7 +65,8 @@ class Linear3D(nn.Module):
     ``weight`` ``(out / q^2, in / q)``, ``bias`` (optional) its ``(out / q^3,)`` piece of the
     output features, gathered over the output layout's batch group."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], grid, in_axis: str, out_axis: str, out_layout):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], grid, in_axis: str, out_axis: str,
+                 out_layout):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None

@@ -9,10 +9,11 @@
 | module | what |
 |---|---|
 | ``space`` | the search space: :class:`Candidate`, :func:`candidates` |
-| ``microbench`` | the step-time model's constants, measured on the ranks: :func:`calibrate`, :func:`merge_calibrations` |
-| ``calibration`` | those figures (:class:`Calibration`) and a search's bookkeeping (:class:`SearchRecord`), and their dict form |
-| ``costs`` | the step-time model: :class:`Costs`, :func:`predict`, :func:`nd_traffic`, the overheads' :func:`features` and :func:`fit_overheads` |
-| ``probe`` | layouts run for real: :func:`probe_step`, :func:`merge_probe`, :func:`choose_probes`, :func:`runoff_pick` |
+| ``microbench`` | the step-time model's constants, measured on ranks: :func:`calibrate`, :func:`merge_calibrations` |
+| ``calibration`` | those figures (:class:`Calibration`), a search's bookkeeping (:class:`SearchRecord`), as dicts too |
+| ``costs`` | the step-time model: :class:`Costs`, :func:`predict`, :func:`nd_traffic`, |
+| | and the overheads' :func:`features` and :func:`fit_overheads` |
+| ``probe`` | layouts really run: :func:`probe_step`, :func:`merge_probe`, :func:`choose_probes`, :func:`runoff_pick` |
 | ``search`` | :func:`autoplan`: calibrate, probe, verify, run-off, answer |
 | ``result`` | :class:`AutoPlan` |
 

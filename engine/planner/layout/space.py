@@ -35,7 +35,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        mode = "" if self.tp_mode == "1d" else f"({self.tp_mode}" + (f" d{self.tp_depth}" if self.tp_depth > 1 else "") + ")"
+        mode = ("" if self.tp_mode == "1d"
+                else f"({self.tp_mode}" + (f" d{self.tp_depth}" if self.tp_depth > 1 else "") + ")")
         s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.pp > 1:
             s += f" {self.pp_style} m{self.num_microbatches}"

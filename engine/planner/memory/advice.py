@@ -39,7 +39,8 @@ def _advice(fp: FitPlan, m, plugin, env: _Env, prec: str, opt: str, ac: bool) ->
         out += _gemini_knobs(m, plugin, env)
         out += _parallel(m, plugin, env)
         if env.device != "cpu" and env.compute is not None:
-            out.append(f"a device with more than {_fmt(peak)} per rank, or world_size={2 * env.world} with a sharding plugin")
+            out.append(f"a device with more than {_fmt(peak)} per rank, "
+                       f"or world_size={2 * env.world} with a sharding plugin")
     if "nvme" in fp.tiers and _worst_over(fp, "nvme") > 0:
         out.append(f"free {_fmt(_worst_over(fp, 'nvme') * env.world)} on nvme_dir, choose a larger disk, or lower "
                    "nvme_offload_frac")
@@ -95,7 +96,8 @@ def _sharding(fp: FitPlan, plugin, env: _Env, prec: str, ac: bool, peak: int, de
                       device_memory_limit=(env.compute // 2) if env.compute else None)
     alt = replan(gp, ac)
     if alt is not None and alt < peak:
-        out.append(f"GeminiPlugin(placement_policy='auto'{', nvme_offload_dir=' + repr(env.nvme_dir) if env.nvme_dir else ''}"
+        out.append("GeminiPlugin(placement_policy='auto'"
+                   f"{', nvme_offload_dir=' + repr(env.nvme_dir) if env.nvme_dir else ''}"
                    f") moves parameters and optimizer state off the {dev} tier: peak -> {_fmt(alt)}")
     return out
 

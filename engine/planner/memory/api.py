@@ -111,7 +111,8 @@ def _plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, 
         res.notes.append(f"traced with CPU kernels (this torch has no CUDA): activations on {env.device} may "
                          "differ where its kernels save other tensors (e.g. flash attention)")
     fp = FitPlan(plugin=name, world_size=world_size, batch=batch, seq=seq, precision=prec, device=env.device,
-                 model={"name": m.name, "params": m.numel, "param_bytes": m.param_bytes, "buffer_bytes": m.buffer_bytes},
+                 model={"name": m.name, "params": m.numel,
+                        "param_bytes": m.param_bytes, "buffer_bytes": m.buffer_bytes},
                  layout=res.layout, ranks=res.ranks, activations=res.act, traffic=res.traffic, notes=res.notes)
     if res.layout.get("refused"):
         fp.blocked = res.layout["refused"]
@@ -136,9 +137,9 @@ def _check(plugin, world_size, batch, optimizer) -> None:
         tp, pp = plugin.tp_size, plugin.pp_size
         if world_size % (tp * pp):
             ok = [k * tp * pp for k in range(1, 5)]
-            raise ValueError(f"cl.plan(world_size={world_size}): HybridParallelPlugin(tp_size={tp}, pp_size={pp}) needs "
-                             f"a world size divisible by tp_size * pp_size = {tp * pp}; use world_size in {ok} or "
-                             "smaller tp_size/pp_size")
+            raise ValueError(f"cl.plan(world_size={world_size}): HybridParallelPlugin(tp_size={tp}, pp_size={pp}) "
+                             f"needs a world size divisible by tp_size * pp_size = {tp * pp}; "
+                             f"use world_size in {ok} or smaller tp_size/pp_size")
 
 
 def _nd_as_1d(model_or_config, plugin, world_size, batch, seq, env, prec, opt, ac, inputs, loss_fn, why) -> _Result:

@@ -115,7 +115,8 @@ class _Backward:
         stored += sum(a for a, _ in extra)
         work = min(homes.nonalias_full, self.in_use + pinned)
         if self.auto:  # after warm-up: a used chunk stays cached while Gemini's bytes + activations ahead fit
-            room = homes.nonalias_full if self.cap is None else self.cap - homes.homes_comp - stored - buffers - self.ahead[i]
+            room = (homes.nonalias_full if self.cap is None
+                    else self.cap - homes.homes_comp - stored - buffers - self.ahead[i])
             work = max(work, min(homes.nonalias_full, room))
         comp = homes.cats[homes.comp.name]
         return {"params": comp["params"], "optimizer": comp["optimizer"],

@@ -115,7 +115,8 @@ def _tp_arg(m, plugin, mb_n: int, notes: List[str]) -> Optional[tuple]:
         return tp, key_nd
     if tp > 1:
         tplan = plugin.tp_plan if plugin.tp_plan is not None else (
-            m.meta.tp_plan(sequence_parallel=plugin.sequence_parallel) if callable(getattr(m.meta, "tp_plan", None)) else None)
+            m.meta.tp_plan(sequence_parallel=plugin.sequence_parallel)
+            if callable(getattr(m.meta, "tp_plan", None)) else None)
         if tplan is None:
             raise ValueError(f"cl.plan: HybridParallelPlugin(tp_size={tp}) needs the model's tp_plan() or tp_plan=...")
         if callable(getattr(m.meta, "check_tp", None)):
@@ -139,7 +140,8 @@ def _stage_plan(lay: _Layout, s: int, worst_act: dict, notes: List[str]) -> Tupl
     largest = max(params.values(), default=0)
     if pl.zero_stage == 1 and lay.dp > 1:
         S = _opt_bytes(-(-numel // lay.dp), lay.opt)
-        notes.append("ZeRO-1 over dp: optimizer state taken as an even split (ZeroRedundancyOptimizer's greedy partition)")
+        notes.append("ZeRO-1 over dp: optimizer state taken as an even split "
+                     "(ZeroRedundancyOptimizer's greedy partition)")
     else:
         S = _opt_bytes(numel, lay.opt)
     # receive buffers, one per microbatch, kept by torch's PipelineStage: activations in, gradients in
@@ -179,7 +181,8 @@ def _stage_traces(lay: _Layout, stage_ids, worst_act: dict) -> Tuple[List[Tuple[
         key = lay.key(sid)
         tr = lay.trace(sid)
         traces.append((sid, tr))
-        part = (dict(tr.param_bytes), tr.buffer_bytes) if tr.param_bytes is not None else _stage_params(lay.m, key, lay.tp_arg)
+        part = ((dict(tr.param_bytes), tr.buffer_bytes) if tr.param_bytes is not None
+                else _stage_params(lay.m, key, lay.tp_arg))
         params.update(part[0])
         bufs += part[1]
         summ = _acts_summary(lay.m, lay.ac, autocast=lay.low, micro=lay.micro, stage=key, tp=lay.tp_arg)

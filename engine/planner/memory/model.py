@@ -74,7 +74,8 @@ class _Model:
             raise ValueError(f"cl.plan(seq={seq}): the model's block_size is {block}; pass seq <= {block}")
 
     def supports_ac(self) -> bool:
-        return callable(getattr(self.meta, "enable_activation_checkpointing", None)) or isinstance(self.meta, nn.Sequential)
+        return (callable(getattr(self.meta, "enable_activation_checkpointing", None))
+                or isinstance(self.meta, nn.Sequential))
 
     def ac_enabled(self) -> bool:
         """The model checkpoints by its own choice (the model contract's ``activation_checkpointing_enabled``)."""
@@ -130,7 +131,8 @@ class _Model:
         self._traces[key] = tr
         return tr
 
-    def _trace_on(self, scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b) -> _Trace:
+    def _trace_on(self, scope, part, mode, shapes, nd, make, first, last,
+                  ac, autocast, dtype, micro, stage, b) -> _Trace:
         """:meth:`trace`'s fake step on ``part`` (the whole model or a stage); an N-d layout's fake
         process group is entered on ``scope``, so it ends with the trace however the trace ends."""
         fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=shapes)

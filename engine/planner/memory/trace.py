@@ -227,7 +227,8 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
                 for t in inputs:
                     if isinstance(t, torch.Tensor):
                         tracker.register(t, "state")
-            ctx = torch.autocast(device_type=device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+            ctx = (torch.autocast(device_type=device, dtype=autocast) if autocast is not None
+                   else contextlib.nullcontext())
             with tracker.saved_hooks():
                 with ctx:
                     out = fake(*inputs)

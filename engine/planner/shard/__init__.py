@@ -14,7 +14,7 @@ plugin = HybridParallelPlugin(tp_size=2, tp_plan=plan.tp_plan())
 | ``strategies`` | the five ways to cut a linear (:data:`STRATEGIES`) and what each costs |
 | ``propagate`` | how a cut flows through the ops between linears, by op family |
 | ``regions`` | the independent pieces of the choice and each one's Pareto set |
-| ``costs`` | seconds of compute and collectives: :class:`ShardCosts`, :func:`calibrate_shard_costs`, :class:`CalibratedCosts` |
+| ``costs`` | compute/collective seconds: :class:`ShardCosts`, :func:`calibrate_shard_costs`, :class:`CalibratedCosts` |
 | ``search`` | :func:`autoshard`: regions merged by a knapsack on memory; 2D as a whole-model alternative |
 | ``result`` | :class:`ShardPlan` |
 

@@ -62,9 +62,10 @@ def calibrate_shard_costs(group=None, sizes: Sequence[int] = (64 << 10, 4 << 20)
     from ... import comm
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("autoshard: calibrate_shard_costs: torch.distributed is not initialised; call it on the ranks "
-                           "(a %%colossal cell, a torchrun script) or pass costs=ShardCosts(...)")
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        raise RuntimeError("autoshard: calibrate_shard_costs: torch.distributed is not initialised; "
+                           "call it on the ranks (a %%colossal cell, a torchrun script) or pass costs=ShardCosts(...)")
+    dev = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+           else torch.device("cpu"))
 
     def timed(fn) -> float:
         fn()

@@ -104,8 +104,8 @@ def _check_graph(model, g: ShardGraph, tp_size: int, fixed: Dict[str, str]) -> N
     for name, strat in fixed.items():
         lin = g.lin_by_name.get(name)
         if lin is None:
-            raise ValueError(f"autoshard: fixed names {name!r}, which is not an nn.Linear the forward calls; the linears "
-                             f"are {g.linear_names[:8]}{' ...' if len(g.linear_names) > 8 else ''}")
+            raise ValueError(f"autoshard: fixed names {name!r}, which is not an nn.Linear the forward calls; "
+                             f"the linears are {g.linear_names[:8]}{' ...' if len(g.linear_names) > 8 else ''}")
         if strat not in lin.options:
             kind = STRATEGIES[strat][0]
             why = (f"tp_size={tp_size} does not divide its {'out' if kind == 'col' else 'in'}_features="
@@ -126,9 +126,9 @@ def _options(g: ShardGraph, cost: CostAdapter, tp_size: int, activations: bool, 
             cache[key] = region_options(r, cost, tp_size, activations, limit, fixed)
         if not cache[key]:
             if any(l.name in fixed for l in r.lins):
-                raise ValueError(f"autoshard: fixed={ {l.name: fixed[l.name] for l in r.lins if l.name in fixed} } leaves "
-                                 f"no consistent layout for {[l.name for l in r.lins]} (a sharded tensor would reach an "
-                                 "op that needs it whole)")
+                raise ValueError(f"autoshard: fixed={ {l.name: fixed[l.name] for l in r.lins if l.name in fixed} } "
+                                 f"leaves no consistent layout for {[l.name for l in r.lins]} "
+                                 "(a sharded tensor would reach an op that needs it whole)")
             raise RuntimeError(f"autoshard: no consistent layout for linears {[l.name for l in r.lins]} (not even "
                                "replicated); please report this model")
         per_region.append(cache[key])
@@ -144,8 +144,8 @@ def _knapsack(per_region: List[List[Option]], const: float, budget: float, model
         merged = [(m + o.mem, t + o.time, (path, o)) for m, t, path in frontier for o in opts if m + o.mem <= budget]
         if not merged:
             least = sum(min(o.mem for o in opts) for opts in per_region) + const
-            raise ValueError(f"autoshard: {type(model).__name__} needs at least {least / (1 << 20):.2f} MiB per rank at "
-                             f"tp_size={tp_size} (every linear sharded), over device_memory="
+            raise ValueError(f"autoshard: {type(model).__name__} needs at least {least / (1 << 20):.2f} MiB per rank "
+                             f"at tp_size={tp_size} (every linear sharded), over device_memory="
                              f"{device_memory / (1 << 20):.2f} MiB; raise tp_size or the budget"
                              f"{', or pass activations=False to count parameters only' if activations else ''}")
         merged.sort(key=lambda x: (x[0], x[1]))
@@ -228,5 +228,6 @@ def _nd_alternative(model, graph: ShardGraph, mode: str, costs: CostAdapter, act
     comm = nbytes * (costs.allreduce(tp, 1 << 21) - costs.allreduce(tp, 1 << 20)) / (1 << 20) + n_lin * 6 * q * lat
     compute = sum(costs.compute(6.0 * l.tokens * l.in_features * l.out_features / tp) for l in graph.linears.values())
     elems = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    act = (graph.const_act + sum(activation_bytes(n) for r in graph.regions for n in r.nodes)) / tp if activations else 0
+    act = ((graph.const_act + sum(activation_bytes(n) for r in graph.regions for n in r.nodes)) / tp
+           if activations else 0)
     return compute + comm, int(elems * BYTES_PER_PARAM / tp + act), int(elems * 4 / tp), compute, comm

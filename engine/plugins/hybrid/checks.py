@@ -59,7 +59,8 @@ def _check_auto_contract(model: nn.Module) -> None:
                          "activation_checkpointing=True")
     if not isinstance(model, nn.Sequential):
         raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {type(model).__name__} has no "
-                         "enable_activation_checkpointing(layers=...) (the model contract) and is not an nn.Sequential; "
+                         "enable_activation_checkpointing(layers=...) (the model contract) "
+                         "and is not an nn.Sequential; "
                          "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
 
 
@@ -83,7 +84,8 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         nd_apply.check(model, nd_plan, plugin.tp_mode, plugin.tp_grid, plugin.tp_size)
     elif plugin.tp_size > 1 and plugin.tp_plan is None and not callable(getattr(model, "tp_plan", None)):
         raise ValueError(f"HybridParallelPlugin(tp_size={plugin.tp_size}): {type(model).__name__} has no tp_plan() "
-                         "(the model contract); pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
+                         "(the model contract); "
+                         "pass tp_plan={'layer.name': ColwiseParallel() | RowwiseParallel(), ...}")
     if plugin.tp_size > 1 and callable(getattr(model, "check_tp", None)):
         # N-d: heads are cut over q ranks (a grid side), not over the whole tp group
         model.check_tp(plugin.tp_size if not nd else plugin.tp_grid.get("row", plugin.tp_grid.get("y")))

@@ -40,8 +40,9 @@ class HybridParallelModule(nn.Module):
     def forward(self, *args, **kwargs):
         if self.nd is not None:
             raise RuntimeError(f"HybridParallelPlugin(tp_mode={self.nd.grid.mode!r}): each rank holds a piece of the "
-                               "batch and of the vocabulary; call booster.execute_pipeline(data_iter, model, criterion, "
-                               "optimizer), which cuts every batch and hands the criterion this rank's rows")
+                               "batch and of the vocabulary; "
+                               "call booster.execute_pipeline(data_iter, model, criterion, optimizer), "
+                               "which cuts every batch and hands the criterion this rank's rows")
         if self._plugin_pp > 1:
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
