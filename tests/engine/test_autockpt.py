@@ -348,10 +348,10 @@ def test_bad_inputs_are_named():
 
 
 def _tp_train(rank, world, layers):
-    import torch.nn.functional as F
-
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    from support.engine import lm_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", n_layer=4))
@@ -362,8 +362,7 @@ def _tp_train(rank, world, layers):
     model, opt, *_ = booster.boost(model, opt)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (4, 16), generator=g)
-    crit = lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())  # noqa: E731
-    out = booster.execute_pipeline(iter([{"idx": x, "targets": torch.roll(x, -1, 1)}]), model, crit, opt)
+    out = booster.execute_pipeline(iter([{"idx": x, "targets": torch.roll(x, -1, 1)}]), model, lm_loss, opt)
     opt.step()
     # "auto" where blocks hold collectives: the ranks merge their profiles (engine/autockpt_dist.py)
     # and solve the same one, so both recompute the same blocks (tests/test_autockpt_plugins.py has more)
@@ -377,7 +376,8 @@ def _tp_train(rank, world, layers):
 def test_chosen_layers_run_under_tensor_and_sequence_parallelism():
     """Whole blocks and single parts recompute under a tensor-parallel plan's input hooks (5 inputs)."""
     import torch.nn.functional as F
-    from _dist import run_distributed
+
+    from support.dist import run_distributed
 
     layers = [0, "1.attn", "2.mlp"]
     torch.manual_seed(0)

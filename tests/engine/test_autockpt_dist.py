@@ -9,18 +9,14 @@ Every multi-rank case runs real gloo processes and follows a single-process plai
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 from colossal_lab.engine.autockpt import min_peak, profile_checkpointing
 from colossal_lab.engine.autockpt_dist import in_flight, merge_profiles, stage_budget
 from colossal_lab.engine.models import GPT, GPTConfig
 
 BATCH, SEQ, LR = 8, 32, 0.1
-
-
-def crit(out, b):
-    return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
 
 
 def _data(steps=3):
@@ -51,7 +47,7 @@ def _reference_losses(steps=3, make_opt=_sgd):
     opt = make_opt(model.parameters())
     out = []
     for b in _data(steps):
-        loss = crit(model(b["idx"])[0], b)
+        loss = lm_loss(model(b["idx"])[0], b)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -124,11 +120,11 @@ def _tp_worker(rank, world, budget):
     model, opt, *_ = booster.boost(model, _sgd(model.parameters()))
     losses = []
     for b in _data():
-        losses.append(booster.execute_pipeline(iter([b]), model, crit, opt)["loss"].item())
+        losses.append(booster.execute_pipeline(iter([b]), model, lm_loss, opt)["loss"].item())
         opt.step()
         opt.zero_grad()
     plan = _inner_gpt(model).checkpoint_plan
-    measured = _measured_step(lambda: booster.execute_pipeline(iter([b0]), model, crit, opt))
+    measured = _measured_step(lambda: booster.execute_pipeline(iter([b0]), model, lm_loss, opt))
     out["cp"] = (losses, list(plan.layers), plan.budget, plan.predicted_peak, _figures(plan.profile), measured)
     plugin.close()
 
@@ -213,16 +209,16 @@ def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     model, opt, *_ = booster.boost(model, opt)
     losses = []
     for b in _data():
-        out = booster.execute_pipeline(iter([b]), model, crit, opt)
+        out = booster.execute_pipeline(iter([b]), model, lm_loss, opt)
         opt.step()
         opt.zero_grad()
         losses.append(None if out["loss"] is None else out["loss"].item())
     # one more step's forward and backward, measured: the gradients exist (as after a first step),
     # so what it allocates is activations, their gradients and the pipeline's buffers
     b = _data(1)[0]
-    booster.execute_pipeline(iter([b]), model, crit, opt)
+    booster.execute_pipeline(iter([b]), model, lm_loss, opt)
     with measure() as meter:
-        booster.execute_pipeline(iter([b]), model, crit, opt)
+        booster.execute_pipeline(iter([b]), model, lm_loss, opt)
     plan = model.stage_modules[0].inner.checkpoint_plan
     plugin.close()
 
@@ -233,7 +229,7 @@ def _pp_worker(rank, world, budget, m, user_budget, low_budget):
                                   activation_budget=user_budget)
     booster = Booster(plugin=plugin)
     user, opt, *_ = booster.boost(user, opt)
-    out = booster.execute_pipeline(iter([_data(1)[0]]), user, crit, opt)
+    out = booster.execute_pipeline(iter([_data(1)[0]]), user, lm_loss, opt)
     stage = user.stage_modules[0].inner
     wrapped = [i for i, c in enumerate(stage) if hasattr(c, "_checkpoint_wrapped_module")]
     user_out = (None if out["loss"] is None else out["loss"].item(), list(stage.checkpoint_plan.layers), wrapped,
@@ -247,7 +243,7 @@ def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, _sgd(model.parameters()))
     try:
-        booster.execute_pipeline(iter([_data(1)[0]]), model, crit, opt)
+        booster.execute_pipeline(iter([_data(1)[0]]), model, lm_loss, opt)
         low = None
     except ValueError as e:
         low = str(e)
@@ -273,7 +269,7 @@ def _stage_profile(stage, m, model=None):
         return profile_checkpointing(model, (b["idx"],),
                                      lambda out, inp: (_first(out) * torch.ones_like(_first(out))).sum())
     h = torch.randn(BATCH // m, SEQ, width, requires_grad=True)
-    return profile_checkpointing(model, (h,), lambda out, inp: crit(_first(out), b))
+    return profile_checkpointing(model, (h,), lambda out, inp: lm_loss(_first(out), b))
 
 
 def test_pipeline_stages_plan_their_share_and_hold_the_budget():
@@ -289,7 +285,7 @@ def test_pipeline_stages_plan_their_share_and_hold_the_budget():
     user_budget = (min_peak(u1)[0] + u1.predict(["none"] * 3)[0]) // 2
     assert min_peak(u0)[0] <= user_budget // 2
     user = _user_model()
-    user_ref = crit(user(_data(1)[0]["idx"]), _data(1)[0]).item()
+    user_ref = lm_loss(user(_data(1)[0]["idx"]), _data(1)[0]).item()
     low_budget = 2 * min_peak(p0)[0] - 2  # stage 0's half just below its lowest peak; stage 1's whole is not
     p1 = _stage_profile(1, m)
     assert min_peak(p1)[0] <= low_budget
@@ -328,7 +324,7 @@ def _pp_tp_worker(rank, world, budget, m):
     model, opt, *_ = booster.boost(model, _sgd(model.parameters()))
     losses = []
     for b in _data():
-        out = booster.execute_pipeline(iter([b]), model, crit, opt)
+        out = booster.execute_pipeline(iter([b]), model, lm_loss, opt)
         opt.step()
         opt.zero_grad()
         losses.append(None if out["loss"] is None else out["loss"].item())

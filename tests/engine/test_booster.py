@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from _dist import run_distributed
-from _engine_common import LR, batch, tiny_model
+from support.dist import run_distributed
+from support.engine import LR, batch, tiny_model
 from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.plugins import DDPPlugin, LowLevelZeroPlugin
 

@@ -2,15 +2,15 @@
 crashed in the loss scaler's overflow vote, a CPU tensor handed to an NCCL all-reduce).
 
 Real gloo ranks train every plugin under fp16 (overflow vote, clip, checkpoint save) inside
-:class:`_collective_check.CollectiveChecker`; on a GPU the same runs on NCCL."""
+:class:`support.collectives.CollectiveChecker`; on a GPU the same runs on NCCL."""
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from _collective_check import CollectiveChecker
-from _dist import run_distributed
+from support.collectives import CollectiveChecker
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 
 def test_device_rule_per_backend():
@@ -49,10 +49,6 @@ def _gpt():
     return GPT(GPTConfig.preset("tiny", n_layer=2))
 
 
-def _crit(out, b):
-    return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
-
-
 def _train(name, tmp, rank):
     """Two fp16 steps (one forced overflow), a clip and a checkpoint under plugin ``name``."""
     from colossal_lab.engine import Booster
@@ -66,7 +62,7 @@ def _train(name, tmp, rank):
     booster = Booster(plugin=plugin, mixed_precision="fp16")
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt, crit, *_ = booster.boost(model, opt, _crit)
+    model, opt, crit, *_ = booster.boost(model, opt, lm_loss)
     x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
     for step in range(2):
         if name == "pp2":

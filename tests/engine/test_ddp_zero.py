@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
-from _engine_common import GLOBAL_BATCH, LR, SEQ, batch, global_mean, param_groups, reference_losses, state_bytes, tiny_model
+from support.dist import run_distributed
+from support.engine import GLOBAL_BATCH, LR, SEQ, batch, global_mean, param_groups, reference_losses, state_bytes, tiny_model
 
 STEPS = 20
 

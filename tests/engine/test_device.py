@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 from colossal_lab.engine.device import DeviceDataLoader, to_device
 from colossal_lab.engine.models import GPT, GPTConfig
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -79,8 +80,6 @@ def test_device_dataloader_is_its_loader_otherwise():
 
 def _hybrid_cpu_batches(rank, world, pp):
     """pp=1 forward and a pp=2 pipeline fed CPU batches, on whatever device the plugin picked."""
-    import torch.nn.functional as F
-
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
@@ -89,11 +88,7 @@ def _hybrid_cpu_batches(rank, world, pp):
     booster = Booster(plugin=HybridParallelPlugin(**kw))
     model = GPT(GPTConfig.preset("tiny", n_layer=2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def crit(out, b):
-        return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
-
-    model, opt, crit, *_ = booster.boost(model, opt, crit)
+    model, opt, crit, *_ = booster.boost(model, opt, lm_loss)
     x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
     out = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
     opt.step()

@@ -4,8 +4,8 @@ clear error without a capable GPU (and trains on one)."""
 import pytest
 import torch
 
-from _dist import run_distributed
-from _engine_common import LR, batch, tiny_model
+from support.dist import run_distributed
+from support.engine import LR, batch, tiny_model
 from colossal_lab.engine import Booster
 from colossal_lab.engine.mixed_precision import DynamicLossScaler, fp8_unavailable_reason
 
@@ -83,7 +83,7 @@ def _overflow(rank, world, plugin_name):
 def _bf16_sharded(rank, world, stage):
     from colossal_lab.engine.plugins import LowLevelZeroPlugin
 
-    from _engine_common import global_mean
+    from support.engine import global_mean
 
     booster = Booster(plugin=LowLevelZeroPlugin(stage=stage), mixed_precision="bf16")
     model = tiny_model()

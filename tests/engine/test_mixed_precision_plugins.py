@@ -5,9 +5,9 @@ plugins, on real gloo ranks (one multi-process run for all of them: CI has 2 cor
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 PLUGINS = ["single", "ddp", "zero1", "zero2", "gemini", "tp2", "pp2"]
 STEPS, OVERFLOW_STEP = 4, 1
@@ -33,7 +33,7 @@ def _boost(name, precision):
 
 
 def _crit(out, b):
-    loss = F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+    loss = lm_loss(out, b)
     return loss * float("inf") if b.get("overflow") else loss
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _dist import run_distributed
+from support.dist import run_distributed
 from colossal_lab.engine.checkpoint_io.safetensors_shards import save_state_dict_shards
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.quant import (Int8Embedding, Int8Linear, load_quantized, model_bytes, quantize,

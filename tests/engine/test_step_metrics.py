@@ -1,9 +1,9 @@
 """The Booster emits one StepMetrics per optimizer step under every plugin (real gloo ranks)."""
 
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 
 def _collect(rank, world, plugin_name, tmp):
@@ -30,11 +30,8 @@ def _collect(rank, world, plugin_name, tmp):
             opt.zero_grad()
             losses.append(loss.item())
     else:
-        def crit(out, b):
-            return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
-
         booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, pp_style="1f1b"))
-        model, opt, crit, *_ = booster.boost(model, opt, crit)
+        model, opt, crit, *_ = booster.boost(model, opt, lm_loss)
         for _ in range(3):
             out = booster.execute_pipeline(iter([batch]), model, crit, opt)
             opt.step()

@@ -30,9 +30,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support import ROOT
+
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[1]
 ART = ROOT / "artifacts" / "browser"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 

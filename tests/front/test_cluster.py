@@ -111,11 +111,9 @@ def read_x():
     return get_ipython().user_ns.get("x")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = cl.launch(n=2, backend="gloo", timeout=60, threads=1, failure_grace=1.0, interrupt_grace=3.0)
-    yield c
-    c.stop()
+#: the module's ``cluster`` (tests/conftest.py) gives up soon: a short launch timeout and short
+#: grace periods after a failure or an interrupt
+CLUSTER_ARGS = dict(timeout=60, failure_grace=1.0, interrupt_grace=3.0)
 
 
 def test_all_reduce_ranks_env(cluster):

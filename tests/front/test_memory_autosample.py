@@ -177,15 +177,6 @@ def _all_received(relay):
     return stats
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = cl.launch(n=2, backend="gloo", threads=1)
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 def _samplers(cluster):
     return [names.count(SAMPLER) for names in cluster.run(_thread_names)]
 

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-import colossal_lab as cl
 from colossal_lab import relay as relay_mod
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import Dashboard
@@ -55,15 +54,6 @@ def _flood(n):
     for i in range(n):
         T.emit(T.StepMetrics(rank=0, step=i, loss=None, tokens=1, seconds=1.0))
     return time.perf_counter() - t0
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = cl.launch(n=2, backend="gloo", threads=1)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_events_from_both_ranks_arrive_while_run_is_running(cluster, tmp_path):

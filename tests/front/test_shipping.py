@@ -3,7 +3,7 @@
 A Jupyter kernel runs cells in a namespace whose ``__name__`` is ``"__main__"``, which the
 ranks cannot import. ``notebook()`` executes "cells" into such a namespace here, so the
 functions below are shipped exactly as a notebook's would be. One 2-rank gloo cluster (the
-fixture of test_cluster.py) serves the module.
+``cluster`` fixture of tests/conftest.py) serves the module.
 """
 
 import linecache
@@ -16,7 +16,9 @@ ipp = pytest.importorskip("ipyparallel")
 IPython = pytest.importorskip("IPython")
 
 import colossal_lab as cl
-from test_cluster import cluster  # noqa: F401 - the module-scoped 2-rank gloo cluster
+
+#: the module's ``cluster`` (tests/conftest.py), launched as test_cluster.py's
+CLUSTER_ARGS = dict(timeout=60, failure_grace=1.0, interrupt_grace=3.0)
 
 CELLS = [
     # cell 1: top-level imports, one under an alias, and a constant
@@ -74,25 +76,25 @@ def nb():
     return notebook()
 
 
-def test_helpers_constants_and_aliased_modules(cluster, nb):  # noqa: F811
+def test_helpers_constants_and_aliased_modules(cluster, nb):
     assert nb["chain"].__module__ == "__main__"
     assert cluster.run(nb["chain"]) == [1, 11]  # chain -> scaled -> rank, and SCALE
     assert cluster.run(nb["scaled"]) == [0, 10]
     assert cluster.run(nb["uses_alias"]) == [3.0, 6.0]  # np from "import numpy as np"
 
 
-def test_collective_inside_a_shipped_function(cluster, nb):  # noqa: F811
+def test_collective_inside_a_shipped_function(cluster, nb):
     assert cluster.run(nb["reduce_rank"]) == [3.0, 3.0]
 
 
-def test_lambdas_closures_and_functions_as_arguments(cluster, nb):  # noqa: F811
+def test_lambdas_closures_and_functions_as_arguments(cluster, nb):
     assert cluster.run(nb["square"], 3) == [9, 10]
     assert cluster.run(nb["make_adder"](5), 1) == [16, 16]
     assert cluster.run(nb["call"], nb["square"], 2) == [4, 5]
     assert cluster.run_on([1], nb["call"], f=nb["chain"]) == [11]
 
 
-def test_names_only_on_the_ranks_and_the_rank_namespace_unchanged(cluster, nb):  # noqa: F811
+def test_names_only_on_the_ranks_and_the_rank_namespace_unchanged(cluster, nb):
     cluster.push({"only_on_ranks": 7, "SCALE": 1000})
     assert cluster.run(nb["rank_only"]) == [17, 17]  # the notebook's SCALE wins, the rank fills in the rest
     assert cluster.run(nb["reads_rank_namespace"]) == [7, 7]  # get_ipython() is the rank's shell
@@ -100,12 +102,12 @@ def test_names_only_on_the_ranks_and_the_rank_namespace_unchanged(cluster, nb): 
     assert cluster.run(defined_on_ranks, "scaled") == [False, False]  # nor define the helpers there
 
 
-def test_ipyparallel_reference_still_resolves_on_the_rank(cluster, nb):  # noqa: F811
+def test_ipyparallel_reference_still_resolves_on_the_rank(cluster, nb):
     cluster.push({"rank_value": 5})
     assert cluster.run(nb["square"], ipp.Reference("rank_value")) == [25, 26]
 
 
-def test_notebook_shell_becomes_the_rank_shell(cluster, monkeypatch):  # noqa: F811
+def test_notebook_shell_becomes_the_rank_shell(cluster, monkeypatch):
     class Shell:  # stands in for the notebook kernel's shell, which cannot be pickled
         def __init__(self):
             self.lock = threading.Lock()
@@ -122,12 +124,12 @@ def test_notebook_shell_becomes_the_rank_shell(cluster, monkeypatch):  # noqa: F
     assert cluster.run(ns["peek"]) == ["rank", "rank"]
 
 
-def test_importable_functions_ship_by_reference(cluster):  # noqa: F811
+def test_importable_functions_ship_by_reference(cluster):
     first = cluster.run(count_calls)
     assert cluster.run(count_calls) == [c + 1 for c in first]  # module state kept on the rank
 
 
-def test_errors_and_tracebacks_per_rank(cluster, nb):  # noqa: F811
+def test_errors_and_tracebacks_per_rank(cluster, nb):
     pids = cluster.pids
     with pytest.raises(cl.RankError) as ei:
         cluster.run(nb["fails"])
@@ -139,7 +141,7 @@ def test_errors_and_tracebacks_per_rank(cluster, nb):  # noqa: F811
     assert cluster.pids == pids and cluster.run(nb["chain"]) == [1, 11]
 
 
-def test_unpicklable_values_are_named_before_any_rank_starts(cluster, nb):  # noqa: F811
+def test_unpicklable_values_are_named_before_any_rank_starts(cluster, nb):
     with pytest.raises(TypeError, match=r"cannot send the function outer\(\) to the ranks: "
                                         r"global 'LOCK' of locked\(\) cannot be pickled .*lock.*"
                                         r"create them inside the function"):

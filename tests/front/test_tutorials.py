@@ -7,13 +7,13 @@ notebooks share one working directory and run in order. Executed copies land in
 """
 
 import os
-import pathlib
 
 import pytest
 
+from support import ROOT
+
 papermill = pytest.importorskip("papermill")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TUTORIALS = ROOT / "tutorials"
 ARTIFACTS = ROOT / "artifacts" / "tutorials"
 

@@ -6,18 +6,14 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 BATCH, SEQ = 8, 16
 MAX_NORM = {2.0: 0.1, math.inf: 0.01}  # below the first step's norm, so the clip scales
 CONFIGS = [dict(tp_size=2), dict(pp_size=2, num_microbatches=2, pp_style="1f1b", tie=True),
            dict(pp_size=2, num_microbatches=2, pp_style="gpipe", norm_type=math.inf)]
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def _data(steps=2):
@@ -41,7 +37,7 @@ def _reference(tie, norm_type):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     norms = []
     for b in _data():
-        crit(model(b["idx"])[0], b).backward()
+        lm_loss(model(b["idx"])[0], b).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM[norm_type], norm_type=norm_type)))
         opt.step()
         opt.zero_grad()
@@ -58,10 +54,10 @@ def _train(rank, world):
         tie, norm_type = cfg.pop("tie", False), cfg.pop("norm_type", 2.0)
         booster = Booster(plugin=HybridParallelPlugin(**cfg))
         model = _model(tie)
-        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.5), crit)
+        model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.5), lm_loss)
         norms, it = [], iter(_data())
         for _ in range(2):
-            booster.execute_pipeline(it, model, crit, opt)
+            booster.execute_pipeline(it, model, lm_loss, opt)
             norms.append(float(booster.clip_grad_by_norm(opt, MAX_NORM[norm_type], norm_type=norm_type)))
             opt.step()
             opt.zero_grad()

@@ -3,9 +3,9 @@ boost leaves gloo groups (threads, sockets) behind on every rank, which a notebo
 again and again (a search, a sweep) piles up."""
 
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 
 def _threads() -> int:
@@ -23,11 +23,10 @@ def _boost_step(kw, close):
     cfg = GPTConfig.preset("tiny")
     plugin = HybridParallelPlugin(**kw)
     booster = Booster(plugin=plugin)
-    crit = lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())  # noqa: E731
     model = GPT(cfg)
-    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1), crit)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1), lm_loss)
     x = torch.randint(0, cfg.vocab_size, (4, 32))
-    booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+    booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, lm_loss, opt)
     if close:
         plugin.close()
 

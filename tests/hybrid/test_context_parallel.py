@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
 
 B, H, T, D = 2, 4, 32, 16
 STEPS = 5
@@ -116,10 +116,10 @@ def _errors(rank, world, cp, out):
 
 
 def _llama():
-    """The model contract's user model (tests/test_model_contract.py): GQA, learned positions."""
-    from test_model_contract import _model
+    """The model contract's user model (support/llama.py): GQA, learned positions."""
+    from support.llama import llama
 
-    return _model()
+    return llama()
 
 
 def _loss(model, b):

@@ -9,16 +9,12 @@ are refused before any group exists. One launch per world size does every case.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 T, ROWS, STEPS = 32, 4, 5
 CFG = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def _gpt():
@@ -39,7 +35,7 @@ def _reference():
     b, losses, grads = _batch(), [], []
     for _ in range(STEPS):
         logits, _ = model(b["idx"])
-        loss = crit(logits, b)
+        loss = lm_loss(logits, b)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -75,13 +71,13 @@ def _train(kw):
     plugin = HybridParallelPlugin(**kw)
     booster = Booster(plugin=plugin)
     model = _gpt()
-    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), crit)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), lm_loss)
     b = _batch()
     dp, d = plugin.dp_size, plugin.dp_rank
     mine = {k: v[d * ROWS // dp:(d + 1) * ROWS // dp] for k, v in b.items()}  # this dp rank's rows
     losses, grads = [], []
     for _ in range(STEPS):
-        out = booster.execute_pipeline(iter([mine]), model, crit, opt)
+        out = booster.execute_pipeline(iter([mine]), model, lm_loss, opt)
         opt._sync()  # gradients averaged over dp x cp (what step() does first), to compare them
         loss = None if out["loss"] is None else float(out["loss"])
         if loss is not None and dp > 1:  # the dp ranks' rows: the batch mean is their mean
@@ -177,7 +173,7 @@ def test_direct_forward_cuts_the_batch_and_a_cp_checkpoint_loads_into_a_plain_mo
         pytest.skip("checked at world 2")
     ref = _gpt()
     logits, _ = ref(_batch()["idx"])
-    want = crit(logits, _batch()).item()
+    want = lm_loss(logits, _batch()).item()
     assert abs(results[0]["direct_loss"] - want) <= 1e-5 * want
     # the checkpoint holds the whole model after one SGD step: load it into a plain GPT
     from colossal_lab.engine.checkpoint_io import load_state_dict_shards
@@ -186,7 +182,7 @@ def test_direct_forward_cuts_the_batch_and_a_cp_checkpoint_loads_into_a_plain_mo
     plain.load_state_dict(load_state_dict_shards(str(tmp / "ckpt")), strict=True)
     ref.zero_grad()
     logits, _ = ref(_batch()["idx"])
-    crit(logits, _batch()).backward()
+    lm_loss(logits, _batch()).backward()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     for (n, p), (_, q) in zip(ref.named_parameters(), plain.named_parameters()):
         assert torch.allclose(p, q, atol=1e-6), n

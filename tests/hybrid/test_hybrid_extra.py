@@ -16,13 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 BATCH, SEQ = 8, 16
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def mse(out, batch):
@@ -70,7 +67,7 @@ def _adamw(m):
     return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
 
 
-MODELS = {"gpt": (_gpt, crit, _gpt_data), "gpt_tied": (lambda: _gpt(True), crit, _gpt_data),
+MODELS = {"gpt": (_gpt, lm_loss, _gpt_data), "gpt_tied": (lambda: _gpt(True), lm_loss, _gpt_data),
           "seq": (_seq, mse, _mlp_data), "mlp": (_mlp, mse, _mlp_data)}
 OPTS = {"sgd": _sgd, "adamw": _adamw}
 

@@ -10,17 +10,13 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 M = 4          # microbatches
 BATCH = 8
 SEQ = 16
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def _data(steps=2):
@@ -44,7 +40,7 @@ def _reference(tie):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for b in _data():
-        loss = crit(model(b["idx"])[0], b)
+        loss = lm_loss(model(b["idx"])[0], b)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -68,7 +64,7 @@ def _train(rank, world, configs):
         booster = Booster(plugin=plugin)
         emitted = []
         unsub = telemetry.subscribe(emitted.append)
-        model, opt, *_ = booster.boost(model, opt, crit)
+        model, opt, *_ = booster.boost(model, opt, lm_loss)
         data = _data()
         if dp_rows:  # this data-parallel rank's half of each batch
             d, n = plugin.dp_rank, plugin.dp_size
@@ -77,7 +73,7 @@ def _train(rank, world, configs):
         it = iter(data)
         losses, bubbles = [], []
         for _ in range(2):
-            out = booster.execute_pipeline(it, model, crit, opt)
+            out = booster.execute_pipeline(it, model, lm_loss, opt)
             opt.step()
             opt.zero_grad()
             losses.append(None if out["loss"] is None else out["loss"].item())

@@ -19,14 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss  # written for whole logits: the plugin gathers the vocab for it
 
 STEPS = 5
 BATCH, SEQ = 8, 16
-
-
-def crit(out, batch):  # a criterion written for whole logits: the plugin gathers the vocab for it
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def _cfg(**kw):
@@ -97,7 +94,7 @@ def _reference(steps=STEPS, build=_gpt):
     b = _batch()
     for _ in range(steps):
         out = model(b["idx"])
-        loss = crit(out[0] if isinstance(out, tuple) else out, b)
+        loss = lm_loss(out[0] if isinstance(out, tuple) else out, b)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -178,7 +175,7 @@ def _checkpoint_round_trip(ckpt_dir):
             if i == 2:  # and back: a 2D run resumes from the 1D run's checkpoints
                 booster1.save_model(m1, os.path.join(ckpt_dir, "model_1d"))
                 booster1.save_optimizer(o1, os.path.join(ckpt_dir, "optim_1d"))
-            more_1d.append(booster1.execute_pipeline(iter([_batch()]), m1, crit, o1)["loss"].item())
+            more_1d.append(booster1.execute_pipeline(iter([_batch()]), m1, lm_loss, o1)["loss"].item())
             o1.step()
             o1.zero_grad()
         booster2 = Booster(plugin=HybridParallelPlugin(tp_size=4, tp_mode="2d"))
@@ -217,7 +214,7 @@ def _eight(rank, world):
     out = {}
     for name, (cfg, loss) in EIGHT.items():
         steps = STEPS if name != "3d_vp" else 1
-        out[name] = _train(cfg, CrossEntropy() if loss == "vocab_parallel" else crit, steps=steps)
+        out[name] = _train(cfg, CrossEntropy() if loss == "vocab_parallel" else lm_loss, steps=steps)
     out["user_3d"] = _train(dict(tp_size=8, tp_mode="3d"), CrossEntropy(), steps=3, build=_user)
     # a batch that does not cut into 3D's q**2 = 4 pieces: one clear error on every rank
     from colossal_lab.engine import Booster
@@ -227,7 +224,7 @@ def _eight(rank, world):
     model, opt, *_ = booster.boost(_gpt(), None)
     b = {k: v[:6] for k, v in _batch().items()}
     try:
-        booster.execute_pipeline(iter([b]), model, crit, opt)
+        booster.execute_pipeline(iter([b]), model, lm_loss, opt)
         out["bad_batch"] = None
     except ValueError as e:
         out["bad_batch"] = str(e)

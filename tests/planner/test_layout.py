@@ -295,31 +295,24 @@ def test_overheads_are_fitted_non_negative_from_what_the_model_left_unexplained(
     assert choose_probes([r for r in rows if r["candidate"].tp > 1], layers) == probes[2:]  # unless all have it
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = cl.launch(n=2, backend="gloo", threads=1)
-    yield c
-    c.stop()
-
-
 def _train_one_step(kw, batch, seq):
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from colossal_lab.engine.planner.layout import Candidate
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT, GPTConfig
+
+    from support.engine import lm_loss
 
     c = Candidate(**kw)
     torch.manual_seed(0)
     cfg = GPTConfig.preset("tiny")
     model = GPT(cfg)
     booster = Booster(plugin=c.plugin())
-    crit = lambda out, b: F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
-    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss)
     x = torch.randint(0, cfg.vocab_size, (batch // c.dp, seq), generator=torch.Generator().manual_seed(dist.get_rank()))
-    out = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+    out = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, lm_loss, opt)
     opt.step()
     return None if out["loss"] is None else float(out["loss"])
 

@@ -16,9 +16,9 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 import colossal_lab as cl
 from colossal_lab.engine.models import GPT, GPTConfig
@@ -37,10 +37,6 @@ CASES = {  # name -> (plugin kind, plugin kwargs); the same runs as bench/plan.p
     "hybrid_tp2": ("hybrid", {"tp_size": 2}),
     "hybrid_pp2": ("hybrid", {"pp_size": 2, "num_microbatches": 2}),
 }
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def _plugin(name, nvme_dir):
@@ -76,12 +72,12 @@ def _train_and_measure(rank, world, names, nvme_root):
             model = GPT(GPTConfig.preset("small"))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             booster = Booster(plugin=plugin)
-            model, opt, *_ = booster.boost(model, opt, crit)
+            model, opt, *_ = booster.boost(model, opt, lm_loss)
             meter.start_window()
             losses = []
             for x in data:
                 if kind == "hybrid":
-                    res = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+                    res = booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, lm_loss, opt)
                     losses.append(None if res["loss"] is None else float(res["loss"]))
                 else:
                     _, loss = model(x, x)

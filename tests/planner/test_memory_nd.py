@@ -11,9 +11,9 @@ reduce-scatters gloo copies), the fallback where a process group already exists
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 import colossal_lab as cl
 from colossal_lab.engine.models import GPTConfig
@@ -24,10 +24,6 @@ CASES = {"2d": dict(tp_size=4, tp_mode="2d"),
          "2d_ac": dict(tp_size=4, tp_mode="2d", activation_checkpointing=True),
          "2.5d": dict(tp_size=8, tp_mode="2.5d", tp_depth=2),
          "3d": dict(tp_size=8, tp_mode="3d")}
-
-
-def _crit(out, b):
-    return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
 
 
 def _train(rank, world, names):
@@ -44,10 +40,10 @@ def _train(rank, world, names):
             torch.manual_seed(0)
             model = GPTConfig.preset("small").build()
             booster = Booster(plugin=plugin)
-            model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _crit)
+            model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), lm_loss)
             meter.start_window()  # training, not the build: the plan is of a step
             for _ in range(2):  # the second step holds AdamW's moments beside the activations
-                booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, _crit, opt)
+                booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, lm_loss, opt)
                 opt.step()
                 opt.zero_grad()
         plugin.close()

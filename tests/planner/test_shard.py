@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 SEQ_BATCH = (4, 32)
 CHEAP = dict(flops=20e9, allreduce_s_per_byte=1e-10, allreduce_latency=1e-7, allgather_s_per_byte=1e-10,
@@ -52,10 +53,6 @@ def _mlp_data(steps=3):
 
 def mse(out, batch):
     return F.mse_loss(out.float(), batch["y"])
-
-
-def crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +209,8 @@ def _ranks(rank, world, mlp_plans, gpt_plan):
             o.zero_grad()
             losses.append(res["loss"].item())
         out[key] = {"losses": losses, "bytes": _local_bytes(m)}
-    booster, m, o = _boosted(_gpt, gpt_plan, crit)
-    res = booster.execute_pipeline(iter([_gpt_batch()]), m, crit, o)
+    booster, m, o = _boosted(_gpt, gpt_plan, lm_loss)
+    res = booster.execute_pipeline(iter([_gpt_batch()]), m, lm_loss, o)
     out["gpt"] = {"losses": [res["loss"].item()], "bytes": _local_bytes(m)}
     return out
 
@@ -243,7 +240,7 @@ def test_plans_train_like_one_process_and_memory_matches(mlp_plans, gpt_plan):
         for r in results:
             assert r[key]["losses"] == pytest.approx(ref, abs=1e-5), (key, plan, r[key]["losses"], ref)
             assert r[key]["bytes"] == plan.param_bytes, (key, plan)
-    gpt_ref = _reference(_gpt, crit, [_gpt_batch()])
+    gpt_ref = _reference(_gpt, lm_loss, [_gpt_batch()])
     for r in results:
         assert r["gpt"]["losses"] == pytest.approx(gpt_ref, abs=1e-5)
         assert r["gpt"]["bytes"] == tight_gpt.param_bytes

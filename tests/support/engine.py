@@ -1,7 +1,9 @@
-"""Shared bits of the engine tests: the tiny GPT, a fixed data stream, a plain-torch reference."""
+"""Shared bits of the engine tests: the tiny GPT, a fixed data stream, a plain-torch reference, the
+criterion the plugins are boosted with."""
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from colossal_lab.engine.models import GPT, GPTConfig
 
@@ -25,6 +27,12 @@ def batch(step: int, rank: int = 0, world: int = 1):
     idx, tgt = x[:, :-1], x[:, 1:]
     n = GLOBAL_BATCH // world
     return idx[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]
+
+
+def lm_loss(out, batch):
+    """Next-token cross-entropy of logits ``out`` (batch x seq x vocab) against ``batch["targets"]``,
+    computed in fp32 whatever the logits' dtype: the criterion the tests boost with."""
+    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
 
 
 def param_groups(model):

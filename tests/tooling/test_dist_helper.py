@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from support.dist import run_distributed
 
 
 def _allreduce(rank, world):

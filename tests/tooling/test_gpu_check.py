@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+
 BASH = shutil.which("bash")
 #: Not on a bare GPU image: the Jupyter-side packages and what comes only with them.
 ABSENT = ("ipyparallel", "ipywidgets", "jupyterlab", "plotly", "anywidget", "nbclient", "papermill",

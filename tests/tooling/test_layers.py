@@ -19,7 +19,8 @@ from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 # folder -> the import name it is installed as (pyproject.toml's package-dir)
 PACKAGES = {"engine": "colossal_lab.engine", "kernels": "colossal_lab.kernels", "widgets": "colossal_lab.widgets",
             "colossal_lab": "colossal_lab"}

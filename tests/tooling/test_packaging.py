@@ -3,7 +3,7 @@
 import pathlib
 import tomllib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from support import ROOT
 
 
 def test_every_subpackage_is_listed_in_pyproject():

@@ -17,11 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import ROOT
+
 SCRIPT = ROOT / "scripts" / "torch_index.sh"
 BASH = shutil.which("bash")
 

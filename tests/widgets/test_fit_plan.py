@@ -1,7 +1,6 @@
 """widgets.FitPlan: the plan's bars are its numbers, measured peaks land on them, the Dashboard holds one."""
 
 import ast
-import pathlib
 
 import pytest
 
@@ -15,8 +14,9 @@ from colossal_lab.engine.models import GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin, HybridParallelPlugin
 from colossal_lab.widgets import Dashboard, FitPlan
 
+from support import ROOT
+
 MIB = float(1 << 20)
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from _dist import run_distributed
+from support.dist import run_distributed
+from support.engine import lm_loss
 
 STEP = 7
 T0 = 1000.0
@@ -152,10 +152,6 @@ def test_span_recorder_stamps_coordinates_and_emits_the_last_forward_once_stretc
 
 
 # ---------------------------------------------------------------- a real 3-D job on 8 ranks
-def _crit(out, batch):
-    return F.cross_entropy(out.flatten(0, 1).float(), batch["targets"].flatten())
-
-
 def _train_3d(rank, world):
     """Two steps of a tiny GPT under dp2 × tp2 × pp2; what the parent checks, per rank."""
     from colossal_lab.engine import Booster, telemetry
@@ -169,11 +165,11 @@ def _train_3d(rank, world):
     booster = Booster(plugin=plugin)
     emitted = []
     unsub = telemetry.subscribe(emitted.append)
-    model, opt, *_ = booster.boost(model, opt, _crit)
+    model, opt, *_ = booster.boost(model, opt, lm_loss)
     x = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1 + plugin.dp_rank))
     runtime_bubbles = []
     for _ in range(2):
-        out = booster.execute_pipeline(iter([{"idx": x, "targets": torch.roll(x, -1, 1)}]), model, _crit, opt)
+        out = booster.execute_pipeline(iter([{"idx": x, "targets": torch.roll(x, -1, 1)}]), model, lm_loss, opt)
         opt.step()
         opt.zero_grad()
         runtime_bubbles.append({"rank": out["rank_bubble"], "stage": out["bubble"]})

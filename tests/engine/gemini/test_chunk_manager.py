@@ -27,8 +27,8 @@ from colossal_lab.engine.lazy import lazy_init, materialize
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from _dist import run_distributed
-from _engine_common import batch
+from support.dist import run_distributed
+from support.engine import batch
 
 LR = 1e-2
 STEPS = 4

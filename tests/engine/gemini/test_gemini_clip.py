@@ -11,8 +11,9 @@ import torch
 from colossal_lab.engine import Booster
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from _dist import run_distributed
-from test_gemini import LR, _batches, _tiny
+from support.dist import run_distributed
+from support.engine import tiny_model
+from support.gemini import LR, token_batches
 
 STEPS = 6
 MAX = {2.0: 0.5, float("inf"): 0.05}  # below the tiny GPT's gradient norms, so clipping binds
@@ -49,8 +50,8 @@ def _gemini(model, batches, plugin, norm_type, rank=0, world=1):
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_matches_torch_single_process(tmp_path, norm_type):
-    base = _tiny()
-    batches = _batches(STEPS)
+    base = tiny_model()
+    batches = token_batches(STEPS)
     ref_losses, ref_norms = _reference(copy.deepcopy(base), batches, norm_type)
     assert max(ref_norms) > MAX[norm_type]  # clipping binds
     for plugin in (GeminiPlugin(placement_policy="cpu", precision="fp32"),
@@ -62,8 +63,8 @@ def test_clip_matches_torch_single_process(tmp_path, norm_type):
 
 
 def _worker(rank, world, tmp):
-    base = _tiny()
-    batches = _batches(STEPS, batch=4)
+    base = tiny_model()
+    batches = token_batches(STEPS, batch=4)
     out = {}
     for norm_type in (2.0, float("inf")):
         ref_losses, ref_norms = _reference(copy.deepcopy(base), batches, norm_type)

@@ -13,65 +13,21 @@ import pytest
 import torch
 
 from colossal_lab.engine import Booster, telemetry
-from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from _dist import run_distributed
-
-STEPS = 10
-LR = 1e-2
-
-
-def _batches(n, batch=4, seq=32, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 256, (batch, seq), generator=g), torch.randint(0, 256, (batch, seq), generator=g))
-            for _ in range(n)]
-
-
-def _reference(model, batches):
-    """Plain PyTorch fp32 AdamW on the full batches: losses and final parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses = []
-    for x, y in batches:
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _train_gemini(model, batches, plugin, rank=0, world=1, on_step=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    booster = Booster(plugin=plugin, mixed_precision="fp32")
-    gm, gopt, *_ = booster.boost(model, opt)
-    losses = []
-    for x, y in batches:
-        b = x.shape[0] // world
-        _, loss = gm(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])
-        booster.backward(loss, gopt)
-        gopt.step()
-        gopt.zero_grad()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(gm)
-    return booster, gm, gopt, losses
-
-
-def _tiny():
-    torch.manual_seed(0)
-    return GPT(GPTConfig.preset("tiny"))
-
+from support.dist import run_distributed
+from support.engine import tiny_model
+from support.gemini import LR, STEPS, adamw_reference, token_batches, train_gemini
 
 def test_policies_match_pytorch_single_process(tmp_path):
-    base = _tiny()
-    batches = _batches(STEPS)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    base = tiny_model()
+    batches = token_batches(STEPS)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     for plugin in (GeminiPlugin(placement_policy="cpu", precision="fp32"),
                    GeminiPlugin(placement_policy="static", offload_param_frac=0.5, offload_optim_frac=0.5,
                                 nvme_offload_dir=str(tmp_path / "s"), nvme_offload_frac=0.5,
                                 precision="fp32", chunk_size_mb=0.07)):
-        _, gm, _, losses = _train_gemini(copy.deepcopy(base), batches, plugin)
+        _, gm, _, losses = train_gemini(copy.deepcopy(base), batches, plugin)
         assert losses == pytest.approx(ref_losses, abs=1e-5), plugin.placement_policy
         sd = gm.state_dict()
         for k, v in ref_params.items():
@@ -80,9 +36,9 @@ def test_policies_match_pytorch_single_process(tmp_path):
 
 
 def test_auto_nvme_under_memory_limit_matches_and_cleans_up(tmp_path):
-    base = _tiny()
-    batches = _batches(STEPS)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    base = tiny_model()
+    batches = token_batches(STEPS)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     model_bytes = sum(p.numel() * 4 for p in base.parameters())
     limit = 400_000
     assert limit < model_bytes  # the compute tier cannot hold even the fp32 parameters
@@ -92,7 +48,7 @@ def test_auto_nvme_under_memory_limit_matches_and_cleans_up(tmp_path):
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=limit,
                           nvme_offload_dir=str(tmp_path), chunk_size_mb=0.07, max_prefetch=1)
     try:
-        _, gm, _, losses = _train_gemini(copy.deepcopy(base), batches, plugin,
+        _, gm, _, losses = train_gemini(copy.deepcopy(base), batches, plugin,
                                          on_step=lambda m: seen_files.append(sorted(os.listdir(m.manager.nvme.dir))))
     finally:
         unsub()
@@ -121,13 +77,13 @@ def test_auto_nvme_under_memory_limit_matches_and_cleans_up(tmp_path):
 
 
 def test_checkpoint_roundtrip_into_gemini_and_plain_gpt(tmp_path):
-    base = _tiny()
-    batches = _batches(6)
+    base = tiny_model()
+    batches = token_batches(6)
     ref = copy.deepcopy(base)
-    ref_losses, _ = _reference(ref, batches)
+    ref_losses, _ = adamw_reference(ref, batches)
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=400_000,
                           nvme_offload_dir=str(tmp_path / "nv"), chunk_size_mb=0.07)
-    booster, gm, gopt, losses = _train_gemini(copy.deepcopy(base), batches[:3], plugin)
+    booster, gm, gopt, losses = train_gemini(copy.deepcopy(base), batches[:3], plugin)
     booster.save_model(gm, tmp_path / "model")
     booster.save_optimizer(gopt, tmp_path / "optim")
     assert losses == pytest.approx(ref_losses[:3], abs=1e-5)
@@ -135,12 +91,12 @@ def test_checkpoint_roundtrip_into_gemini_and_plain_gpt(tmp_path):
     # into a plain GPT: its loss on the next batch equals the reference run's 4th loss
     from colossal_lab.engine.checkpoint_io import load_state_dict_shards
 
-    plain = _tiny()
+    plain = tiny_model()
     plain.load_state_dict(load_state_dict_shards(tmp_path / "model"))
     _, l = plain(*batches[3])
     assert l.item() == pytest.approx(ref_losses[3], abs=1e-5)
     # into a fresh Gemini (another placement): model + optimizer resume the same loss curve
-    model3 = _tiny()
+    model3 = tiny_model()
     opt3 = torch.optim.AdamW(model3.parameters(), lr=LR, weight_decay=0.1)
     p3 = GeminiPlugin(placement_policy="cpu", precision="fp32")
     b3 = Booster(plugin=p3, mixed_precision="fp32")
@@ -159,9 +115,9 @@ def test_checkpoint_roundtrip_into_gemini_and_plain_gpt(tmp_path):
 
 # ---- two real ranks ------------------------------------------------------------------------------
 def _two_rank_worker(rank, world, tmp):
-    base = _tiny()
-    batches = _batches(STEPS, batch=4)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    base = tiny_model()
+    batches = token_batches(STEPS, batch=4)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     out = {}
     configs = {
         "cpu": GeminiPlugin(placement_policy="cpu", precision="fp32"),
@@ -171,7 +127,7 @@ def _two_rank_worker(rank, world, tmp):
                                             chunk_size_mb=0.07),
     }
     for name, plugin in configs.items():
-        booster, gm, gopt, losses = _train_gemini(copy.deepcopy(base), batches, plugin, rank, world)
+        booster, gm, gopt, losses = train_gemini(copy.deepcopy(base), batches, plugin, rank, world)
         mean = torch.tensor(losses)
         torch.distributed.all_reduce(mean)
         mean /= world
@@ -198,10 +154,10 @@ def test_two_ranks_match_single_process(tmp_path):
     # the 2-rank checkpoint reloads into a plain GPT
     from colossal_lab.engine.checkpoint_io import load_state_dict_shards
 
-    plain = _tiny()
+    plain = tiny_model()
     plain.load_state_dict(load_state_dict_shards(tmp_path / "ckpt"))
-    ref = _tiny()
-    _, ref_params = _reference(ref, _batches(STEPS))
+    ref = tiny_model()
+    _, ref_params = adamw_reference(ref, token_batches(STEPS))
     for k, v in ref_params.items():
         torch.testing.assert_close(plain.state_dict()[k], v, atol=1e-4, rtol=1e-4)
     assert not [d for d in os.listdir(tmp_path) if d.startswith("nv") and os.listdir(tmp_path / d)]
@@ -251,8 +207,8 @@ def test_offload_files_removed_at_exit_and_on_sigterm(tmp_path):
 @pytest.mark.parametrize("policy", ["cuda", "cpu", "auto"])
 def test_gpu_policies_match_pytorch(policy, tmp_path):
     """The CUDA stack (cuda → cpu → nvme), side-stream prefetch included; runs only with a GPU."""
-    base = _tiny()
-    batches = _batches(STEPS)
+    base = tiny_model()
+    batches = token_batches(STEPS)
     ref = copy.deepcopy(base).cuda()
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     ref_losses = []
@@ -276,7 +232,7 @@ def test_gpu_policies_match_pytorch(policy, tmp_path):
 
 def test_fp16_overflow_in_nvme_resident_grads_skips_the_step(tmp_path):
     """fp16: a non-finite gradient whose optimizer home is NVMe is caught before the update."""
-    model = _tiny()
+    model = tiny_model()
     plugin = GeminiPlugin(placement_policy="cpu", precision="fp16", nvme_offload_dir=str(tmp_path),
                           nvme_offload_frac=1.0, chunk_size_mb=0.07)
     booster = Booster(plugin=plugin)
@@ -284,7 +240,7 @@ def test_fp16_overflow_in_nvme_resident_grads_skips_the_step(tmp_path):
     assert {c.optim_home for c in gm.manager.chunks} == {"nvme"}
     before = {k: v.clone() for k, v in gm.state_dict().items()}
     gopt.scale = 2.0 ** 40  # fp16 gradients overflow
-    x, y = _batches(1)[0]
+    x, y = token_batches(1)[0]
     _, loss = gm(x, y)
     booster.backward(loss, gopt)
     gopt.step()

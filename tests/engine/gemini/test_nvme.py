@@ -11,7 +11,8 @@ import torch
 from colossal_lab.engine.gemini.nvme import NVMeStore, check_direct_io
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from test_gemini import STEPS, _batches, _reference, _tiny, _train_gemini
+from support.engine import tiny_model
+from support.gemini import STEPS, adamw_reference, token_batches, train_gemini
 
 
 def _direct_ok(path) -> bool:
@@ -51,12 +52,12 @@ def test_store_round_trips_unaligned_tensors(tmp_path, direct):
 def test_training_with_direct_io_matches_pytorch(tmp_path):
     if not _direct_ok(tmp_path):
         pytest.skip("this file system has no O_DIRECT")
-    base = _tiny()
-    batches = _batches(STEPS)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    base = tiny_model()
+    batches = token_batches(STEPS)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=400_000,
                           nvme_offload_dir=str(tmp_path), nvme_direct_io=True, chunk_size_mb=0.07, max_prefetch=1)
-    _, gm, _, losses = _train_gemini(copy.deepcopy(base), batches, plugin)
+    _, gm, _, losses = train_gemini(copy.deepcopy(base), batches, plugin)
     assert gm.manager.nvme.direct and gm.manager.nvme.bytes_read > 0
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     sd = gm.state_dict()

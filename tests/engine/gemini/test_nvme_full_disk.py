@@ -17,7 +17,8 @@ from colossal_lab.engine import Booster
 from colossal_lab.engine.checkpoint_io import load_state_dict_shards
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from test_gemini import LR, _batches, _reference, _tiny
+from support.engine import tiny_model
+from support.gemini import LR, adamw_reference, token_batches
 
 
 @pytest.fixture
@@ -49,9 +50,9 @@ def _fill(path: str) -> int:
 
 
 def test_full_disk_mid_run_raises_clearly_and_checkpoint_survives(small_disk, tmp_path):
-    base = _tiny()
-    batches = _batches(4)
-    _, ref_after_2 = _reference(copy.deepcopy(base), batches[:2])
+    base = tiny_model()
+    batches = token_batches(4)
+    _, ref_after_2 = adamw_reference(copy.deepcopy(base), batches[:2])
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=400_000,
                           nvme_offload_dir=str(small_disk), chunk_size_mb=0.07, max_prefetch=1)
     model = copy.deepcopy(base)
@@ -75,7 +76,7 @@ def test_full_disk_mid_run_raises_clearly_and_checkpoint_survives(small_disk, tm
     store_dir = gm.manager.nvme.dir
     plugin.close()
     assert not os.path.exists(store_dir)  # offload files cleaned up after the failure
-    plain = _tiny()
+    plain = tiny_model()
     plain.load_state_dict(load_state_dict_shards(ckpt))  # the last checkpoint is intact
     for k, v in ref_after_2.items():
         torch.testing.assert_close(plain.state_dict()[k], v, atol=1e-5, rtol=1e-4)

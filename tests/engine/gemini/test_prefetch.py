@@ -7,16 +7,17 @@ import os
 
 import torch
 
-from _dist import run_distributed
-from test_gemini import STEPS, _batches, _reference, _tiny, _train_gemini
+from support.dist import run_distributed
+from support.engine import tiny_model
+from support.gemini import STEPS, adamw_reference, token_batches, train_gemini
 
 
 def _worker(rank, world, tmp):
     from colossal_lab.engine.plugins import GeminiPlugin
 
-    base = _tiny()
-    batches = _batches(STEPS, batch=4)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    base = tiny_model()
+    batches = token_batches(STEPS, batch=4)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     out = {}
     for name, kw in {
         # homes in RAM, the compute tier a cache: shards all-gathered ahead of use
@@ -25,7 +26,7 @@ def _worker(rank, world, tmp):
         "auto_nvme": dict(device_memory_limit=300_000, nvme_offload_dir=os.path.join(tmp, f"nv{rank}")),
     }.items():
         plugin = GeminiPlugin(placement_policy="auto", precision="fp32", chunk_size_mb=0.07, max_prefetch=2, **kw)
-        _, gm, _, losses = _train_gemini(copy.deepcopy(base), batches, plugin, rank, world)
+        _, gm, _, losses = train_gemini(copy.deepcopy(base), batches, plugin, rank, world)
         mean = torch.tensor(losses)
         torch.distributed.all_reduce(mean)
         mean /= world

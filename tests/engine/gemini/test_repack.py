@@ -19,7 +19,7 @@ from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from _dist import run_distributed
+from support.dist import run_distributed
 
 STEPS = 10
 LR = 1e-2
