@@ -8,6 +8,7 @@ processes a test starts inherit the path), so a test imports ``from support.dist
 * ``support.collectives``: ``CollectiveChecker``, the device and route rules of every collective;
 * ``support.gemini``: Gemini's training loop and its plain-AdamW reference;
 * ``support.llama``: a Llama-style model the engine has never seen (the model contract's);
+* ``support.widgets``: event streams with known answers and figure look-ups for the widgets.
 
 Fixtures shared by several modules (a 2-rank cluster) live in ``tests/conftest.py``.
 """

@@ -1,7 +1,8 @@
 """ChunkMap's strip: a cell per chunk, hue = tier, shade = Gemini's state, marks on the chunks
 that changed tier at the newest step, hover with parameters / bytes / tier / state / last move,
 wrapped rows per rank, a trace count that does not grow with the chunks, and a cache that
-gives the same picture as a fresh build while redoing only the chunks that changed."""
+gives the same picture as a fresh build while redoing only the chunks that changed; the bars of
+bytes per tier beside it; out-of-order and duplicate events give the same picture."""
 
 import pytest
 
@@ -18,7 +19,7 @@ from colossal_lab.widgets import ChunkMap, chunk_map_dict
 from colossal_lab.widgets import chunk_map as CM
 from colossal_lab.widgets.state import TIER_COLORS, ChunkState, MemoryState
 
-MIB = 1 << 20
+from support.widgets import MIB, chunk_hover, chunk_points, trace_by_name
 
 
 def _heat(d):
@@ -229,3 +230,71 @@ def test_a_redraw_rebuilds_only_the_texts_of_chunks_that_changed(monkeypatch):
     assert set(_marks(cm.figure_dict())) == {(0, 5), (0, 6), (0, 7)}
     assert "3 moved at that step" in cm.summary()
     cm.close()
+
+
+# ---------------------------------------------------------------- the figure from event streams
+def _chunk_marks(fig):
+    """{(rank, chunk_id): name of the move mark drawn on its cell} from the mark shapes (each
+    glyph a closed polygon, centred on its cell)."""
+    import re
+
+    (h,) = [t for t in fig.data if t.type == "heatmap"]
+    out = {}
+    for s in fig.layout.shapes:
+        for glyph in s.path.split("Z")[:-1]:
+            pts = [tuple(map(float, p)) for p in re.findall(r"(-?[\d.]+),(-?[\d.]+)", glyph)]
+            col = round(sum(x for x, _ in pts) / len(pts))
+            row = round(sum(y for _, y in pts) / len(pts))
+            rank, chunk = h.customdata[row][col]
+            assert (rank, chunk) not in out, "two marks on one chunk"
+            out[(rank, chunk)] = s.name
+    return out
+
+
+def test_chunk_map_colours_by_tier_and_marks_moves():
+    ev = [T.ChunkEvent(r, 0, c, "cpu", "hold", MIB, (f"layer{c}.w",)) for r in (0, 1) for c in range(4)]
+    ev += [T.ChunkEvent(0, 1, 2, "nvme", "free", MIB, ("layer2.w",)),
+           T.ChunkEvent(1, 1, 3, "cuda", "compute", 2 * MIB, ("layer3.w",))]
+    ev += [T.MemorySample(0, 1.0, "cpu", 5 * MIB, 64 * MIB), T.MemorySample(1, 1.0, "cpu", 7 * MIB, 64 * MIB)]
+    cm = ChunkMap.from_events(ev)
+    from colossal_lab.widgets.chunk_map import fill_colour
+
+    pts = chunk_points(cm.figure)
+    assert len(pts) == 8
+    assert pts[(0, 2)] == ("nvme", fill_colour("nvme", "freed"), "freed")
+    assert pts[(1, 3)] == ("cuda", TIER_COLORS["cuda"], "computing")  # computing: the tier's own colour
+    assert pts[(0, 0)] == ("cpu", fill_colour("cpu", "held"), "held")
+    # moved at the newest step -> a mark on the cell, by direction; unmoved -> none
+    marks = _chunk_marks(cm.figure)
+    assert marks.keys() == {(0, 2), (1, 3)}
+    assert "slower" in marks[(0, 2)] and "faster" in marks[(1, 3)]
+    hover = chunk_hover(cm.figure, (0, 2))
+    assert "layer2.w" in hover and "1.00 MiB" in hover and "cpu→nvme" in hover
+    chunks = trace_by_name(cm.figure, "chunks")
+    assert dict(zip(chunks.x, chunks.y)) == {"cuda": 2.0, "cpu": 6.0, "nvme": 1.0}
+    cap = trace_by_name(cm.figure, "capacity")
+    assert dict(zip(cap.x, cap.y))["cpu"] == 128.0
+    assert [(m.rank, m.chunk_id, m.src, m.dst) for m in cm.chunks.moves] == [(0, 2, "cpu", "nvme"), (1, 3, "cpu", "cuda")]
+    cm.close()
+
+
+def test_chunk_map_out_of_order_and_duplicates_give_the_same_picture():
+    ev = []
+    for step in range(5):
+        for c in range(6):
+            tier = ["cpu", "nvme", "cuda"][(c + step) % 3]
+            ev.append(T.ChunkEvent(c % 2, step, c, tier, "hold", (c + 1) * 1000, (f"p{c}",)))
+    in_order = ChunkMap.from_events(ev)
+    shuffled = ev + ev[::3]  # duplicates
+    random.Random(0).shuffle(shuffled)
+    scrambled = ChunkMap.from_events(shuffled)
+    assert chunk_points(in_order.figure).keys() == chunk_points(scrambled.figure).keys()
+    a = {k: v[:3] for k, v in chunk_points(in_order.figure).items()}
+    b = {k: v[:3] for k, v in chunk_points(scrambled.figure).items()}
+    assert a == b
+    # the newest step wins whatever the arrival order
+    assert a[(0, 0)][0] == ["cpu", "nvme", "cuda"][(0 + 4) % 3]
+    # stale event after the newest one changes nothing
+    before = scrambled.chunks.chunks[(0, 0)]
+    scrambled.update([T.ChunkEvent(0, 1, 0, "nvme", "free", 1, ())])
+    assert scrambled.chunks.chunks[(0, 0)] == before

@@ -4,18 +4,27 @@ Ranks that share a pipeline stage (dp or tp > 1) each stand idle on their own; o
 per stage would take the union of their busy time and call two half-idle ranks fully busy.
 The pure tests use hand-made spans with known answers; the end-to-end test runs a real
 dp2 × tp2 × pp2 job on 8 gloo processes and checks the rows and bubbles its spans give against
-what each rank's own pipeline runtime computed.
+what each rank's own pipeline runtime computed. The figure's bars, comm spans, step selector and
+Chrome trace export come from hand-made spans of two stages.
 """
+
+import pytest
+
+# Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
+pytest.importorskip("plotly")
 
 import dataclasses
 import json
 import random
 
-import pytest
 import torch
+
+from colossal_lab.engine import telemetry as T
+from colossal_lab.widgets import PipelineTimeline
 
 from support.dist import run_distributed
 from support.engine import lm_loss
+from support.widgets import pipeline_spans, trace_by_name
 
 STEP = 7
 T0 = 1000.0
@@ -149,6 +158,58 @@ def test_span_recorder_stamps_coordinates_and_emits_the_last_forward_once_stretc
     finally:
         unsub()
     assert seen == rec.spans
+
+
+# ---------------------------------------------------------------- bars, steps and export
+def test_timeline_bars_and_bubbles():
+    spans = pipeline_spans()
+    tl = PipelineTimeline.from_events(spans)
+    f = trace_by_name(tl.figure, "F")
+    assert len(f.x) == 4
+    # bars start at ms since the step's first span, length = measured duration
+    bars = sorted(zip(f.y, f.base, f.x))
+    assert bars[0][0].startswith("stage 0 · dp 0 · tp 0 · rank 0")
+    assert bars[0][1] == pytest.approx(0.0, abs=1e-6) and bars[0][2] == pytest.approx(100.0)
+    assert sorted(trace_by_name(tl.figure, "B").text) == ["0", "0", "1", "1"]
+    assert trace_by_name(tl.figure, "optim").text == ("", "")
+    # bubbles: the shared analysis function, and what the row labels say
+    expect = T.bubble_fractions(spans)[3]
+    assert tl.bubbles() == expect
+    assert expect[0] == pytest.approx(1 - 0.5 / 1.0) and expect[1] == pytest.approx(1 - 0.5 / 1.0)
+    assert any("bubble 50%" in y for y in f.y)
+    # duplicates and shuffling do not change the bubbles or the bar count
+    dup = spans + spans[:5]
+    random.Random(1).shuffle(dup)
+    tl2 = PipelineTimeline.from_events(dup)
+    assert tl2.bubbles() == pytest.approx(expect)
+    assert sum(len(t.x) for t in tl2.figure.data) == len(spans)
+
+
+def test_timeline_draws_comm_spans():
+    spans = pipeline_spans() + [T.StageSpan(0, 0, 3, -1, "comm", 100.02, 100.05)]
+    tl = PipelineTimeline.from_events(spans)
+    comm = trace_by_name(tl.figure, "comm")
+    assert len(comm.x) == 1 and comm.x[0] == pytest.approx(30.0) and comm.base[0] == pytest.approx(20.0)
+    assert comm.marker.color != trace_by_name(tl.figure, "F").marker.color
+    assert tl.bubbles() == T.bubble_fractions(spans)[3]
+
+
+def test_timeline_step_selector_and_chrome_export(tmp_path):
+    tl = PipelineTimeline.from_events(pipeline_spans(step=1, t0=0.0) + pipeline_spans(step=2, t0=5.0, mb=3))
+    assert "step 2" in tl.figure.layout.title.text
+    assert len(trace_by_name(tl.figure, "F").x) == 6
+    tl.select_step(1)
+    assert "step 1" in tl.figure.layout.title.text and len(trace_by_name(tl.figure, "F").x) == 4
+    with pytest.raises(ValueError, match="select_step"):
+        tl.select_step(99)
+    path = tl.export_chrome_trace(tmp_path / "t.json")
+    trace = json.loads(open(path).read())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(tl.timeline.spans) == 14 + 20
+    assert {e["name"] for e in xs} >= {"F0", "B2", "optim", "send1"}
+    with pytest.raises(FileNotFoundError, match="export_chrome_trace"):
+        tl.export_chrome_trace(tmp_path / "nope" / "t.json")
+
 
 
 # ---------------------------------------------------------------- a real 3-D job on 8 ranks
