@@ -365,7 +365,7 @@ def _tp_train(rank, world, layers):
     out = booster.execute_pipeline(iter([{"idx": x, "targets": torch.roll(x, -1, 1)}]), model, lm_loss, opt)
     opt.step()
     # "auto" where blocks hold collectives: the ranks merge their profiles (engine/autockpt_dist.py)
-    # and solve the same one, so both recompute the same blocks (tests/test_autockpt_plugins.py has more)
+    # and solve the same one, so both recompute the same blocks (tests/engine/test_autockpt_dist.py has more)
     inner = next(m for m in model.modules() if isinstance(m, GPT))
     state = model.full_state_dict()
     inner.cfg.activation_checkpointing, inner.cfg.activation_budget = "auto", 1 << 30

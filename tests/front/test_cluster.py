@@ -21,7 +21,7 @@ import pytest
 
 import colossal_lab as cl
 
-# --- functions run on the ranks (shipped by module reference: tests/ is on the ranks' path)
+# --- functions run on the ranks (shipped by module reference: this folder is on the ranks' path)
 
 
 def allreduce_info():

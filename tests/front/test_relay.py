@@ -20,7 +20,7 @@ from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import Dashboard
 
 # these tests count what the relay carries exactly: no memory sampler on the ranks (attach
-# starts one by default; tests/test_memory_autosample.py covers it)
+# starts one by default; tests/front/test_memory_autosample.py covers it)
 QUIET = {"memory_interval": None}
 
 

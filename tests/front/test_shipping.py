@@ -54,7 +54,7 @@ def notebook():
     return ns
 
 
-# --- functions importable on the ranks (tests/ is on their path): shipped by reference
+# --- functions importable on the ranks (this folder is on their path): shipped by reference
 
 _calls = 0
 

@@ -1,7 +1,7 @@
 """``HybridParallelPlugin(cp_size=, cp_mode=)`` on real gloo processes: context parallelism wired
 into the plugin, alone and with dp, pp and 1D tp.
 
-A tiny GPT trained 5 steps (SGD with momentum, as in tests/test_context_parallel.py) follows the
+A tiny GPT trained 5 steps (SGD with momentum, as in tests/hybrid/test_context_parallel.py) follows the
 one-process loss curve within 1e-4 relative and its gradients match per parameter; a direct
 forward cuts the batch itself; a checkpoint saved under cp loads into a plain model; bad sizes
 are refused before any group exists. One launch per world size does every case.

@@ -239,7 +239,8 @@ def test_int8_linear_cpu_default_path(M, K):
     r = int8_linear_reference(x, w, s)
     y = int8_linear(x, w, s)
     # decode-sized fp32 inputs: the C kernel (exact fp32), or without a C compiler aten's int8 kernel
-    # on bf16 activations (~3 significant digits); tests/test_quant_cpu_kernel.py checks the former tightly
+    # on bf16 activations (~3 significant digits); tests/kernels/test_int8_linear_cpu.py checks the
+    # former tightly
     torch.testing.assert_close(y, r, atol=1e-2 * r.abs().max().item(), rtol=1e-2)
     assert y.shape == (2, M, 96) and y.dtype == torch.float32
 
