@@ -4,7 +4,7 @@ import re as _re
 import sys as _sys
 
 #: The oldest torch (major, minor) the engine runs on: the newest of the torch APIs it calls
-#: (``PipelineSchedule.step(..., return_outputs=)``, 2.10). tests/test_packaging.py lists each API
+#: (``PipelineSchedule.step(..., return_outputs=)``, 2.10). tests/tooling/test_packaging.py lists each API
 #: with its release and holds this and pyproject.toml's ``torch>=`` together.
 TORCH_FLOOR = (2, 10)
 

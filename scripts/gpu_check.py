@@ -49,10 +49,11 @@ PY = sys.executable
 PLUGINS = ("ddp", "zero1", "zero2", "gemini", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
 PLACEMENTS = ("cuda", "cpu", "auto", "auto-nvme")
-#: Test files whose code takes CUDA paths when CUDA is present (models placed by the engine's
+#: Test files (under tests/) whose code takes CUDA paths when CUDA is present (models placed by the engine's
 #: default device, kernels dispatched to Triton), beside every file with a ``gpu`` test.
-CUDA_PATH_FILES = ("test_precision.py", "test_kernels.py", "test_quant.py", "test_gemini.py",
-                   "test_booster.py", "test_checkpoint.py", "test_hybrid_parallel.py")
+CUDA_PATH_FILES = ("engine/test_mixed_precision.py", "kernels/test_triton_kernels.py", "engine/test_quant.py",
+                   "engine/gemini/test_gemini_plugin.py", "engine/test_booster.py", "engine/test_checkpoint_io.py",
+                   "hybrid/test_plugin.py")
 
 
 class Skip(Exception):
@@ -355,7 +356,7 @@ def _pytest_summary(out: str) -> str:
 
 
 def _gpu_test_files() -> List[str]:
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                   if "mark.gpu" in p.read_text(errors="replace"))
 
 

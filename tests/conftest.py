@@ -1,4 +1,8 @@
-"""Shared test set-up: GPU tests skip without CUDA; keep thread counts low on 2 cores."""
+"""Shared test set-up: GPU tests skip without CUDA; keep thread counts low on 2 cores; the fixtures
+several modules use.
+
+This file's folder (``tests/``) is on ``sys.path``, so tests import their helpers from the
+``support`` package beside it (see tests/README.md)."""
 
 import os
 
@@ -23,3 +27,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    """A real 2-rank gloo cluster (``cl.launch``) shared by one module's tests: starting one is the
+    slow part. A module launches it with other arguments by setting ``CLUSTER_ARGS`` (keyword
+    arguments of ``cl.launch``). Stopped when the module's tests are done."""
+    import colossal_lab as cl
+
+    c = cl.launch(**{"n": 2, "backend": "gloo", "threads": 1, **getattr(request.module, "CLUSTER_ARGS", {})})
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -1,5 +1,5 @@
 """``measure``: the peak bytes a run really holds, per tier, on this process — what ``cl.plan``'s
-predictions are checked against (``bench/plan.py``, ``tests/test_plan.py``).
+predictions are checked against (``bench/plan.py``, ``tests/planner/test_memory.py``).
 
 The CPU peak is the live tensor bytes of PyTorch's CPU allocator, from the profiler's allocation
 events (``profile_memory=True``) replayed with c10's process-wide counter (``engine/telemetry/
