@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up everything, then run the whole suite (CPU, gloo, real processes,
-# real notebooks, a real JupyterLab in headless Chromium). GPU tests skip without CUDA.
+# real notebooks, a real JupyterLab in headless Chromium), after ruff. GPU tests skip without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --browser
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+.venv/bin/ruff check .  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
 exec .venv/bin/python -m pytest -ra "$@"

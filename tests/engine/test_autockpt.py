@@ -11,8 +11,16 @@ import torch
 import torch.nn as nn
 
 from colossal_lab.engine import autockpt
-from colossal_lab.engine.autockpt import (CheckpointProfile, OptionCost, UnitProfile, apply, min_peak,
-                                          plan_checkpointing, profile_checkpointing, solve)
+from colossal_lab.engine.autockpt import (
+    CheckpointProfile,
+    OptionCost,
+    UnitProfile,
+    apply,
+    min_peak,
+    plan_checkpointing,
+    profile_checkpointing,
+    solve,
+)
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.planner import measure
 
@@ -106,8 +114,9 @@ def _random_profile(rng, n, parts):
         o = {}
         for name in opts:
             keep = rng.randint(1, 100) * 1000
-            o[name] = OptionCost(keep=keep, fwd_peak=keep + rng.randint(0, 50) * 1000, bwd_delta=-keep + rng.randint(-3, 3) * 100,
-                                 bwd_peak=rng.randint(0, 80) * 1000, recompute_s=0.0 if name == "none" else rng.random(),
+            o[name] = OptionCost(keep=keep, fwd_peak=keep + rng.randint(0, 50) * 1000,
+                                 bwd_delta=-keep + rng.randint(-3, 3) * 100, bwd_peak=rng.randint(0, 80) * 1000,
+                                 recompute_s=0.0 if name == "none" else rng.random(),
                                  saved=0, overhead_s=overhead[name])
         units.append(UnitProfile(name=str(i), index=i, options=o, forward_s=1.0, saved=0))
     return CheckpointProfile(units=units, parts=parts, prefix_keep=rng.randint(0, 20) * 1000, prefix_peak=20000,
@@ -348,10 +357,10 @@ def test_bad_inputs_are_named():
 
 
 def _tp_train(rank, world, layers):
+    from support.engine import lm_loss
+
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
-
-    from support.engine import lm_loss
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny", n_layer=4))
@@ -376,7 +385,6 @@ def _tp_train(rank, world, layers):
 def test_chosen_layers_run_under_tensor_and_sequence_parallelism():
     """Whole blocks and single parts recompute under a tensor-parallel plan's input hooks (5 inputs)."""
     import torch.nn.functional as F
-
     from support.dist import run_distributed
 
     layers = [0, "1.attn", "2.mlp"]

@@ -9,9 +9,9 @@ Every multi-rank case runs real gloo processes and follows a single-process plai
 import pytest
 import torch
 import torch.nn as nn
-
 from support.dist import run_distributed
 from support.engine import lm_loss
+
 from colossal_lab.engine.autockpt import min_peak, profile_checkpointing
 from colossal_lab.engine.autockpt_dist import in_flight, merge_profiles, stage_budget
 from colossal_lab.engine.models import GPT, GPTConfig
@@ -198,8 +198,8 @@ def _user_model():
 
 def _pp_worker(rank, world, budget, m, user_budget, low_budget):
     from colossal_lab.engine import Booster
-    from colossal_lab.engine.plugins import HybridParallelPlugin
     from colossal_lab.engine.planner import measure
+    from colossal_lab.engine.plugins import HybridParallelPlugin
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -476,7 +476,8 @@ def test_bad_arguments_are_named():
                 cls(activation_checkpointing="auto", activation_budget=bad)
         with pytest.raises(ValueError, match=rf"{name}\(activation_checkpointing='yes'\): choose False, True"):
             cls(activation_checkpointing="yes")
-        with pytest.raises(ValueError, match=r"activation_budget=1024\) is read only with activation_checkpointing='auto'"):
+        with pytest.raises(ValueError,
+                           match=r"activation_budget=1024\) is read only with activation_checkpointing='auto'"):
             cls(activation_budget=1024)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"pass activation_budget=<bytes> .* or device_memory_limit=<bytes>"):

@@ -4,10 +4,10 @@ gradient accumulation; attribute fall-through and telemetry in a single process.
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-
 from support.dist import run_distributed
 from support.engine import LR, batch, tiny_model
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
 from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.plugins import DDPPlugin, LowLevelZeroPlugin
 

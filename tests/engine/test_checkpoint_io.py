@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-
 from support.dist import run_distributed
 from support.engine import LR, batch, global_mean, tiny_model
+
 from colossal_lab.engine import Booster
 from colossal_lab.engine.checkpoint_io import (
     load_state_dict_shards,

@@ -7,7 +7,6 @@ Real gloo ranks train every plugin under fp16 (overflow vote, clip, checkpoint s
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.collectives import CollectiveChecker
 from support.dist import run_distributed
 from support.engine import lm_loss
@@ -52,8 +51,7 @@ def _gpt():
 def _train(name, tmp, rank):
     """Two fp16 steps (one forced overflow), a clip and a checkpoint under plugin ``name``."""
     from colossal_lab.engine import Booster
-    from colossal_lab.engine.plugins import (DDPPlugin, GeminiPlugin, HybridParallelPlugin,
-                                             LowLevelZeroPlugin)
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     plugin = {"ddp": lambda: DDPPlugin(), "zero1": lambda: LowLevelZeroPlugin(stage=1),
               "zero2": lambda: LowLevelZeroPlugin(stage=2), "gemini": lambda: GeminiPlugin(placement_policy="cpu"),

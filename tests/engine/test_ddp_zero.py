@@ -3,10 +3,18 @@ optimizer state; the booster emits one StepMetrics per step. One multi-process r
 
 import pytest
 import torch
-import torch.distributed as dist
-
 from support.dist import run_distributed
-from support.engine import GLOBAL_BATCH, LR, SEQ, batch, global_mean, param_groups, reference_losses, state_bytes, tiny_model
+from support.engine import (
+    GLOBAL_BATCH,
+    LR,
+    SEQ,
+    batch,
+    global_mean,
+    param_groups,
+    reference_losses,
+    state_bytes,
+    tiny_model,
+)
 
 STEPS = 20
 

@@ -7,13 +7,12 @@ import collections
 
 import pytest
 import torch
+from support.dist import run_distributed
+from support.engine import lm_loss
 from torch.utils.data import DataLoader
 
 from colossal_lab.engine.device import DeviceDataLoader, to_device
 from colossal_lab.engine.models import GPT, GPTConfig
-
-from support.dist import run_distributed
-from support.engine import lm_loss
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -45,8 +44,7 @@ def test_a_model_elsewhere_refuses_cpu_batches_unwrapped():
 @pytest.mark.parametrize("plugin", ["none", "ddp", "zero1", "zero2"])
 def test_boosted_model_and_dataloader_move_cpu_batches(plugin, monkeypatch):
     from colossal_lab.engine import Booster
-    from colossal_lab.engine.plugins import DDPPlugin, LowLevelZeroPlugin
-    from colossal_lab.engine.plugins import base, ddp, low_level_zero
+    from colossal_lab.engine.plugins import DDPPlugin, LowLevelZeroPlugin, base, ddp, low_level_zero
 
     meta = torch.device("meta")
     for mod in (base, ddp, low_level_zero):  # "this rank's device" is the meta device
@@ -104,8 +102,7 @@ def test_hybrid_pipeline_takes_cpu_batches():
 
 def _gpu_plugin_step(rank, world, name, precision, tmp):
     from colossal_lab.engine import Booster
-    from colossal_lab.engine.plugins import (DDPPlugin, GeminiPlugin, HybridParallelPlugin,
-                                             LowLevelZeroPlugin)
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     torch.cuda.set_device(0)
     plugin = {"ddp": lambda: DDPPlugin(), "zero1": lambda: LowLevelZeroPlugin(stage=1),

@@ -3,9 +3,9 @@ clear error without a capable GPU (and trains on one)."""
 
 import pytest
 import torch
-
 from support.dist import run_distributed
 from support.engine import LR, batch, tiny_model
+
 from colossal_lab.engine import Booster
 from colossal_lab.engine.mixed_precision import DynamicLossScaler, fp8_unavailable_reason
 
@@ -81,9 +81,9 @@ def _overflow(rank, world, plugin_name):
 
 
 def _bf16_sharded(rank, world, stage):
-    from colossal_lab.engine.plugins import LowLevelZeroPlugin
-
     from support.engine import global_mean
+
+    from colossal_lab.engine.plugins import LowLevelZeroPlugin
 
     booster = Booster(plugin=LowLevelZeroPlugin(stage=stage), mixed_precision="bf16")
     model = tiny_model()

@@ -5,7 +5,6 @@ plugins, on real gloo ranks (one multi-process run for all of them: CI has 2 cor
 
 import pytest
 import torch
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 

@@ -21,7 +21,6 @@ import re
 import pytest
 import torch
 import torch.nn as nn
-
 from support import ROOT
 from support.dist import run_distributed
 from support.engine import batch, global_mean, lm_loss, param_groups

@@ -10,12 +10,19 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-
 from support.dist import run_distributed
+
 from colossal_lab.engine.checkpoint_io.safetensors_shards import save_state_dict_shards
 from colossal_lab.engine.models import GPT, GPTConfig
-from colossal_lab.engine.quant import (Int8Embedding, Int8Linear, load_quantized, model_bytes, quantize,
-                                       quantize_weight, shard_int8_tp)
+from colossal_lab.engine.quant import (
+    Int8Embedding,
+    Int8Linear,
+    load_quantized,
+    model_bytes,
+    quantize,
+    quantize_weight,
+    shard_int8_tp,
+)
 
 
 def small(**kw):
@@ -109,7 +116,8 @@ def test_load_quantized_equals_quantize(tmp_path):
     assert model_bytes(loaded) == model_bytes(direct)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_quantized(small(), tmp_path / "missing")
-    with pytest.raises(ValueError, match=r"tok_emb.weight is \(256, 128\) in the checkpoint, the model expects \(256, 64\)"):
+    with pytest.raises(ValueError,
+                       match=r"tok_emb.weight is \(256, 128\) in the checkpoint, the model expects \(256, 64\)"):
         load_quantized(GPTConfig.preset("tiny"), tmp_path)  # n_embd 64 model, 128 checkpoint
     with pytest.raises(ValueError, match="already has real weights"):
         load_quantized(m, tmp_path)

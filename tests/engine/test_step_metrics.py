@@ -1,7 +1,6 @@
 """The Booster emits one StepMetrics per optimizer step under every plugin (real gloo ranks)."""
 
 import torch
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 

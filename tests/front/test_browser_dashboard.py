@@ -29,7 +29,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from support import ROOT
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
@@ -119,7 +118,8 @@ def _notebook(path: Path) -> None:
     nb.cells = [nbf.v4.new_code_cell("STEPS, PP_STEPS, PAUSE = 16, 16, 0.6"),
                 nbf.v4.new_code_cell(SETUP),
                 nbf.v4.new_code_cell("import colossal_lab as cl\n"
-                                     "cl.current_cluster().push({'STEPS': STEPS, 'PP_STEPS': PP_STEPS, 'PAUSE': PAUSE})"),
+                                     "cl.current_cluster().push("
+                                     "{'STEPS': STEPS, 'PP_STEPS': PP_STEPS, 'PAUSE': PAUSE})"),
                 nbf.v4.new_code_cell(GEMINI),
                 nbf.v4.new_code_cell(PIPELINE),
                 nbf.v4.new_code_cell("%colossal stop")]

@@ -23,7 +23,8 @@ def _children():
     (dict(n="2"), r"n='2': the number of ranks must be a whole number"),
     (dict(n=2.0), r"n=2.0: the number of ranks must be a whole number"),
     (dict(n=2, backend="mpi2"), r"backend='mpi2' is not known: use one of auto, gloo, nccl"),
-    (dict(n=2, launcher="kubernetes"), r"launcher='kubernetes' is not an ipyparallel engine launcher: use one of .*local.*mpi.*slurm.*ssh"),
+    (dict(n=2, launcher="kubernetes"),
+     r"launcher='kubernetes' is not an ipyparallel engine launcher: use one of .*local.*mpi.*slurm.*ssh"),
     (dict(n=2, timeout=0), r"timeout=0: the collective timeout must be a positive number"),
     (dict(n=2, threads=0), r"threads=0: threads per rank must be a whole number"),
 ])
@@ -37,7 +38,8 @@ def test_bad_arguments(kw, match):
 def test_nccl_needs_enough_gpus():
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     before = _children()
-    with pytest.raises(ValueError, match=rf"backend='nccl' with n={gpus + 1} needs {gpus + 1} GPUs but this machine has {gpus}"):
+    with pytest.raises(ValueError,
+                       match=rf"backend='nccl' with n={gpus + 1} needs {gpus + 1} GPUs but this machine has {gpus}"):
         cl.launch(n=gpus + 1, backend="nccl")
     assert _children() == before
 

@@ -112,7 +112,8 @@ def test_bad_flags_are_one_clean_line(executed):
     out, _ = executed
     for name, needle in [("badflag", "%colossal launch: unrecognized arguments: --bogus"),
                          ("badtarget", "ranks [9] do not exist"),
-                         ("badcmd", "unknown command 'frobnicate': use one of launch, status, stop, restart, dashboard")]:
+                         ("badcmd",
+                          "unknown command 'frobnicate': use one of launch, status, stop, restart, dashboard")]:
         text = _text(out[name])
         assert "UsageError" in text and needle in text, text
         assert "SystemExit" not in text and "Traceback" not in text, text

@@ -22,9 +22,14 @@ import colossal_lab as cl
 from colossal_lab import relay as relay_mod
 from colossal_lab.engine import telemetry as T
 from colossal_lab.engine.gemini.nvme import NVMeStore
-from colossal_lab.engine.telemetry.memory import (MemorySampler, MemorySamplerConfig,
-                                                  register_nvme_dir, registered_nvme_dirs,
-                                                  sample_memory, unregister_nvme_dir)
+from colossal_lab.engine.telemetry.memory import (
+    MemorySampler,
+    MemorySamplerConfig,
+    register_nvme_dir,
+    registered_nvme_dirs,
+    sample_memory,
+    unregister_nvme_dir,
+)
 from colossal_lab.widgets import MemoryGauges
 
 MIB = 1 << 20
@@ -41,7 +46,6 @@ def _thread_names():
 def _train_ddp(stop, max_seconds):
     """Plain DDP training until the test creates the file ``stop`` (or ``max_seconds``): no
     sampler, no telemetry code. The ranks agree on the step they stop at."""
-    import os
     import time
 
     import torch

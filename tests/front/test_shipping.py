@@ -15,7 +15,7 @@ import pytest
 ipp = pytest.importorskip("ipyparallel")
 IPython = pytest.importorskip("IPython")
 
-import colossal_lab as cl
+import colossal_lab as cl  # noqa: E402  (after the importorskips)
 
 #: the module's ``cluster`` (tests/conftest.py), launched as test_cluster.py's
 CLUSTER_ARGS = dict(timeout=60, failure_grace=1.0, interrupt_grace=3.0)

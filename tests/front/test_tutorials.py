@@ -9,7 +9,6 @@ notebooks share one working directory and run in order. Executed copies land in
 import os
 
 import pytest
-
 from support import ROOT
 
 papermill = pytest.importorskip("papermill")

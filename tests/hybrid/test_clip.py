@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 
@@ -38,7 +37,8 @@ def _reference(tie, norm_type):
     norms = []
     for b in _data():
         lm_loss(model(b["idx"])[0], b).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM[norm_type], norm_type=norm_type)))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM[norm_type], norm_type=norm_type)
+        norms.append(float(norm))
         opt.step()
         opt.zero_grad()
     return norms, {k: v.clone() for k, v in model.state_dict().items()}

@@ -3,7 +3,6 @@ boost leaves gloo groups (threads, sockets) behind on every rank, which a notebo
 again and again (a search, a sweep) piles up."""
 
 import torch
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 

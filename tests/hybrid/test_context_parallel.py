@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from support.dist import run_distributed
 
 B, H, T, D = 2, 4, 32, 16

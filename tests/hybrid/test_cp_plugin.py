@@ -9,7 +9,6 @@ are refused before any group exists. One launch per world size does every case.
 
 import pytest
 import torch
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 

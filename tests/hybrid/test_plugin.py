@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 

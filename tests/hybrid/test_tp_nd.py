@@ -18,7 +18,6 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from support.dist import run_distributed
 from support.engine import lm_loss  # written for whole logits: the plugin gathers the vocab for it
 

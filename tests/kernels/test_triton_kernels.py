@@ -17,8 +17,15 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from colossal_lab import kernels  # noqa: E402
-from colossal_lab.kernels import (FusedAdamW, attention_reference, flash_attention, int8_linear,  # noqa: E402
-                                  int8_linear_reference, rms_norm, rms_norm_reference)
+from colossal_lab.kernels import (  # noqa: E402
+    FusedAdamW,
+    attention_reference,
+    flash_attention,
+    int8_linear,
+    int8_linear_reference,
+    rms_norm,
+    rms_norm_reference,
+)
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="triton not installed")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -207,7 +214,8 @@ def test_rms_norm_bad_input_and_model_numbers():
     with pytest.raises(ValueError, match="floating-point"):
         rms_norm(torch.ones(2, 16, dtype=torch.long), torch.ones(16))
     x = torch.randn(4, 16, dtype=torch.float64)  # kernel lacks fp64: torch path, exact
-    torch.testing.assert_close(rms_norm(x, torch.ones(16, dtype=torch.float64)), rms_norm_reference(x, torch.ones(16, dtype=torch.float64)))
+    w = torch.ones(16, dtype=torch.float64)
+    torch.testing.assert_close(rms_norm(x, w), rms_norm_reference(x, w))
 
 
 @needs_triton

@@ -10,9 +10,17 @@ pytest.importorskip("ipyparallel")
 import torch
 
 import colossal_lab as cl
-from colossal_lab.engine.planner.layout import (Candidate, Costs, candidates, choose_probes, features, fit_overheads,
-                                       merge_calibrations, predict)
 from colossal_lab.engine.models import GPTConfig
+from colossal_lab.engine.planner.layout import (
+    Candidate,
+    Costs,
+    candidates,
+    choose_probes,
+    features,
+    fit_overheads,
+    merge_calibrations,
+    predict,
+)
 
 TINY = GPTConfig.preset("tiny")          # 2 layers, 2 heads
 FOUR = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=4, n_embd=32)
@@ -69,7 +77,9 @@ def test_bad_input_is_refused_before_any_work():
 def _cal():
     # hand-made constants: compute 1 ms per 100 tokens (+1 ms), all-reduce 1 ms + 1 ms per MB,
     # p2p 0.5 ms + 1 ms per MB, AdamW 1 ns per element
-    line = lambda toks, a, b: [a + b * t for t in toks]
+    def line(toks, a, b):
+        return [a + b * t for t in toks]
+
     toks = [100, 1000]
     return {"compute": {tp: {"tokens": toks, "f": line(toks, 1e-3 / tp, 1e-5 / tp / 3),
                              "fb": line(toks, 1e-3 / tp, 1e-5 / tp)} for tp in (1, 2)},
@@ -136,7 +146,8 @@ def test_all_reduce_is_piecewise_through_its_measured_sizes():
     assert costs.allreduce(2, 64 << 10) == pytest.approx(1e-3)
     assert costs.allreduce(2, 1.0) == pytest.approx(1e-4 - (1e-3 - 1e-4) / ((64 << 10) - (1 << 10)) * ((1 << 10) - 1))
     mid = (1 << 20)
-    assert costs.allreduce(2, mid) == pytest.approx(1e-3 + (1e-2 - 1e-3) / ((4 << 20) - (64 << 10)) * (mid - (64 << 10)))
+    slope = (1e-2 - 1e-3) / ((4 << 20) - (64 << 10))
+    assert costs.allreduce(2, mid) == pytest.approx(1e-3 + slope * (mid - (64 << 10)))
 
 
 def test_zero1_pays_its_measured_asynchronous_sync_not_a_blocking_latency_per_tensor():
@@ -173,7 +184,9 @@ def test_a_probe_is_the_fastest_step_of_the_slowest_rank_per_step():
 def test_the_run_off_reruns_the_leader_and_a_runner_up_inside_the_noise():
     from colossal_lab.engine.planner.layout import runoff_pick
 
-    fits = lambda c: c != "big"
+    def fits(c):
+        return c != "big"
+
     # within 10%: the runner-up, then the leader, run again
     assert runoff_pick({"a": 1.0, "b": 1.08, "c": 1.5}, fits) == ["b", "a"]
     # 12% apart: the order is beyond a probe's noise, nothing re-runs
@@ -185,8 +198,8 @@ def test_the_run_off_reruns_the_leader_and_a_runner_up_inside_the_noise():
 
 def test_n_d_layouts_cost_their_textbook_traffic():
     from colossal_lab.engine.planner.layout import nd_traffic
-    from colossal_lab.engine.tp_nd.volume import textbook
     from colossal_lab.engine.planner.memory import _meta_model
+    from colossal_lab.engine.tp_nd.volume import textbook
 
     meta, _ = _meta_model(FOUR)
     two = Candidate(1, 4, 1, tp_mode="2d")
@@ -296,14 +309,12 @@ def test_overheads_are_fitted_non_negative_from_what_the_model_left_unexplained(
 
 
 def _train_one_step(kw, batch, seq):
-    import torch
     import torch.distributed as dist
+    from support.engine import lm_loss
 
-    from colossal_lab.engine.planner.layout import Candidate
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models import GPT, GPTConfig
-
-    from support.engine import lm_loss
+    from colossal_lab.engine.planner.layout import Candidate
 
     c = Candidate(**kw)
     torch.manual_seed(0)
@@ -344,7 +355,8 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
                                    and set(cal["runoff"]) <= labels), cal["runoff"]
     for m in ran.values():
         again = Candidate(**m["candidate"]).label in cal["runoff"]
-        assert len(m.get("runs", [m["seconds"]])) == (2 if again else 1) and m["seconds"] == min(m.get("runs", [m["seconds"]]))
+        runs = m.get("runs", [m["seconds"]])
+        assert len(runs) == (2 if again else 1) and m["seconds"] == min(runs)
     assert plan.best in ran and fits[0]["measured_s"] == ran[plan.best]["seconds"] == fits[0]["seconds"]
     # 64 MiB is far above every plan: no run paid for the profiler, the planned peaks stand
     assert all(m["peak"] is None for m in ran.values())
@@ -388,7 +400,8 @@ def test_a_real_search_on_two_ranks_picks_a_layout_that_fits_and_trains(cluster)
     assert not any(judged(r) > low["peak_bytes"] for r in snug.rows if r["fits"])
     assert snug.best is not None and judged(snug.rows[0]) <= low["peak_bytes"]
     # the reused calibration carries the runs: the same layouts count as measured, nothing new ran
-    assert {m["candidate"]["dp"] for m in snug.calibration["measured"]} <= {m["candidate"]["dp"] for m in cal["measured"]}
+    assert ({m["candidate"]["dp"] for m in snug.calibration["measured"]}
+            <= {m["candidate"]["dp"] for m in cal["measured"]})
     assert len(snug.calibration["measured"]) == len(cal["measured"])
 
 
@@ -406,7 +419,6 @@ def test_on_every_rank_of_a_process_group_the_ranks_calibrate_together_and_agree
 
 
 def _auto_plugin_on_ranks():
-    import torch
 
     from colossal_lab.engine.models import GPTConfig
     from colossal_lab.engine.plugins import HybridParallelPlugin

@@ -11,7 +11,6 @@ reduce-scatters gloo copies), the fallback where a process group already exists
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 
@@ -100,7 +99,8 @@ def test_nd_layouts_cut_parameters_and_activations():
 
 def test_nd_bad_batch_names_it_and_the_multiple():
     with pytest.raises(ValueError, match=r"batch=3.*multiple of 2"):
-        cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=3, seq=SEQ)
+        cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=3,
+                seq=SEQ)
     with pytest.raises(ValueError, match=r"batch=4.*multiple of 8"):
         cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=4),
                 world_size=8, batch=4, seq=SEQ)
@@ -117,5 +117,6 @@ def test_a_failing_trace_leaves_no_process_group_behind():
                 seq=SEQ, loss_fn=bad_loss)
     assert not dist.is_initialized()
     # and the next plan makes its own again
-    fp = cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=4, seq=SEQ)
+    fp = cl.plan(GPTConfig.preset("small"), HybridParallelPlugin(tp_size=4, tp_mode="2d"), world_size=4, batch=4,
+                 seq=SEQ)
     assert fp.layout["tp_mode"] == "2d" and not dist.is_initialized()

@@ -59,7 +59,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args, backend: str
             try:
                 rank, status, payload = q.get(timeout=timeout)
             except queue.Empty:
-                raise TimeoutError(f"run_distributed: ranks {sorted(set(range(world_size)) - set(results) - set(errors))} "
+                late = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise TimeoutError(f"run_distributed: ranks {late} "
                                    f"did not finish within {timeout}s") from None
             if status == "ok":
                 results[rank] = pickle.loads(payload)

@@ -149,7 +149,8 @@ class Llama(nn.Module):
             if sequence_parallel:
                 plan[f"{p}.input_norm"], plan[f"{p}.post_attn_norm"] = SequenceParallel(), SequenceParallel()
                 plan[f"{p}.attn"], plan[f"{p}.mlp"] = seq_boundary(into="gather"), seq_boundary(into="gather")
-        if sequence_parallel and held:  # the stream is cut after this stage's first layer input, whole again after its last
+        # the stream is cut after this stage's first layer input, whole again after its last
+        if sequence_parallel and held:
             first, last = f"layers.{held[0]}", f"layers.{held[-1]}"
             plan[first] = seq_boundary(into="shard", out="gather" if first == last else None)
             if last != first:

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.dist import run_distributed
 
 

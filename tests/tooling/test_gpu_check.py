@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support import ROOT
 
 BASH = shutil.which("bash")

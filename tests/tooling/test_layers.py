@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
 import pytest
-
 from support import ROOT
 
 # folder -> the import name it is installed as (pyproject.toml's package-dir)
@@ -123,7 +122,8 @@ PLANTED = [  # (file, line planted, what the violation names)
     ("engine/gemini/chunk.py", "from ... import magics", "colossal_lab.magics"),
     ("engine/telemetry/bus.py", "from IPython.display import display", "IPython.display.display"),
     ("engine/comm.py", "import importlib; importlib.import_module('colossal_lab.relay')", "colossal_lab.relay"),
-    ("widgets/gauges.py", "from colossal_lab.engine.gemini import ChunkManager", "colossal_lab.engine.gemini.ChunkManager"),
+    ("widgets/gauges.py", "from colossal_lab.engine.gemini import ChunkManager",
+     "colossal_lab.engine.gemini.ChunkManager"),
     ("widgets/timeline.py", "from colossal_lab import launch", "colossal_lab.launch"),
     ("kernels/rms_norm.py", "from colossal_lab.engine import comm", "colossal_lab.engine.comm"),
 ]

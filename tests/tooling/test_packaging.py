@@ -1,8 +1,8 @@
 """The distribution maps four import packages from four folders; every subpackage is listed."""
 
 import pathlib
-import tomllib
 
+import tomllib
 from support import ROOT
 
 
@@ -103,8 +103,7 @@ def _stage_seams():
 
 
 def _pipelining_base():
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,  # noqa: F401
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B  # noqa: F401
 
     return True
 
@@ -119,8 +118,12 @@ def _dcp_state_dict():
     import dataclasses
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state,  # noqa: F401
-                                                         get_model_state_dict, set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (  # noqa: F401
+        StateDictOptions,
+        _init_optim_state,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     fields = {f.name for f in dataclasses.fields(StateDictOptions)}
     return {"full_state_dict", "cpu_offload", "strict", "flatten_optimizer_state_dict"} <= fields and callable(dcp.save)
@@ -152,22 +155,36 @@ def _zero_redundancy():
 
 TORCH_APIS = [
     # (first release, what, engine file that uses it, text in that file, check on the installed torch)
-    ((2, 10), "PipelineSchedule.step(..., return_outputs=)", "engine/pipeline/runtime.py", "return_outputs=", _step_has_return_outputs),
-    ((2, 8), "pipelining.schedules._batch_p2p/_wait_batch_p2p (timeline seam)", "engine/pipeline/timing.py", "S._wait_batch_p2p", _p2p_seams),
+    ((2, 10), "PipelineSchedule.step(..., return_outputs=)",
+     "engine/pipeline/runtime.py", "return_outputs=", _step_has_return_outputs),
+    ((2, 8), "pipelining.schedules._batch_p2p/_wait_batch_p2p (timeline seam)",
+     "engine/pipeline/timing.py", "S._wait_batch_p2p", _p2p_seams),
     ((2, 7), "pipeline schedules' scale_grads=", "engine/pipeline/runtime.py", "scale_grads=", _scale_grads),
-    ((2, 6), "torch.distributed.fsdp.fully_shard / MixedPrecisionPolicy / CPUOffloadPolicy", "engine/plugins/low_level_zero.py", "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard", _fsdp2_public),
+    ((2, 6), "torch.distributed.fsdp.fully_shard / MixedPrecisionPolicy / CPUOffloadPolicy",
+     "engine/plugins/low_level_zero.py",
+     "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard",
+     _fsdp2_public),
     ((2, 6), "ScheduleZBVZeroBubble", "engine/pipeline/schedules.py", "ScheduleZBVZeroBubble,", _zbv),
-    ((2, 6), "PipelineStage without input_args (shape inference)", "engine/pipeline/stage.py", "PipelineStage(mod, s, num_stages, device, group=group)", _stage_infers_shapes),
-    ((2, 5), "torch.distributed.tensor public DTensor / distribute_tensor / Replicate / Shard", "engine/tensor_parallel.py", "from torch.distributed.tensor import Replicate, Shard", _dtensor_public),
+    ((2, 6), "PipelineStage without input_args (shape inference)",
+     "engine/pipeline/stage.py", "PipelineStage(mod, s, num_stages, device, group=group)", _stage_infers_shapes),
+    ((2, 5), "torch.distributed.tensor public DTensor / distribute_tensor / Replicate / Shard",
+     "engine/tensor_parallel.py", "from torch.distributed.tensor import Replicate, Shard", _dtensor_public),
     ((2, 5), "ScheduleInterleavedZeroBubble", "engine/pipeline/schedules.py", "ScheduleInterleavedZeroBubble,", _zb1p),
-    ((2, 5), "stage seams forward/backward/backward_weight_one_chunk, get_*_ops", "engine/pipeline/timing.py", "backward_weight_one_chunk", _stage_seams),
-    ((2, 4), "torch.distributed.pipelining PipelineStage, GPipe, 1F1B, Interleaved1F1B", "engine/pipeline/schedules.py", "ScheduleGPipe,", _pipelining_base),
-    ((2, 4), "DeviceMesh.from_group, init_device_mesh", "engine/plugins/low_level_zero.py", "DeviceMesh.from_group", _mesh_from_group),
-    ((2, 4), "checkpoint.state_dict get/set_model_state_dict, StateDictOptions(flatten_optimizer_state_dict)", "engine/checkpoint_io/general.py", "StateDictOptions(flatten_optimizer_state_dict=True)", _dcp_state_dict),
-    ((2, 4), "tensor.parallel parallelize_module / ColwiseParallel / RowwiseParallel", "engine/tensor_parallel.py", "parallelize_module", _tp_plans),
-    ((2, 1), "Tensor.register_post_accumulate_grad_hook", "engine/gemini/zero_model.py", "register_post_accumulate_grad_hook(", _post_accumulate_hook),
+    ((2, 5), "stage seams forward/backward/backward_weight_one_chunk, get_*_ops",
+     "engine/pipeline/timing.py", "backward_weight_one_chunk", _stage_seams),
+    ((2, 4), "torch.distributed.pipelining PipelineStage, GPipe, 1F1B, Interleaved1F1B",
+     "engine/pipeline/schedules.py", "ScheduleGPipe,", _pipelining_base),
+    ((2, 4), "DeviceMesh.from_group, init_device_mesh",
+     "engine/plugins/low_level_zero.py", "DeviceMesh.from_group", _mesh_from_group),
+    ((2, 4), "checkpoint.state_dict get/set_model_state_dict, StateDictOptions(flatten_optimizer_state_dict)",
+     "engine/checkpoint_io/general.py", "StateDictOptions(flatten_optimizer_state_dict=True)", _dcp_state_dict),
+    ((2, 4), "tensor.parallel parallelize_module / ColwiseParallel / RowwiseParallel",
+     "engine/tensor_parallel.py", "parallelize_module", _tp_plans),
+    ((2, 1), "Tensor.register_post_accumulate_grad_hook",
+     "engine/gemini/zero_model.py", "register_post_accumulate_grad_hook(", _post_accumulate_hook),
     ((2, 1), "torch.float8_e4m3fn", "engine/mixed_precision/fp8.py", "torch.float8_e4m3fn", _float8),
-    ((1, 8), "torch.distributed.optim.ZeroRedundancyOptimizer", "engine/plugins/low_level_zero.py", "ZeroRedundancyOptimizer", _zero_redundancy),
+    ((1, 8), "torch.distributed.optim.ZeroRedundancyOptimizer",
+     "engine/plugins/low_level_zero.py", "ZeroRedundancyOptimizer", _zero_redundancy),
 ]
 
 

@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-
 from support import ROOT
 
 SCRIPT = ROOT / "scripts" / "torch_index.sh"
@@ -57,7 +56,8 @@ def _bin(tmp_path, gpu):
     if gpu is not None:
         f = d / "nvidia-smi"
         f.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n" if gpu else
-                     "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'\nexit 9\n")
+                     "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate"
+                     " with the NVIDIA driver.'\nexit 9\n")
         f.chmod(0o755)
     return d
 

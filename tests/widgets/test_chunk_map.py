@@ -13,13 +13,12 @@ import random
 import re
 
 import plotly.graph_objects as go
+from support.widgets import MIB, chunk_hover, chunk_points, trace_by_name
 
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import ChunkMap, chunk_map_dict
 from colossal_lab.widgets import chunk_map as CM
 from colossal_lab.widgets.state import TIER_COLORS, ChunkState, MemoryState
-
-from support.widgets import MIB, chunk_hover, chunk_points, trace_by_name
 
 
 def _heat(d):
@@ -274,7 +273,8 @@ def test_chunk_map_colours_by_tier_and_marks_moves():
     assert dict(zip(chunks.x, chunks.y)) == {"cuda": 2.0, "cpu": 6.0, "nvme": 1.0}
     cap = trace_by_name(cm.figure, "capacity")
     assert dict(zip(cap.x, cap.y))["cpu"] == 128.0
-    assert [(m.rank, m.chunk_id, m.src, m.dst) for m in cm.chunks.moves] == [(0, 2, "cpu", "nvme"), (1, 3, "cpu", "cuda")]
+    moves = [(m.rank, m.chunk_id, m.src, m.dst) for m in cm.chunks.moves]
+    assert moves == [(0, 2, "cpu", "nvme"), (1, 3, "cpu", "cuda")]
     cm.close()
 
 

@@ -13,11 +13,10 @@ import threading
 import time
 
 import plotly.graph_objects as go
+from support.widgets import MIB, pipeline_spans, trace_by_name, wait_for
 
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import ChunkMap, Dashboard
-
-from support.widgets import MIB, pipeline_spans, trace_by_name, wait_for
 
 
 def test_dashboard_curves_and_replay_from_trace(tmp_path):

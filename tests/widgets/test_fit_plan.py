@@ -8,13 +8,13 @@ import pytest
 pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 
+from support import ROOT
+
 import colossal_lab as cl
 from colossal_lab.engine import telemetry as T
 from colossal_lab.engine.models import GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin, HybridParallelPlugin
 from colossal_lab.widgets import Dashboard, FitPlan
-
-from support import ROOT
 
 MIB = float(1 << 20)
 

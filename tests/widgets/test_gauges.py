@@ -6,11 +6,11 @@ import pytest
 # Jupyter-side packages this module needs: absent (a bare GPU image), it skips.
 pytest.importorskip("plotly")
 
+from support.widgets import MIB, wait_for
+
 from colossal_lab.engine import telemetry as T
 from colossal_lab.engine.telemetry.memory import MemorySampler, MemorySamplerConfig, sample_memory
 from colossal_lab.widgets import MemoryGauges
-
-from support.widgets import MIB, wait_for
 
 
 def test_gauges_values_latest_sample_wins():

@@ -15,11 +15,10 @@ import threading
 import time
 
 import plotly.graph_objects as go
+from support.widgets import MIB, chunk_hover, chunk_points, pipeline_spans, wait_for
 
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets import ChunkMap, Dashboard, MemoryGauges, PipelineTimeline
-
-from support.widgets import MIB, chunk_hover, chunk_points, pipeline_spans, wait_for
 
 
 def test_timeline_dropdown_shows_latest_and_picks_steps():
@@ -79,7 +78,8 @@ def test_live_widget_redraws_from_a_background_thread():
         assert isinstance(out, anywidget.AnyWidget) and isinstance(g.figure, go.Figure)
         assert out._esm == ESM and "Plotly.react" in ESM  # updated in place in the browser
         th = threading.Thread(target=lambda: T.emit(T.MemorySample(3, time.time(), "cpu", 42 * MIB, 84 * MIB)))
-        th.start(); th.join()
+        th.start()
+        th.join()
         deadline = time.time() + 5
         while time.time() < deadline and not g.figure.data:
             time.sleep(0.05)

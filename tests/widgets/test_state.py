@@ -12,10 +12,10 @@ pytest.importorskip("plotly")
 
 import random
 
+from support.widgets import pipeline_spans
+
 from colossal_lab.engine import telemetry as T
 from colossal_lab.widgets.state import ChunkState, Move
-
-from support.widgets import pipeline_spans
 
 
 def C(step, tier, moves=0, chunk=0, rank=0, state="hold"):

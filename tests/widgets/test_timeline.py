@@ -18,13 +18,12 @@ import json
 import random
 
 import torch
-
-from colossal_lab.engine import telemetry as T
-from colossal_lab.widgets import PipelineTimeline
-
 from support.dist import run_distributed
 from support.engine import lm_loss
 from support.widgets import pipeline_spans, trace_by_name
+
+from colossal_lab.engine import telemetry as T
+from colossal_lab.widgets import PipelineTimeline
 
 STEP = 7
 T0 = 1000.0

@@ -20,15 +20,14 @@ import shutil
 
 import pytest
 import torch
+from support.dist import run_distributed
+from support.engine import batch
 
 from colossal_lab.engine import Booster
 from colossal_lab.engine.gemini.tiers import UNLIMITED, Tier, TierStack
 from colossal_lab.engine.lazy import lazy_init, materialize
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
-
-from support.dist import run_distributed
-from support.engine import batch
 
 LR = 1e-2
 STEPS = 4

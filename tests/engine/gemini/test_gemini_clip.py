@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
-
-from colossal_lab.engine import Booster
-from colossal_lab.engine.plugins import GeminiPlugin
-
 from support.dist import run_distributed
 from support.engine import tiny_model
 from support.gemini import LR, token_batches
+
+from colossal_lab.engine import Booster
+from colossal_lab.engine.plugins import GeminiPlugin
 
 STEPS = 6
 MAX = {2.0: 0.5, float("inf"): 0.05}  # below the tiny GPT's gradient norms, so clipping binds

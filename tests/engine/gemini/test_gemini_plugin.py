@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from support.dist import run_distributed
+from support.engine import tiny_model
+from support.gemini import LR, STEPS, adamw_reference, token_batches, train_gemini
 
 from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.plugins import GeminiPlugin
 
-from support.dist import run_distributed
-from support.engine import tiny_model
-from support.gemini import LR, STEPS, adamw_reference, token_batches, train_gemini
 
 def test_policies_match_pytorch_single_process(tmp_path):
     base = tiny_model()
@@ -197,7 +197,8 @@ def test_offload_files_removed_at_exit_and_on_sigterm(tmp_path):
         if how == "term":
             p.send_signal(signal.SIGTERM)
         else:
-            p.stdin.write("go\n"); p.stdin.flush()
+            p.stdin.write("go\n")
+            p.stdin.flush()
         p.wait(timeout=60)
         assert p.returncode == 0 if how == "exit" else p.returncode != 0, (how, p.returncode)
         assert not os.path.exists(d), how
@@ -214,9 +215,13 @@ def test_gpu_policies_match_pytorch(policy, tmp_path):
     ref_losses = []
     for x, y in batches:
         _, loss = ref(x.cuda(), y.cuda())
-        loss.backward(); opt.step(); opt.zero_grad()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
         ref_losses.append(loss.item())
-    kw = dict(device_memory_limit=400_000, nvme_offload_dir=str(tmp_path), chunk_size_mb=0.07) if policy == "auto" else {}
+    kw = {}
+    if policy == "auto":
+        kw = dict(device_memory_limit=400_000, nvme_offload_dir=str(tmp_path), chunk_size_mb=0.07)
     plugin = GeminiPlugin(placement_policy=policy, precision="fp32", **kw)
     model = copy.deepcopy(base)
     b = Booster(plugin=plugin, mixed_precision="fp32")
@@ -224,7 +229,8 @@ def test_gpu_policies_match_pytorch(policy, tmp_path):
     losses = []
     for x, y in batches:
         _, loss = gm(x.cuda(), y.cuda())
-        b.backward(loss, gopt); gopt.step()
+        b.backward(loss, gopt)
+        gopt.step()
         losses.append(loss.item())
     assert losses == pytest.approx(ref_losses, abs=1e-3)
     plugin.close()

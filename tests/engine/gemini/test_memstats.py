@@ -3,8 +3,6 @@ and falling through backward, and the 'rest of the step' bound ``auto`` caches a
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from colossal_lab.engine import Booster

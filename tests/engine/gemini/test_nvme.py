@@ -7,12 +7,11 @@ import os
 
 import pytest
 import torch
+from support.engine import tiny_model
+from support.gemini import STEPS, adamw_reference, token_batches, train_gemini
 
 from colossal_lab.engine.gemini.nvme import NVMeStore, check_direct_io
 from colossal_lab.engine.plugins import GeminiPlugin
-
-from support.engine import tiny_model
-from support.gemini import STEPS, adamw_reference, token_batches, train_gemini
 
 
 def _direct_ok(path) -> bool:

@@ -12,13 +12,12 @@ import subprocess
 
 import pytest
 import torch
+from support.engine import tiny_model
+from support.gemini import LR, adamw_reference, token_batches
 
 from colossal_lab.engine import Booster
 from colossal_lab.engine.checkpoint_io import load_state_dict_shards
 from colossal_lab.engine.plugins import GeminiPlugin
-
-from support.engine import tiny_model
-from support.gemini import LR, adamw_reference, token_batches
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import copy
 import os
 
 import torch
-
 from support.dist import run_distributed
 from support.engine import tiny_model
 from support.gemini import STEPS, adamw_reference, token_batches, train_gemini

@@ -14,12 +14,11 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from support.dist import run_distributed
 
 from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
-
-from support.dist import run_distributed
 
 STEPS = 10
 LR = 1e-2
@@ -146,7 +145,8 @@ def _train(name, tmp, rank=0, world=1):
     ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
     model = _reordered(copy.deepcopy(base))
     registered = [n for n, _ in model.named_parameters()]
-    plugin = GeminiPlugin(precision="fp32", **{**PLACEMENTS, "static_half": HALF, "auto_searched": SEARCHED}[name](tmp, rank))
+    placement = {**PLACEMENTS, "static_half": HALF, "auto_searched": SEARCHED}[name]
+    plugin = GeminiPlugin(precision="fp32", **placement(tmp, rank))
     booster, gm, gopt, opt = _boost(model, plugin)
     held = list(opt.param_groups[0]["params"])
     out = {"registered": registered, "at_boost": _layout(gm), "n_at_boost": len(gm.manager.chunks)}
@@ -393,7 +393,8 @@ def _two_rank_worker(rank, world, tmp):
         mean = torch.tensor(r["loss"])
         torch.distributed.all_reduce(mean)
         r["mean_loss"] = (mean / world).tolist()
-    out["resume"] = _resume(os.path.join(tmp, "resume"), rank, world, steps=6, cut=3)  # one checkpoint, per-rank NVMe dirs
+    # one checkpoint, per-rank NVMe dirs
+    out["resume"] = _resume(os.path.join(tmp, "resume"), rank, world, steps=6, cut=3)
     return out
 
 
