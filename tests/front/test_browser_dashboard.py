@@ -43,7 +43,7 @@ SETUP = """\
 
 GEMINI = """\
 %%colossal
-import os, tempfile, time, torch, torch.distributed as dist
+import os, shutil, tempfile, time, torch, torch.distributed as dist
 from colossal_lab.engine import Booster
 from colossal_lab.engine.plugins import GeminiPlugin
 from colossal_lab.engine.models import GPT, GPTConfig
@@ -64,6 +64,7 @@ for step in range(STEPS):
     gopt.step(); gopt.zero_grad()
     time.sleep(PAUSE)
 plugin.close()
+shutil.rmtree(nvme, ignore_errors=True)
 print("gemini done", rank, float(loss.detach()))"""
 
 PIPELINE = """\

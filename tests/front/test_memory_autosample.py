@@ -77,6 +77,7 @@ def _train_ddp(stop, max_seconds):
 def _nvme_store_for(seconds, nbytes):
     """Open a Gemini NVMe store, write ``nbytes``, hold it ``seconds``, close it, wait a bit.
     Returns (bytes written, registered while open, registered after close, close wall time)."""
+    import shutil
     import tempfile
     import time
 
@@ -93,12 +94,14 @@ def _nvme_store_for(seconds, nbytes):
     store.close()
     closed_at = time.time()
     after = store.dir in registered_nvme_dirs()
+    shutil.rmtree(root, ignore_errors=True)
     time.sleep(1.5)
     return nbytes, during, after, closed_at
 
 
 def _train_gemini(steps, pause):
     """Gemini on CPU + NVMe (its chunk manager reports cpu and nvme samples itself)."""
+    import shutil
     import tempfile
     import time
 
@@ -128,6 +131,7 @@ def _train_gemini(steps, pause):
         time.sleep(pause)
     t_end = time.time()
     plugin.close()
+    shutil.rmtree(nvme, ignore_errors=True)
     return t_start, t_end
 
 
