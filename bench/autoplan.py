@@ -1,4 +1,4 @@
-"""``cl.autoplan`` against an exhaustive measured grid (issue #19).
+"""``cl.autoplan`` against an exhaustive measured grid.
 
     OMP_NUM_THREADS=1 python bench/autoplan.py [--presets tiny,small] [--world 4] [--batch 16]
                                                [--seq 64] [--steps 6] [--rounds 2] [--budgets 48,96]

@@ -1,4 +1,4 @@
-"""Context parallelism: ring attention and Ulysses over a ``cp`` process group (issue #18).
+"""Context parallelism: ring attention and Ulysses over a ``cp`` process group.
 
 Each of the ``cp`` ranks holds a shard of every sequence (of the batch, the targets, the rotary
 positions); only attention needs the whole sequence, and gets it one of two ways:

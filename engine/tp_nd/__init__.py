@@ -1,5 +1,5 @@
 """N-dimensional tensor parallelism: 2D (SUMMA), 2.5D (Tesseract) and 3D, as Colossal-AI has them,
-on torch.distributed collectives (issue #18). ``HybridParallelPlugin(tp_size=, tp_mode="2d" |
+on torch.distributed collectives. ``HybridParallelPlugin(tp_size=, tp_mode="2d" |
 "2.5d" | "3d", tp_depth=)`` wires it; 1D stays DTensor's (``engine/tensor_parallel.py``).
 
 ==================  ==================================================================================
