@@ -72,7 +72,9 @@ class CheckpointProfile:
     def options(self) -> Tuple[str, ...]:
         return (NONE, LAYER) + self.parts
 
-    def _terms(self):
+    def terms(self):
+        """``(k, after)``: the tail's bytes kept through backward, and ``after[u]``, the most bytes the
+        layers from ``u`` on can add back in their backward (what every peak formula below adds)."""
         n = len(self.units)
         r = [max(c.keep + c.bwd_delta for c in u.options.values()) for u in self.units]
         after = [0] * (n + 1)  # after[u] = sum of r_v for v >= u
@@ -96,7 +98,7 @@ class CheckpointProfile:
         """(predicted peak bytes, predicted recompute seconds) of one option per layer."""
         if len(choice) != len(self.units):
             raise ValueError(f"predict: {len(choice)} options for {len(self.units)} layers")
-        k, after = self._terms()
+        k, after = self.terms()
         s, peak, t = self.prefix_keep, self.fixed_peaks(k, after), 0.0
         for u, o in enumerate(choice):
             peak = max(peak, s + self.unit_need(u, o, k, after))

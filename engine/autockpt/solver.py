@@ -58,7 +58,7 @@ def _frontier_dp(prof: CheckpointProfile, budget: float, objective: str):
     """The dynamic program of the module docstring. ``objective`` "recompute": least recompute
     seconds with every peak <= budget; "peak": least peak (budget ignored). Returns (value, choice)
     or None when nothing fits."""
-    k, after = prof._terms()
+    k, after = prof.terms()
     n = len(prof.units)
     opts = prof.options
     fixed = prof.fixed_peaks(k, after)

@@ -71,6 +71,12 @@ class ChunkManager:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._events: Dict[int, "torch.cuda.Event"] = {}
 
+    @property
+    def in_backward(self) -> bool:
+        """True between ``begin_backward()`` and ``finish_backward()``: a forward seen then is a
+        checkpoint's recompute, not a new step."""
+        return self._in_backward
+
     # ---- tiers -----------------------------------------------------------------------------------
     @property
     def compute(self) -> Tier:

@@ -107,7 +107,7 @@ class GeminiModel(ModelWrapper):
     # ---- module API --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         args, kwargs = self._prepare(args, kwargs)
-        if torch.is_grad_enabled() and self.module.training and not self._mgr._in_backward:
+        if torch.is_grad_enabled() and self.module.training and not self._mgr.in_backward:
             if not self.pack.done:  # the warm-up: learn the execution order, re-pack before running
                 learn_and_repack(self, args, kwargs)
             self._mgr.begin_step()

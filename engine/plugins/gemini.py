@@ -241,7 +241,7 @@ class _AutoCheckpoint:
 
     def __call__(self, gmodel, args, kwargs):
         inner = gmodel.module
-        if not (inner.training and torch.is_grad_enabled()) or self.manager._in_backward:
+        if not (inner.training and torch.is_grad_enabled()) or self.manager.in_backward:
             return None
         from ..autockpt import apply
         from ..autockpt_dist import plan_agreed

@@ -94,7 +94,7 @@ def _train(model, batches, plugin, precision, rank=0, world=1):
     start = mgr._start_load
 
     def spy(c):
-        if mgr._in_backward and mgr.trace.ready:  # the warm-up's saved-tensor hooks skip version checks
+        if mgr.in_backward and mgr.trace.ready:  # the warm-up's saved-tensor hooks skip version checks
             reloads.append(c.id)
         start(c)
 
