@@ -2,7 +2,8 @@
 
 Column/row sharding and the collectives between them are DTensor's. The plan is the model's
 own (``tp_plan(sequence_parallel=...)``, the model contract) or the user's (``{"fc1":
-ColwiseParallel(), "fc2": RowwiseParallel()}``, fnmatch patterns allowed). We add only glue: a
+ColwiseParallel(), "fc2": RowwiseParallel()}``, fnmatch patterns allowed); a transformers model's
+plan is read and applied by the adapter (:mod:`.models.hf`). We add only glue: a
 plan is applied to a pipeline *stage* holding some layers, so entries for modules it lacks are
 dropped (exact names) instead of warned about; :func:`seq_boundary` is the style a
 sequence-parallel plan puts where activations move between the whole sequence and its shards.
@@ -42,6 +43,12 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = Non
 
     if tp_mesh.size() == 1:
         return module
+    from .models.hf import is_hf_model
+
+    if is_hf_model(module):  # transformers' tp_plan is a dict property, read by the adapter
+        from .models.hf import apply_tensor_parallel as apply_hf
+
+        return apply_hf(module, tp_mesh, plan)
     if plan is None:
         own = getattr(module, "tp_plan", None)
         if not callable(own):

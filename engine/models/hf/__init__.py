@@ -1,0 +1,83 @@
+"""The transformers adapter: what the engine asks of a model, for a ``transformers.PreTrainedModel``.
+
+transformers 5 gives every ``PreTrainedModel`` a ``tp_plan`` *property* (a dict of style names), which
+collides with the model contract's ``tp_plan(sequence_parallel)`` method; the engine therefore asks
+:func:`is_hf_model` first and reads an HF model's plan here, never by calling ``model.tp_plan``. This
+package never imports transformers: it knows the model by its class names and reads its plan, config
+and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates into torch's
+``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.tables`
+holds plans for families that ship none). Only 1D tensor parallelism is covered so far (docs/hf.md).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Optional
+
+import torch.nn as nn
+
+from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "resolve_plan"]
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """True for a ``transformers.PreTrainedModel`` (by its class's MRO: no import of transformers)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(module).__mro__)
+
+
+def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> dict:
+    """The plan to apply: the user's ``tp_plan=`` or the model's own; an error naming ``tp_plan=`` if neither."""
+    if user_plan is not None:
+        return dict(user_plan)
+    plan, _ = read_plan(model)
+    if not plan:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} (model_type={model_type!r}) "
+                         "carries no tensor-parallel plan (no model.tp_plan, no config.base_model_tp_plan) and "
+                         "colossal-lab has no built-in one for it; pass HybridParallelPlugin(tp_plan={"
+                         "'model.layers.*.self_attn.q_proj': 'colwise', ...}) with transformers' style names "
+                         "or torch ParallelStyles (docs/hf.md)")
+    return plan
+
+
+def check_tensor_parallel(model: nn.Module, plugin) -> None:
+    """Everything 1D tensor parallelism needs of an HF model, before any process group exists: a mode
+    and options it runs, a plan whose every style is known, heads that divide, ties sharded alike."""
+    tp = plugin.tp_size
+    if tp == 1:
+        return
+    if plugin.tp_mode != "1d":
+        raise ValueError(f"HybridParallelPlugin(tp_mode={plugin.tp_mode!r}): transformers models run 1D tensor "
+                         "parallelism only so far; use tp_mode='1d'")
+    if plugin.sequence_parallel:
+        raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
+                         "set sequence_parallel=False")
+    plan = resolve_plan(model, plugin.tp_plan, tp)
+    torch_plan(model, plan)  # every style translated: an unknown one raises here
+    check_heads(model, tp)
+    check_ties(model, plan)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan; tied weights stay one parameter and
+    the built-in table's head counts become one rank's share."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    if tp == 1:
+        return model
+    ties = tied_weights(model)  # before: parallelize_module gives each owner its own new parameter
+    parallelize_module(model, tp_mesh, torch_plan(model, resolve_plan(model, user_plan, tp)))
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
+    mods = dict(model.named_modules())
+    for pattern, attrs in per_rank_attributes(model).items():
+        for name in [n for n in mods if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]:
+            for attr in attrs:
+                setattr(mods[name], attr, getattr(mods[name], attr) // tp)
+    return model

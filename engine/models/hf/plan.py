@@ -1,0 +1,125 @@
+"""Reading a transformers model's tensor-parallel plan, and what must hold before it is applied.
+
+The plan is read, never retyped: the user's ``HybridParallelPlugin(tp_plan=...)`` first, then the
+model's own (transformers 5: the ``model.tp_plan`` property, full module names; before: ``model._tp_plan``
+or ``config.base_model_tp_plan`` under ``base_model_prefix`` plus the class's head plan), then
+:mod:`.tables` by ``config.model_type``. The checks (heads and key/value heads divide, every style known,
+tied weights sharded alike) read only the model and its config, so they run before any process group.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch.nn as nn
+
+from .styles import check_name, translate, weight_shard_dim
+from .tables import TABLES
+
+
+def _prefixed(model: nn.Module, plan: Optional[dict]) -> dict:
+    """A base-model plan's names as the task model's (``layers.*`` -> ``model.layers.*``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not plan:
+        return {}
+    if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model:
+        return {f"{prefix}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
+def read_plan(model: nn.Module) -> Tuple[Dict[str, object], str]:
+    """The model's own plan (module pattern -> style name) and where it came from ('' when none)."""
+    own = getattr(model, "tp_plan", None)
+    if isinstance(own, dict) and own:
+        return dict(own), "model.tp_plan"
+    old = getattr(model, "_tp_plan", None)
+    if isinstance(old, dict) and old:
+        return dict(old), "model._tp_plan"
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if base:
+        head = getattr(type(model), "_tp_plan", None)
+        return {**_prefixed(model, base), **(head if isinstance(head, dict) else {})}, "config.base_model_tp_plan"
+    table = TABLES.get(getattr(config, "model_type", None))
+    if table:
+        return {**_prefixed(model, table["base"]), **table["head"]}, f"built-in table ({config.model_type})"
+    return {}, ""
+
+
+def per_rank_attributes(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """The built-in table's attributes to divide by tp, under the model's own module names."""
+    table = TABLES.get(getattr(getattr(model, "config", None), "model_type", None), {})
+    return _prefixed(model, table.get("per_rank"))
+
+
+def _matches(plan: dict, model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
+    """``(pattern, module name, module)`` for every module a plan entry names (one dot-part per ``*``)."""
+    out = []
+    for pattern in plan:
+        depth = pattern.count(".")
+        for name, mod in model.named_modules():
+            if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern):
+                out.append((pattern, name, mod))
+    return out
+
+
+def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
+    """Every matched module's torch style under its exact name (a style already a ``ParallelStyle``
+    passes through); unknown styles raise naming the style and the module."""
+    styles = {}
+    for pattern, name, mod in _matches(plan, model):
+        entry = plan[pattern]
+        style = entry if not isinstance(entry, (str, tuple)) else translate(entry, mod, name)
+        if style is not None:
+            styles[name] = style
+    for pattern, entry in plan.items():  # a style matching no module here must still be one we know
+        if isinstance(entry, (str, tuple)):
+            check_name(entry, pattern)
+    return styles
+
+
+def head_counts(model: nn.Module) -> Tuple[Optional[int], Optional[int]]:
+    """(attention heads, key/value heads) from the (text) config; None when it names none."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = next((getattr(text, k) for k in ("num_attention_heads", "n_head", "num_heads")
+                  if isinstance(getattr(text, k, None), int)), None)
+    kv = getattr(text, "num_key_value_heads", None)
+    return heads, kv if isinstance(kv, int) else heads
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """Heads and key/value heads must both divide over ``tp`` ranks; the error names the sizes that work."""
+    heads, kv = head_counts(model)
+    if heads is None or (heads % tp == 0 and kv % tp == 0):
+        return
+    g = math.gcd(heads, kv)
+    valid = [d for d in range(1, g + 1) if g % d == 0]
+    raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} has {heads} attention heads and "
+                     f"{kv} key/value heads, and tensor parallelism gives each rank whole heads of both; "
+                     f"choose tp_size in {valid}")
+
+
+def check_ties(model: nn.Module, plan: dict) -> None:
+    """A weight shared by two modules (an embedding tied to its LM head) must be sharded the same way
+    by both, or left whole by both: it stays one parameter."""
+    entry_of = {name: plan[p] for p, name, _ in _matches(plan, model)}
+    mods = dict(model.named_modules())
+    for names in tied_weights(model):
+        owners = [n.rpartition(".")[0] for n in names]
+        dims = {o: (weight_shard_dim(entry_of[o], mods[o]) if isinstance(entry_of.get(o), (str, tuple))
+                    else ("?" if o in entry_of else None)) for o in owners}
+        if len(set(dims.values())) > 1 or "?" in dims.values():
+            raise ValueError(f"tensor parallelism: {names} are one tied weight, but the plan shards it "
+                             f"differently in {owners} ({ {o: entry_of.get(o) for o in owners} }); give both "
+                             "modules styles sharding the same dimension, or neither, in tp_plan=")
+
+
+def tied_weights(model: nn.Module) -> List[List[str]]:
+    """Names of every parameter registered under more than one name."""
+    seen: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), []).append(n)
+    return [names for names in seen.values() if len(names) > 1]

@@ -1,0 +1,112 @@
+"""transformers' tensor-parallel style names, translated into torch ``parallelize_module`` styles.
+
+A transformers plan maps module names to style names (``"colwise"``, ``"embedding_rowwise"``, ...); the
+names and their meanings changed across releases (transformers' ``distributed/tensor_parallel.py``,
+``ALL_PARALLEL_STYLES``; before 5.x ``integrations/tensor_parallel.py``, ``ParallelInterface``). Each name
+we know is read here as torch's own ``ColwiseParallel``/``RowwiseParallel`` with the layouts it stands for,
+or as :mod:`.local_linear`'s styles where the module is a ``Conv1D`` (weight transposed) or packs parts.
+Names we know but do not run yet (mixture-of-experts, fused packed weights, MLA, per-head norms) and
+names we do not know each raise a ``ValueError`` that names the style and the module.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from .local_linear import LocalColwise, LocalRowwise, is_conv1d
+
+# name -> (what it does, the names transformers gave it across releases are each an entry)
+SUPPORTED = {
+    "colwise": "output features sharded, input whole; output stays this rank's slice",
+    "local_colwise": "as colwise (transformers < 5: without DTensor parameters)",
+    "colwise_rep": "as colwise, output gathered whole (an LM head)",
+    "colwise_gather_output": "as colwise_rep (transformers 5's name)",
+    "rowwise": "input features sharded, outputs summed over tp (nn.Embedding: vocabulary sharded)",
+    "local_rowwise": "as rowwise (transformers < 5: without DTensor parameters)",
+    "rowwise_rep": "as rowwise, the whole input split locally first",
+    "rowwise_split_input": "as rowwise_rep (transformers 5's name)",
+    "embedding_rowwise": "nn.Embedding, vocabulary sharded, lookups summed over tp",
+    "embedding_colwise": "nn.Embedding, hidden dim sharded, slices gathered",
+    "packed_colwise": "as colwise on a weight packing equal parts (parts=k; transformers' default 2)",
+    "replicate": "kept whole on every rank (nothing to do)",
+    "sequence_parallel": "a norm between layers: kept whole (no sequence parallelism for these models yet)",
+}
+NOT_YET = {
+    "packed_rowwise": "fused packed weights (row)", "local_packed_rowwise": "fused packed weights (row)",
+    "local": "mixture-of-experts experts", "isolated": "mixture-of-experts experts",
+    "gather": "mixture-of-experts output", "all_reduce": "mixture-of-experts output",
+    "moe_tp_experts": "mixture-of-experts experts", "moe_identity_expert": "mixture-of-experts experts",
+    "grouped_gemm": "mixture-of-experts experts", "ep_router": "mixture-of-experts router",
+    "mla_kv_a_proj": "multi-head latent attention", "local_params": "bare sharded parameters",
+    "replicated_with_grad_allreduce": "per-head norms with partial gradients",
+}
+
+
+def style_error(style, module_name: str) -> ValueError:
+    where = f"tp plan entry {module_name!r}: "
+    if style in NOT_YET:
+        return ValueError(f"{where}style {style!r} ({NOT_YET[style]}) is a transformers style colossal-lab does not "
+                          f"run yet; pass HybridParallelPlugin(tp_plan={{...}}) without it. Styles it runs: "
+                          f"{sorted(SUPPORTED)}")
+    return ValueError(f"{where}unknown tensor-parallel style {style!r}; known styles: {sorted(SUPPORTED)} "
+                      f"(and, not run yet: {sorted(NOT_YET)})")
+
+
+def _parse(entry) -> Tuple[str, dict]:
+    """A plan value: a style name, or ``(name, options)`` (the built-in tables' packed parts)."""
+    if isinstance(entry, tuple):
+        return entry[0], dict(entry[1])
+    return entry, {}
+
+
+def check_name(entry, module_name: str) -> None:
+    """Raise :func:`style_error` unless the entry's style is one this module runs."""
+    name, _ = _parse(entry)
+    if name not in SUPPORTED:
+        raise style_error(name, module_name)
+
+
+def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelStyle]:
+    """The torch style for one plan entry on ``module`` (None: the module stays whole)."""
+    check_name(entry, module_name)
+    name, opts = _parse(entry)
+    conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
+    if name in ("replicate", "sequence_parallel"):
+        return None
+    if name.startswith("embedding_") and not emb:
+        raise ValueError(f"tp plan entry {module_name!r}: style {name!r} is for nn.Embedding, "
+                         f"not {type(module).__name__}")
+    if name == "packed_colwise" or conv and name in ("colwise", "local_colwise"):
+        return LocalColwise(parts=opts.get("parts", 2 if name == "packed_colwise" else 1))
+    if conv and name in ("colwise_rep", "colwise_gather_output"):
+        return LocalColwise(gather=True)
+    if conv and name in ("rowwise", "local_rowwise"):
+        return LocalRowwise()
+    if conv:
+        raise ValueError(f"tp plan entry {module_name!r}: style {name!r} is not run on Conv1D yet; "
+                         "Conv1D takes colwise, colwise_gather_output, packed_colwise and rowwise")
+    if name in ("colwise", "local_colwise"):
+        return ColwiseParallel()
+    if name in ("colwise_rep", "colwise_gather_output", "embedding_colwise"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if name in ("rowwise", "local_rowwise"):
+        # an embedding's input is token ids, whole on every rank; a linear's is the previous slice
+        return RowwiseParallel(input_layouts=Replicate()) if emb else RowwiseParallel()
+    return RowwiseParallel(input_layouts=Replicate())  # embedding_rowwise, rowwise_rep, rowwise_split_input
+
+
+def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
+    """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
+    name, _ = _parse(entry)
+    if name in ("replicate", "sequence_parallel"):
+        return None
+    col = "colwise" in name
+    if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary
+        return 1 if col else 0
+    if is_conv1d(module):  # (in, out)
+        return 1 if col else 0
+    return 0 if col else 1  # nn.Linear (out, in)

@@ -1,0 +1,26 @@
+"""Built-in tensor-parallel plans for transformers families that ship none, in one place.
+
+Keyed by ``config.model_type``; names are the base model's (as transformers' ``base_model_tp_plan``),
+and a head's entries (``lm_head``) are the task model's own. ``per_rank`` names the attributes of a
+module that count heads or widths and must hold one rank's share once its linears are sharded (a
+forward that reshapes with ``-1`` needs none). Values are style names (:mod:`.styles`) or
+``(name, options)``.
+"""
+
+from __future__ import annotations
+
+TABLES = {
+    # GPT-2's Conv1D weights are (in, out); c_attn packs q | k | v in its output, each sharded alike
+    "gpt2": {
+        "base": {
+            "wte": "embedding_rowwise",
+            "h.*.attn.c_attn": ("packed_colwise", {"parts": 3}),
+            "h.*.attn.c_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        "head": {"lm_head": "colwise_gather_output"},
+        # GPT2Attention splits c_attn's output into q, k, v by split_size (the hidden width)
+        "per_rank": {"h.*.attn": ("split_size", "num_heads")},
+    },
+}
