@@ -1,0 +1,178 @@
+"""transformers models under HybridParallelPlugin(tp_size=2) with no parallel code from the user.
+
+Tiny random LlamaForCausalLM (its own plan: ``model.tp_plan``, grouped-query attention) and
+GPT2LMHeadModel (no plan in transformers: the adapter's built-in table, Conv1D weights, a packed q|k|v
+projection, an embedding tied to the head) train with the plain HF loop and follow the single-process
+fp32 curve; DDP and ZeRO-2 train the Llama too. Bad input is refused before any process group exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from support.dist import run_distributed  # noqa: E402
+from support.engine import batch, global_mean, param_groups  # noqa: E402
+
+STEPS = 5
+LR = 1e-2
+SEED = 11
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def _loop(model, opt, booster, rank, world, split):
+    """The plain HF loop; ``split``: each rank its slice of the batch (data parallel). Returns the
+    losses and the gradient norms before clipping (every gradient, whole, in one number per step)."""
+    losses, norms = [], []
+    for s in range(STEPS):
+        x = batch(s, rank, world)[0] if split else batch(s)[0]
+        loss = model(input_ids=x, labels=x).loss
+        if booster:
+            booster.backward(loss, opt)
+            norm = booster.clip_grad_by_norm(opt, 1.0)
+        else:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss) if split else loss.item())
+        norms.append(float(norm))
+    return losses, norms
+
+
+def _reference(name):
+    model = MODELS[name]()
+    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None, 0, 1, False)
+
+
+def _train(rank, world, name, plugin_name):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import DDPPlugin, HybridParallelPlugin, LowLevelZeroPlugin
+
+    plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
+              "zero2": lambda: LowLevelZeroPlugin(stage=2)}[plugin_name]()
+    booster = Booster(plugin=plugin)
+    model = MODELS[name]()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    model, opt, *_ = booster.boost(model, opt)
+    losses, norms = _loop(model, opt, booster, rank, world, split=plugin_name != "tp2")
+    out = {"losses": losses, "norms": norms}
+    if plugin_name == "tp2":
+        inner = model.stage_modules[0].inner
+        out["sharded"] = sorted(n for n, p in inner.named_parameters() if hasattr(p, "to_local")
+                                and p.to_local().shape != p.shape)
+        out["tied"] = name != "gpt2" or inner.lm_head.weight is inner.transformer.wte.weight
+        plugin.close()
+    return out
+
+
+CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama", "ddp"), ("llama", "zero2")]
+
+
+def _all(rank, world):
+    return {case: _train(rank, world, *case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all, 2, timeout=500)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_hf_model_follows_its_single_process_curve(runs, case):
+    ref, ref_norms = _reference(case[0])
+    for r in runs:
+        got = r[case]["losses"]
+        assert got == pytest.approx(ref, rel=1e-4), (case, got, ref)
+        assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, r[case]["norms"], ref_norms)
+    assert ref[-1] < ref[0]  # it learned: the curve is not flat
+    assert min(ref_norms) > 1.0  # the clip acted on every step, so a wrong norm would move the curve
+
+
+def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
+    llama, gpt2 = runs[0][("llama", "tp2")], runs[0][("gpt2", "tp2")]
+    assert "model.layers.0.self_attn.k_proj.weight" in llama["sharded"]  # from the model's own plan
+    assert "model.embed_tokens.weight" in llama["sharded"] and "lm_head.weight" in llama["sharded"]
+    assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
+    assert "transformer.wte.weight" in gpt2["sharded"]
+    assert gpt2["tied"]
+
+
+# ---- bad input: refused before any process group exists -------------------------------------
+
+def _configure(model, **kw):
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    assert not dist.is_initialized()
+    HybridParallelPlugin(**kw).configure(model)
+
+
+def test_heads_that_do_not_divide_name_the_sizes_that_work():
+    with pytest.raises(ValueError, match=r"4 attention heads and 2 key/value heads.*tp_size in \[1, 2\]"):
+        _configure(_llama(), tp_size=4)
+    with pytest.raises(ValueError, match=r"6 attention heads and 6 key/value heads.*\[1, 2, 3, 6\]"):
+        _configure(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), tp_size=4)
+
+
+def test_unknown_and_unsupported_styles_are_named():
+    with pytest.raises(ValueError, match=r"'colwise_sideways'.*known styles: \[.*'colwise_gather_output'"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "colwise_sideways"})
+    with pytest.raises(ValueError, match=r"'moe_tp_experts'.*does not run yet"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "moe_tp_experts"})
+
+
+def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                                   vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64))
+    with pytest.raises(ValueError, match=r"model_type='opt'.*no tensor-parallel plan.*tp_plan="):
+        _configure(opt, tp_size=2)
+
+
+def test_tied_weights_sharded_differently_are_refused():
+    with pytest.raises(ValueError, match=r"one tied weight"):
+        _configure(_gpt2(), tp_size=2, tp_plan={"transformer.wte": "embedding_colwise",
+                                                "lm_head": "colwise_gather_output"})
+
+
+def test_modes_not_run_yet_are_refused():
+    with pytest.raises(ValueError, match=r"tp_mode='2d'.*1D tensor parallelism only"):
+        _configure(_llama(), tp_size=4, tp_mode="2d")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True.*not run for transformers models"):
+        _configure(_llama(), tp_size=2, sequence_parallel=True)
+
+
+def test_the_engine_imports_no_transformers_for_its_own_models():
+    """The adapter knows an HF model by its class names: importing the engine, its plugins and the
+    adapter itself leaves transformers unimported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, colossal_lab, colossal_lab.engine.plugins, colossal_lab.engine.models.hf, "
+            "colossal_lab.engine.tensor_parallel; print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
