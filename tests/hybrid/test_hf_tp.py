@@ -40,7 +40,14 @@ def _gpt2():
                                       bos_token_id=0, eos_token_id=0))
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2}
+MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True)}
+
+# transformers < 5's names for the same layout (rowwise on an embedding: its vocabulary sharded)
+OLD_NAMES = {"model.embed_tokens": "rowwise", "lm_head": "colwise_rep",
+             **{f"model.layers.*.self_attn.{p}_proj": "local_colwise" for p in "qkv"},
+             "model.layers.*.self_attn.o_proj": "local_rowwise",
+             "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+             "model.layers.*.mlp.down_proj": "rowwise"}
 
 
 def _loop(model, opt, booster, rank, world, split):
@@ -73,23 +80,26 @@ def _train(rank, world, name, plugin_name):
     from colossal_lab.engine.plugins import DDPPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
+              "tp2_old_names": lambda: HybridParallelPlugin(tp_size=2, tp_plan=OLD_NAMES),
               "zero2": lambda: LowLevelZeroPlugin(stage=2)}[plugin_name]()
     booster = Booster(plugin=plugin)
     model = MODELS[name]()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
-    losses, norms = _loop(model, opt, booster, rank, world, split=plugin_name != "tp2")
+    hybrid = plugin_name.startswith("tp2")
+    losses, norms = _loop(model, opt, booster, rank, world, split=not hybrid)
     out = {"losses": losses, "norms": norms}
-    if plugin_name == "tp2":
+    if hybrid:
         inner = model.stage_modules[0].inner
         out["sharded"] = sorted(n for n, p in inner.named_parameters() if hasattr(p, "to_local")
                                 and p.to_local().shape != p.shape)
-        out["tied"] = name != "gpt2" or inner.lm_head.weight is inner.transformer.wte.weight
+        out["tied"] = inner.lm_head.weight is inner.get_input_embeddings().weight
         plugin.close()
     return out
 
 
-CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama", "ddp"), ("llama", "zero2")]
+CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("llama", "ddp"),
+         ("llama", "zero2")]
 
 
 def _all(rank, world):
@@ -118,7 +128,31 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "model.embed_tokens.weight" in llama["sharded"] and "lm_head.weight" in llama["sharded"]
     assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
     assert "transformer.wte.weight" in gpt2["sharded"]
-    assert gpt2["tied"]
+    assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
+    assert runs[0][("llama", "tp2_old_names")]["sharded"] == llama["sharded"]  # the same layout
+
+
+def _tp2_dp2(rank, world):
+    """tp2 x dp2 on four ranks: each dp rank its half of the batch, the plain HF loop unchanged."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=2)
+    booster = Booster(plugin=plugin)
+    model = _llama()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    model, opt, *_ = booster.boost(model, opt)
+    assert plugin.dp_size == 2
+    out = _loop(model, opt, booster, plugin.dp_rank, plugin.dp_size, split=True)
+    plugin.close()
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_with_dp2_follows_the_curve_on_four_ranks():
+    ref, ref_norms = _reference("llama")
+    for losses, norms in run_distributed(_tp2_dp2, 4, timeout=300):
+        assert losses == pytest.approx(ref, rel=1e-4) and norms == pytest.approx(ref_norms, rel=1e-4)
 
 
 # ---- bad input: refused before any process group exists -------------------------------------
