@@ -9,6 +9,10 @@ checkpoints, optimizers and tied copies line up across layouts. 2D/2.5D/3D tenso
 asks one more (:class:`NdTensorParallelContract`, ``tp_nd_plan``), and a model may ask the engine to
 plan its activation checkpointing (:class:`CheckpointRequestContract`, ``checkpoint_budget``); each is
 kept in its own protocol.
+
+A ``transformers.PreTrainedModel`` is not asked these by name where its own attributes differ in kind
+(transformers 5's ``tp_plan`` is a dict property): the engine reads its plan through the adapter in
+:mod:`.hf` (docs/hf.md).
 """
 
 from __future__ import annotations

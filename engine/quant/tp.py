@@ -32,9 +32,10 @@ class RowParallelInt8Linear(Int8Linear):
 
 
 def _tp_styles(model: nn.Module) -> Dict[str, str]:
-    if not hasattr(model, "tp_plan"):
-        raise ValueError(f"tensor-parallel int8: {type(model).__name__} has no tp_plan(); "
-                         "it must name its column/row-parallel linears")
+    # callable: a transformers model's tp_plan is a dict property (its adapter, models/hf, is not wired here)
+    if not callable(getattr(model, "tp_plan", None)):
+        raise ValueError(f"tensor-parallel int8: {type(model).__name__} has no tp_plan() (the model contract; "
+                         "transformers models are not run here yet); it must name its column/row-parallel linears")
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     styles = {}

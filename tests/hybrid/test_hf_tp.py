@@ -178,6 +178,13 @@ def test_unknown_and_unsupported_styles_are_named():
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "moe_tp_experts"})
 
 
+def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
+    with pytest.raises(ValueError, match=r"\['model.layer.\*.mlp.up_proj'\] name no module"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layer.*.mlp.up_proj": "colwise"})
+    with pytest.raises(ValueError, match=r"'embedding_rowwise' is for nn.Embedding, not Linear"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "embedding_rowwise"})
+
+
 def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
     from transformers import OPTConfig, OPTForCausalLM
 

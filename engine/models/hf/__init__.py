@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch.nn as nn
 
-from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan
+from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan, unmatched
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "resolve_plan"]
 
@@ -55,6 +55,11 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
                          "set sequence_parallel=False")
     plan = resolve_plan(model, plugin.tp_plan, tp)
+    missing = unmatched(model, plan) if plugin.tp_plan is not None else []
+    if missing:
+        names = [n for n, _ in model.named_modules() if n][:6]
+        raise ValueError(f"HybridParallelPlugin(tp_plan=...): {missing} name no module of {type(model).__name__} "
+                         f"(names are module paths, '*' one part of them, e.g. {names})")
     torch_plan(model, plan)  # every style translated: an unknown one raises here
     check_heads(model, tp)
     check_ties(model, plan)
@@ -74,6 +79,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
         first = model.get_parameter(names[0])
         for name in names[1:]:
             owner, _, attr = name.rpartition(".")
+            if getattr(model.get_parameter(name), "placements", None) != getattr(first, "placements", None):
+                raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
+                                 f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
     mods = dict(model.named_modules())
     for pattern, attrs in per_rank_attributes(model).items():

@@ -51,6 +51,8 @@ class LocalColwise(ParallelStyle):
 
     def __init__(self, parts: int = 1, gather: bool = False):
         super().__init__()
+        if gather and parts > 1:
+            raise ValueError("column-parallel (local): gathering a packed output is not supported")
         self.parts, self.gather = parts, gather
 
     def _placement(self, dim: int):
@@ -72,8 +74,6 @@ class LocalColwise(ParallelStyle):
             y = _matmul(mod, x, mod.weight.to_local(), b)
             if not style.gather:
                 return y  # (..., out / tp): this rank's slice of every packed part
-            if style.parts > 1:
-                raise ValueError("column-parallel (local): gathering a packed output is not supported")
             return DTensor.from_local(y, device_mesh, [Shard(y.dim() - 1)], run_check=False).full_tensor()
 
         module.forward = types.MethodType(forward, module)

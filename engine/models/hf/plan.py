@@ -80,6 +80,12 @@ def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
     return styles
 
 
+def unmatched(model: nn.Module, plan: dict) -> List[str]:
+    """The plan's patterns that name no module of ``model`` (a typo in a user's ``tp_plan=``)."""
+    hit = {p for p, _, _ in _matches(plan, model)}
+    return [p for p in plan if p not in hit]
+
+
 def head_counts(model: nn.Module) -> Tuple[Optional[int], Optional[int]]:
     """(attention heads, key/value heads) from the (text) config; None when it names none."""
     config = getattr(model, "config", None)
@@ -104,17 +110,20 @@ def check_heads(model: nn.Module, tp: int) -> None:
 
 def check_ties(model: nn.Module, plan: dict) -> None:
     """A weight shared by two modules (an embedding tied to its LM head) must be sharded the same way
-    by both, or left whole by both: it stays one parameter."""
+    by both, or left whole by both: it stays one parameter. (Owners given torch styles by the user are
+    checked when applied, by the placements they made.)"""
     entry_of = {name: plan[p] for p, name, _ in _matches(plan, model)}
     mods = dict(model.named_modules())
     for names in tied_weights(model):
         owners = [n.rpartition(".")[0] for n in names]
-        dims = {o: (weight_shard_dim(entry_of[o], mods[o]) if isinstance(entry_of.get(o), (str, tuple))
-                    else ("?" if o in entry_of else None)) for o in owners}
-        if len(set(dims.values())) > 1 or "?" in dims.values():
+        entries = [entry_of.get(o) for o in owners]
+        if any(e is not None and not isinstance(e, (str, tuple)) for e in entries):
+            continue
+        dims = {weight_shard_dim(e, mods[o]) if e is not None else None for o, e in zip(owners, entries)}
+        if len(dims) > 1:
             raise ValueError(f"tensor parallelism: {names} are one tied weight, but the plan shards it "
-                             f"differently in {owners} ({ {o: entry_of.get(o) for o in owners} }); give both "
-                             "modules styles sharding the same dimension, or neither, in tp_plan=")
+                             f"differently in {dict(zip(owners, entries))}; give both modules styles sharding "
+                             "the same dimension, or neither, in tp_plan=")
 
 
 def tied_weights(model: nn.Module) -> List[List[str]]:
