@@ -20,6 +20,7 @@ from support.engine import batch, global_mean, param_groups  # noqa: E402
 STEPS = 5
 LR = 1e-2
 SEED = 11
+CLIP = 0.5  # below every model's gradient norm here, so clipping acts at every step
 
 
 def _llama(**kw):
@@ -40,7 +41,35 @@ def _gpt2():
                                       bos_token_id=0, eos_token_id=0))
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True)}
+def _qwen2():  # a plan of its own, biases on q/k/v
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(SEED)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
+
+
+def _opt():  # no plan in transformers: the built-in table; reshapes by num_heads; tied head
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(SEED)
+    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
+                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=1))
+
+
+def _bert():  # an encoder, no plan in transformers: the built-in table (encoder layers)
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(SEED)
+    return BertForMaskedLM(BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
+          "qwen2": _qwen2, "opt": _opt, "bert": _bert}
 
 # transformers < 5's names for the same layout (rowwise on an embedding: its vocabulary sharded)
 OLD_NAMES = {"model.embed_tokens": "rowwise", "lm_head": "colwise_rep",
@@ -55,14 +84,14 @@ def _loop(model, opt, booster, rank, world, split):
     losses and the gradient norms before clipping (every gradient, whole, in one number per step)."""
     losses, norms = [], []
     for s in range(STEPS):
-        x = batch(s, rank, world)[0] if split else batch(s)[0]
+        x = (batch(s, rank, world)[0] if split else batch(s)[0]).contiguous()  # BERT's loss views its labels
         loss = model(input_ids=x, labels=x).loss
         if booster:
             booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, 1.0)
+            norm = booster.clip_grad_by_norm(opt, CLIP)
         else:
             loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
         losses.append(global_mean(loss) if split else loss.item())
@@ -93,13 +122,14 @@ def _train(rank, world, name, plugin_name):
         inner = model.stage_modules[0].inner
         out["sharded"] = sorted(n for n, p in inner.named_parameters() if hasattr(p, "to_local")
                                 and p.to_local().shape != p.shape)
-        out["tied"] = inner.lm_head.weight is inner.get_input_embeddings().weight
+        head = inner.get_output_embeddings()
+        out["tied"] = head.weight is inner.get_input_embeddings().weight
         plugin.close()
     return out
 
 
-CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("llama", "ddp"),
-         ("llama", "zero2")]
+CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
+         ("opt", "tp2"), ("bert", "tp2"), ("llama", "ddp"), ("llama", "zero2")]
 
 
 def _all(rank, world):
@@ -119,7 +149,7 @@ def test_hf_model_follows_its_single_process_curve(runs, case):
         assert got == pytest.approx(ref, rel=1e-4), (case, got, ref)
         assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, r[case]["norms"], ref_norms)
     assert ref[-1] < ref[0]  # it learned: the curve is not flat
-    assert min(ref_norms) > 1.0  # the clip acted on every step, so a wrong norm would move the curve
+    assert min(ref_norms) > CLIP  # the clip acted on every step, so a wrong norm would move the curve
 
 
 def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
@@ -130,6 +160,11 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "transformer.wte.weight" in gpt2["sharded"]
     assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
     assert runs[0][("llama", "tp2_old_names")]["sharded"] == llama["sharded"]  # the same layout
+    opt, bert = runs[0][("opt", "tp2")], runs[0][("bert", "tp2")]
+    assert "model.decoder.layers.1.self_attn.q_proj.weight" in opt["sharded"] and opt["tied"]
+    assert "model.decoder.embed_tokens.weight" in opt["sharded"]
+    assert "bert.encoder.layer.1.attention.self.query.weight" in bert["sharded"]
+    assert "model.layers.1.self_attn.q_proj.bias" in runs[0][("qwen2", "tp2")]["sharded"]
 
 
 def _tp2_dp2(rank, world):
@@ -186,12 +221,11 @@ def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
 
 
 def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM
 
-    opt = OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
-                                   vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64))
-    with pytest.raises(ValueError, match=r"model_type='opt'.*no tensor-parallel plan.*tp_plan="):
-        _configure(opt, tp_size=2)
+    bloom = BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
+    with pytest.raises(ValueError, match=r"model_type='bloom'.*no tensor-parallel plan.*tp_plan="):
+        _configure(bloom, tp_size=2)
 
 
 def test_tied_weights_sharded_differently_are_refused():

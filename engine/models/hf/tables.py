@@ -23,4 +23,31 @@ TABLES = {
         # GPT2Attention splits c_attn's output into q, k, v by split_size (the hidden width)
         "per_rank": {"h.*.attn": ("split_size", "num_heads")},
     },
+    # OPT: nn.Linear projections; its attention reshapes by num_heads; the head is tied to embed_tokens
+    "opt": {
+        "base": {
+            "decoder.embed_tokens": "embedding_rowwise",
+            "decoder.layers.*.self_attn.q_proj": "colwise",
+            "decoder.layers.*.self_attn.k_proj": "colwise",
+            "decoder.layers.*.self_attn.v_proj": "colwise",
+            "decoder.layers.*.self_attn.out_proj": "rowwise",
+            "decoder.layers.*.fc1": "colwise",
+            "decoder.layers.*.fc2": "rowwise",
+        },
+        "head": {"lm_head": "colwise_gather_output"},
+        "per_rank": {"decoder.layers.*.self_attn": ("num_heads",)},
+    },
+    # BERT: the encoder only (its attention reshapes with -1); embeddings and task heads stay whole, as
+    # the MLM head ties both the decoder's weight and its bias
+    "bert": {
+        "base": {
+            "encoder.layer.*.attention.self.query": "colwise",
+            "encoder.layer.*.attention.self.key": "colwise",
+            "encoder.layer.*.attention.self.value": "colwise",
+            "encoder.layer.*.attention.output.dense": "rowwise",
+            "encoder.layer.*.intermediate.dense": "colwise",
+            "encoder.layer.*.output.dense": "rowwise",
+        },
+        "head": {},
+    },
 }
