@@ -71,6 +71,9 @@ def _bert():  # an encoder, no plan in transformers: the built-in table (encoder
 MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
           "qwen2": _qwen2, "opt": _opt, "bert": _bert}
 
+# a user's plan for a family with a built-in one: attention left whole keeps its own head counts
+GPT2_MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
 # transformers < 5's names for the same layout (rowwise on an embedding: its vocabulary sharded)
 OLD_NAMES = {"model.embed_tokens": "rowwise", "lm_head": "colwise_rep",
              **{f"model.layers.*.self_attn.{p}_proj": "local_colwise" for p in "qkv"},
@@ -110,6 +113,7 @@ def _train(rank, world, name, plugin_name):
 
     plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
               "tp2_old_names": lambda: HybridParallelPlugin(tp_size=2, tp_plan=OLD_NAMES),
+              "tp2_mlp_only": lambda: HybridParallelPlugin(tp_size=2, tp_plan=GPT2_MLP_ONLY),
               "zero2": lambda: LowLevelZeroPlugin(stage=2)}[plugin_name]()
     booster = Booster(plugin=plugin)
     model = MODELS[name]()
@@ -129,7 +133,7 @@ def _train(rank, world, name, plugin_name):
 
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
-         ("opt", "tp2"), ("bert", "tp2"), ("llama", "ddp"), ("llama", "zero2")]
+         ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("llama", "ddp"), ("llama", "zero2")]
 
 
 def _all(rank, world):
@@ -160,6 +164,8 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "transformer.wte.weight" in gpt2["sharded"]
     assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
     assert runs[0][("llama", "tp2_old_names")]["sharded"] == llama["sharded"]  # the same layout
+    mlp_only = runs[0][("gpt2", "tp2_mlp_only")]["sharded"]
+    assert "transformer.h.0.mlp.c_fc.weight" in mlp_only and "transformer.h.0.attn.c_attn.weight" not in mlp_only
     opt, bert = runs[0][("opt", "tp2")], runs[0][("bert", "tp2")]
     assert "model.decoder.layers.1.self_attn.q_proj.weight" in opt["sharded"] and opt["tied"]
     assert "model.decoder.embed_tokens.weight" in opt["sharded"]

@@ -74,7 +74,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
     if tp == 1:
         return model
     ties = tied_weights(model)  # before: parallelize_module gives each owner its own new parameter
-    parallelize_module(model, tp_mesh, torch_plan(model, resolve_plan(model, user_plan, tp)))
+    styles = torch_plan(model, resolve_plan(model, user_plan, tp))
+    parallelize_module(model, tp_mesh, styles)
     for names in ties:
         first = model.get_parameter(names[0])
         for name in names[1:]:
@@ -83,9 +84,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
                 raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
                                  f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
+    _per_rank(model, {name.rpartition(".")[0] for name in styles}, tp)
+    return model
+
+
+def _per_rank(model: nn.Module, parents: set, tp: int) -> None:
+    """The table's head-count attributes become one rank's share, on modules whose children the plan
+    sharded (a plan that leaves an attention whole leaves its counts alone)."""
     mods = dict(model.named_modules())
     for pattern, attrs in per_rank_attributes(model).items():
-        for name in [n for n in mods if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]:
+        for name in [n for n in parents if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]:
             for attr in attrs:
                 setattr(mods[name], attr, getattr(mods[name], attr) // tp)
-    return model
