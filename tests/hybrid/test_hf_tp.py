@@ -257,3 +257,20 @@ def test_the_engine_imports_no_transformers_for_its_own_models():
             "colossal_lab.engine.tensor_parallel; print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_only_the_adapter_may_name_transformers_in_an_import():
+    """A static check beside the one above: no engine module outside engine/models/hf imports transformers."""
+    import ast
+
+    from support import ROOT
+
+    found = []
+    for p in sorted((ROOT / "engine").rglob("*.py")):
+        if (ROOT / "engine" / "models" / "hf") in p.parents:
+            continue
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "transformers"]
+    assert found == []
