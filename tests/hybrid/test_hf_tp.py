@@ -222,6 +222,8 @@ def test_unknown_and_unsupported_styles_are_named():
 def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
     with pytest.raises(ValueError, match=r"\['model.layer.\*.mlp.up_proj'\] name no module"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layer.*.mlp.up_proj": "colwise"})
+    with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj.weight'.*names a parameter"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
     with pytest.raises(ValueError, match=r"'embedding_rowwise' is for nn.Embedding, not Linear"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "embedding_rowwise"})
 

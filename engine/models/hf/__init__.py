@@ -55,12 +55,12 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
                          "set sequence_parallel=False")
     plan = resolve_plan(model, plugin.tp_plan, tp)
+    torch_plan(model, plan)  # every style translated: an unknown one, or one on a parameter, raises here
     missing = unmatched(model, plan) if plugin.tp_plan is not None else []
     if missing:
         names = [n for n, _ in model.named_modules() if n][:6]
         raise ValueError(f"HybridParallelPlugin(tp_plan=...): {missing} name no module of {type(model).__name__} "
                          f"(names are module paths, '*' one part of them, e.g. {names})")
-    torch_plan(model, plan)  # every style translated: an unknown one raises here
     check_heads(model, tp)
     check_ties(model, plan)
 

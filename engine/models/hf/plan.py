@@ -77,6 +77,12 @@ def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
     for pattern, entry in plan.items():  # a style matching no module here must still be one we know
         if isinstance(entry, (str, tuple)):
             check_name(entry, pattern)
+    params = [n for n, _ in model.named_parameters()]
+    for pattern in unmatched(model, plan):  # transformers 5 plans may shard a bare parameter (experts)
+        if any(n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern) for n in params):
+            raise ValueError(f"tp plan entry {pattern!r} ({plan[pattern]!r}) names a parameter, not a module; "
+                             "per-parameter styles are not run yet; pass HybridParallelPlugin(tp_plan={...}) "
+                             "without it")
     return styles
 
 
