@@ -49,6 +49,14 @@ def _qwen2():  # a plan of its own, biases on q/k/v
                                         intermediate_size=128, num_hidden_layers=2, vocab_size=256))
 
 
+def _qwen3():  # per-head q_norm/k_norm: replicated_with_grad_allreduce
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(SEED)
+    return Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
+
+
 def _opt():  # no plan in transformers: the built-in table; reshapes by num_heads; tied head
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -69,7 +77,7 @@ def _bert():  # an encoder, no plan in transformers: the built-in table (encoder
 
 
 MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
-          "qwen2": _qwen2, "opt": _opt, "bert": _bert}
+          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert}
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
 GPT2_MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
@@ -133,7 +141,8 @@ def _train(rank, world, name, plugin_name):
 
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
-         ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("llama", "ddp"), ("llama", "zero2")]
+         ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("llama", "ddp"),
+         ("llama", "zero2")]
 
 
 def _all(rank, world):

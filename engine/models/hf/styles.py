@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from .grad_sum import ReplicatedGradSum
 from .local_linear import LocalColwise, LocalRowwise, is_conv1d
 
 # name -> (what it does, the names transformers gave it across releases are each an entry)
@@ -34,6 +35,7 @@ SUPPORTED = {
     "packed_colwise": "as colwise on a weight packing equal parts (parts=k; transformers' default 2)",
     "replicate": "kept whole on every rank (nothing to do)",
     "sequence_parallel": "a norm between layers: kept whole (no sequence parallelism for these models yet)",
+    "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
 }
 NOT_YET = {
     "packed_rowwise": "fused packed weights (row)", "local_packed_rowwise": "fused packed weights (row)",
@@ -42,7 +44,6 @@ NOT_YET = {
     "moe_tp_experts": "mixture-of-experts experts", "moe_identity_expert": "mixture-of-experts experts",
     "grouped_gemm": "mixture-of-experts experts", "ep_router": "mixture-of-experts router",
     "mla_kv_a_proj": "multi-head latent attention", "local_params": "bare sharded parameters",
-    "replicated_with_grad_allreduce": "per-head norms with partial gradients",
 }
 
 
@@ -77,6 +78,8 @@ def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelSt
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
     if name in ("replicate", "sequence_parallel"):
         return None
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedGradSum()
     if name.startswith("embedding_") and not emb:
         raise ValueError(f"tp plan entry {module_name!r}: style {name!r} is for nn.Embedding, "
                          f"not {type(module).__name__}")
@@ -102,7 +105,7 @@ def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelSt
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, _ = _parse(entry)
-    if name in ("replicate", "sequence_parallel"):
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce"):
         return None
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary
