@@ -5,7 +5,8 @@ collides with the model contract's ``tp_plan(sequence_parallel)`` method; the en
 :func:`is_hf_model` first and reads an HF model's plan here, never by calling ``model.tp_plan``. This
 package never imports transformers: it knows the model by its class names and reads its plan, config
 and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates into torch's
-``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.tables`
+``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.grad_sum`
+per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none). Only 1D tensor parallelism is covered so far (docs/hf.md).
 """
 

@@ -4,8 +4,9 @@ A transformers plan maps module names to style names (``"colwise"``, ``"embeddin
 names and their meanings changed across releases (transformers' ``distributed/tensor_parallel.py``,
 ``ALL_PARALLEL_STYLES``; before 5.x ``integrations/tensor_parallel.py``, ``ParallelInterface``). Each name
 we know is read here as torch's own ``ColwiseParallel``/``RowwiseParallel`` with the layouts it stands for,
-or as :mod:`.local_linear`'s styles where the module is a ``Conv1D`` (weight transposed) or packs parts.
-Names we know but do not run yet (mixture-of-experts, fused packed weights, MLA, per-head norms) and
+or as :mod:`.local_linear`'s styles where the module is a ``Conv1D`` (weight transposed) or packs parts,
+or :mod:`.grad_sum`'s for a whole module with partial gradients. Names we know but do not run yet
+(mixture-of-experts, fused row-packed weights, MLA) and
 names we do not know each raise a ``ValueError`` that names the style and the module.
 """
 
