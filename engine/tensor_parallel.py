@@ -43,9 +43,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = Non
 
     if tp_mesh.size() == 1:
         return module
-    from .models.hf import is_hf_model
+    from .models.hf import reads_dict_plan
 
-    if is_hf_model(module):  # transformers' tp_plan is a dict property, read by the adapter
+    if reads_dict_plan(module):  # transformers' tp_plan is a dict property, read by the adapter
         from .models.hf import apply_tensor_parallel as apply_hf
 
         return apply_hf(module, tp_mesh, plan)

@@ -285,3 +285,17 @@ def test_only_the_adapter_may_name_transformers_in_an_import():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             found += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "transformers"]
     assert found == []
+
+
+class _DictPlanMLP(torch.nn.Sequential):
+    """Not a transformers model, but its ``tp_plan`` is transformers' form (a dict of style names)."""
+
+    tp_plan = {"0": "colwise", "2": "rowwise_sideways"}
+
+    def __init__(self):
+        super().__init__(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+
+
+def test_any_model_with_a_dict_tp_plan_is_read_as_transformers_plan():
+    with pytest.raises(ValueError, match=r"tp plan entry '2': unknown tensor-parallel style 'rowwise_sideways'"):
+        _configure(_DictPlanMLP(), tp_size=2)

@@ -19,13 +19,19 @@ import torch.nn as nn
 
 from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan, unmatched
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "resolve_plan"]
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "reads_dict_plan", "resolve_plan"]
 
 
 def is_hf_model(module: nn.Module) -> bool:
     """True for a ``transformers.PreTrainedModel`` (by its class's MRO: no import of transformers)."""
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
                for c in type(module).__mro__)
+
+
+def reads_dict_plan(module: nn.Module) -> bool:
+    """Whether the engine reads this model's tensor-parallel plan here: an HF model, or any model whose
+    ``tp_plan`` is a dict (transformers' form: module pattern -> style name) rather than the contract's method."""
+    return is_hf_model(module) or isinstance(getattr(module, "tp_plan", None), dict)
 
 
 def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> dict:

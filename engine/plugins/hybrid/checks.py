@@ -77,9 +77,9 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     """1D needs a ``tp_plan`` (the model's or the plugin's); 2D/2.5D/3D resolves and checks its roles;
     heads must divide over the ranks they are cut over. A transformers model is checked by its adapter."""
     from ...models.hf import check_tensor_parallel as check_hf
-    from ...models.hf import is_hf_model
+    from ...models.hf import reads_dict_plan
 
-    if is_hf_model(model):  # its tp_plan is transformers' dict property, not the contract's method
+    if reads_dict_plan(model):  # its tp_plan is transformers' dict (property), not the contract's method
         check_hf(model, plugin)
         return
     nd = plugin.tp_mode != "1d" and plugin.tp_size > 1
