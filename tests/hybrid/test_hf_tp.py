@@ -32,11 +32,11 @@ def _llama(**kw):
     return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
 
 
-def _gpt2():
+def _gpt2(vocab_size=256):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(SEED)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=vocab_size, n_positions=64,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                       bos_token_id=0, eos_token_id=0))
 
@@ -77,7 +77,8 @@ def _bert():  # an encoder, no plan in transformers: the built-in table (encoder
 
 
 MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
-          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert}
+          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert,
+          "gpt2_odd_vocab": lambda: _gpt2(vocab_size=257)}  # GPT-2's real 50257 is odd too: uneven vocab shards
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
 GPT2_MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
@@ -141,8 +142,8 @@ def _train(rank, world, name, plugin_name):
 
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
-         ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("llama", "ddp"),
-         ("llama", "zero2")]
+         ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("gpt2_odd_vocab", "tp2"),
+         ("llama", "ddp"), ("llama", "zero2")]
 
 
 def _all(rank, world):
