@@ -129,9 +129,13 @@ def _train(rank, world, name, plugin_name):
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
     hybrid = plugin_name.startswith("tp2")
+    if hybrid:  # the sharded parameters made whole are the model's own layout (GPT-2's packed q|k|v too)
+        whole, plain = model.full_state_dict(), MODELS[name]().state_dict()
+        same = whole.keys() == plain.keys() and all(torch.equal(whole[k], plain[k]) for k in plain)
     losses, norms = _loop(model, opt, booster, rank, world, split=not hybrid)
     out = {"losses": losses, "norms": norms}
     if hybrid:
+        out["whole_equals_plain"] = same
         inner = model.stage_modules[0].inner
         out["sharded"] = sorted(n for n, p in inner.named_parameters() if hasattr(p, "to_local")
                                 and p.to_local().shape != p.shape)
@@ -173,6 +177,7 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
     assert "transformer.wte.weight" in gpt2["sharded"]
     assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
+    assert all(r[c]["whole_equals_plain"] for r in runs for c in CASES if c[1].startswith("tp2"))
     assert runs[0][("llama", "tp2_old_names")]["sharded"] == llama["sharded"]  # the same layout
     mlp_only = runs[0][("gpt2", "tp2_mlp_only")]["sharded"]
     assert "transformer.h.0.mlp.c_fc.weight" in mlp_only and "transformer.h.0.attn.c_attn.weight" not in mlp_only
@@ -257,6 +262,10 @@ def test_modes_not_run_yet_are_refused():
         _configure(_llama(), tp_size=4, tp_mode="2d")
     with pytest.raises(ValueError, match=r"sequence_parallel=True.*not run for transformers models"):
         _configure(_llama(), tp_size=2, sequence_parallel=True)
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM has no num_layers\(\)"):
+        _configure(_llama(), pp_size=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"cp_size=2.*no enable_context_parallel"):
+        _configure(_llama(), cp_size=2)
 
 
 def test_the_engine_imports_no_transformers_for_its_own_models():
