@@ -239,6 +239,8 @@ def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
         _configure(_llama(), tp_size=2, tp_plan={"model.layer.*.mlp.up_proj": "colwise"})
     with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj.weight'.*names a parameter"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
+    with pytest.raises(ValueError, match=r"'colwise' shards nn.Linear, nn.Embedding or Conv1D weights, not a LlamaMLP"):
+        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "colwise"})
     with pytest.raises(ValueError, match=r"'embedding_rowwise' is for nn.Embedding, not Linear"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "embedding_rowwise"})
 

@@ -81,6 +81,9 @@ def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelSt
         return None
     if name == "replicated_with_grad_allreduce":
         return ReplicatedGradSum()
+    if not (conv or emb or isinstance(module, nn.Linear)):
+        raise ValueError(f"tp plan entry {module_name!r}: style {name!r} shards nn.Linear, nn.Embedding or Conv1D "
+                         f"weights, not a {type(module).__name__}")
     if name.startswith("embedding_") and not emb:
         raise ValueError(f"tp plan entry {module_name!r}: style {name!r} is for nn.Embedding, "
                          f"not {type(module).__name__}")
