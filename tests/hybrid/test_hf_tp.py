@@ -118,12 +118,13 @@ def _reference(name):
 
 def _train(rank, world, name, plugin_name):
     from colossal_lab.engine import Booster
-    from colossal_lab.engine.plugins import DDPPlugin, HybridParallelPlugin, LowLevelZeroPlugin
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
               "tp2_old_names": lambda: HybridParallelPlugin(tp_size=2, tp_plan=OLD_NAMES),
               "tp2_mlp_only": lambda: HybridParallelPlugin(tp_size=2, tp_plan=GPT2_MLP_ONLY),
-              "zero2": lambda: LowLevelZeroPlugin(stage=2)}[plugin_name]()
+              "zero2": lambda: LowLevelZeroPlugin(stage=2),
+              "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32")}[plugin_name]()
     booster = Booster(plugin=plugin)
     model = MODELS[name]()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
@@ -147,7 +148,7 @@ def _train(rank, world, name, plugin_name):
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
          ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("gpt2_odd_vocab", "tp2"),
-         ("llama", "ddp"), ("llama", "zero2")]
+         ("llama", "ddp"), ("llama", "zero2"), ("llama", "gemini")]
 
 
 def _all(rank, world):
