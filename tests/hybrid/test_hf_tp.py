@@ -1,9 +1,11 @@
 """transformers models under HybridParallelPlugin(tp_size=2) with no parallel code from the user.
 
-Tiny random LlamaForCausalLM (its own plan: ``model.tp_plan``, grouped-query attention) and
-GPT2LMHeadModel (no plan in transformers: the adapter's built-in table, Conv1D weights, a packed q|k|v
-projection, an embedding tied to the head) train with the plain HF loop and follow the single-process
-fp32 curve; DDP and ZeRO-2 train the Llama too. Bad input is refused before any process group exists.
+Tiny random models built from configs (no hub), trained with the plain HF loop, follow the
+single-process fp32 loss and gradient-norm curves: Llama, Qwen2 and Qwen3 by their own ``model.tp_plan``
+(grouped-query attention, q/k/v biases, per-head norms), GPT-2, OPT and BERT by the adapter's built-in
+tables (Conv1D weights, a packed q|k|v projection, heads reshaped by ``num_heads``, tied heads, an odd
+vocabulary), a user ``tp_plan=`` in transformers < 5's names, and tp2 x dp2 on four ranks; DDP, ZeRO-2 and
+Gemini train the Llama too. Bad input is refused before any process group exists.
 """
 
 from __future__ import annotations
