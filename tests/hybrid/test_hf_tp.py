@@ -233,8 +233,14 @@ def test_heads_that_do_not_divide_name_the_sizes_that_work():
 def test_unknown_and_unsupported_styles_are_named():
     with pytest.raises(ValueError, match=r"'colwise_sideways'.*known styles: \[.*'colwise_gather_output'"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "colwise_sideways"})
-    with pytest.raises(ValueError, match=r"'moe_tp_experts'.*does not run yet"):
+    with pytest.raises(ValueError, match=r"plan \(tp_plan=\).*'moe_tp_experts'.*does not run yet"):
         _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "moe_tp_experts"})
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    moe = MixtralForCausalLM(MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=128, num_hidden_layers=2, vocab_size=256))
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM's plan \(model.tp_plan\).*experts.*does not run yet"):
+        _configure(moe, tp_size=2)
 
 
 def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():

@@ -13,7 +13,7 @@ holds plans for families that ship none). Only 1D tensor parallelism is covered 
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch.nn as nn
 
@@ -34,11 +34,12 @@ def reads_dict_plan(module: nn.Module) -> bool:
     return is_hf_model(module) or isinstance(getattr(module, "tp_plan", None), dict)
 
 
-def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> dict:
-    """The plan to apply: the user's ``tp_plan=`` or the model's own; an error naming ``tp_plan=`` if neither."""
+def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> Tuple[dict, str]:
+    """The plan to apply and where it came from: the user's ``tp_plan=`` or the model's own; an error
+    naming ``tp_plan=`` if neither."""
     if user_plan is not None:
-        return dict(user_plan)
-    plan, _ = read_plan(model)
+        return dict(user_plan), "tp_plan="
+    plan, source = read_plan(model)
     if not plan:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} (model_type={model_type!r}) "
@@ -46,7 +47,7 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> dict:
                          "colossal-lab has no built-in one for it; pass HybridParallelPlugin(tp_plan={"
                          "'model.layers.*.self_attn.q_proj': 'colwise', ...}) with transformers' style names "
                          "or torch ParallelStyles (docs/hf.md)")
-    return plan
+    return plan, source
 
 
 def check_tensor_parallel(model: nn.Module, plugin) -> None:
@@ -61,8 +62,12 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     if plugin.sequence_parallel:
         raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
                          "set sequence_parallel=False")
-    plan = resolve_plan(model, plugin.tp_plan, tp)
-    torch_plan(model, plan)  # every style translated: an unknown one, or one on a parameter, raises here
+    plan, source = resolve_plan(model, plugin.tp_plan, tp)
+    try:
+        torch_plan(model, plan)  # every style translated: an unknown one, or one on a parameter, raises here
+    except ValueError as exc:
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__}'s plan ({source}): {exc}") \
+            from None
     missing = unmatched(model, plan) if plugin.tp_plan is not None else []
     if missing:
         names = [n for n, _ in model.named_modules() if n][:6]
@@ -81,7 +86,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
     if tp == 1:
         return model
     ties = tied_weights(model)  # before: parallelize_module gives each owner its own new parameter
-    styles = torch_plan(model, resolve_plan(model, user_plan, tp))
+    styles = torch_plan(model, resolve_plan(model, user_plan, tp)[0])
     parallelize_module(model, tp_mesh, styles)
     for names in ties:
         first = model.get_parameter(names[0])
