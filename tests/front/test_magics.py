@@ -25,6 +25,7 @@ import nbformat
 import psutil
 import pytest
 from nbclient import NotebookClient
+from support.notebook import IpcKernelManager
 
 CELLS = [
     ("load", "%load_ext colossal_lab"),
@@ -64,7 +65,7 @@ def executed(tmp_path_factory):
                                          for name, src in CELLS])
     path = tmp_path_factory.mktemp("nb")
     client = NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path)}})
+                            kernel_manager_class=IpcKernelManager, resources={"metadata": {"path": str(path)}})
     timing = {}
     with client.setup_kernel():
         for i, cell in enumerate(nb.cells):

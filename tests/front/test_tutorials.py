@@ -10,6 +10,7 @@ import os
 
 import pytest
 from support import ROOT
+from support.notebook import IpcKernelManager
 
 papermill = pytest.importorskip("papermill")
 
@@ -43,6 +44,7 @@ def _run(name, workdir):
         papermill.execute_notebook(
             str(src), str(ARTIFACTS / src.name), parameters=TINY[name], kernel_name="python3",
             cwd=str(workdir), progress_bar=False, execution_timeout=600,
+            kernel_manager_class=IpcKernelManager,  # no TCP port for another process to take first
         )
     finally:
         os.environ.clear()
