@@ -6,6 +6,7 @@ from typing import Callable, List, Tuple
 
 import torch.nn as nn
 
+from ..models.protocol import check_checkpointing
 from .profile import Entry
 
 
@@ -51,17 +52,7 @@ def _setter(model: nn.Module) -> Callable[[List[Entry]], None]:
     """A function applying ``layers`` (entries as for ``enable_activation_checkpointing``)."""
     own = getattr(model, "enable_activation_checkpointing", None)
     if callable(own):
-        import inspect
-
-        try:
-            params = inspect.signature(own).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "layers" not in params:
-            raise ValueError(
-                f"plan_checkpointing: {type(model).__name__}.enable_activation_checkpointing() takes no `layers`; "
-                "extend it as the model contract says (engine/models/protocol.py): "
-                "enable_activation_checkpointing(layers=None), None = every layer, else the listed layer indices")
+        check_checkpointing(model, "plan_checkpointing", layers=True)
         return lambda entries: own(layers=list(entries))
     if isinstance(model, nn.Sequential):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

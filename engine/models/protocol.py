@@ -111,3 +111,28 @@ class CheckpointRequestContract(Protocol):
         """Whether the model recomputes in backward by its own choice (its config: every layer, or a
         request the engine plans), so that ``cl.plan`` counts its step as checkpointed. Default:
         False (no method: only a plugin's ``activation_checkpointing`` turns it on)."""
+
+
+def check_checkpointing(model: nn.Module, who: str, *, layers: bool, instead: str = "") -> None:
+    """Refuse, naming ``who`` (the caller and its argument), a model that cannot recompute its layers:
+    it needs ``enable_activation_checkpointing()`` (taking ``layers`` where ``layers``: a planner
+    chooses which) or to be an ``nn.Sequential`` (whose children the engine wraps itself).
+    ``instead``: the other way out to suggest when the method exists but takes no ``layers``."""
+    import inspect
+
+    name = type(model).__name__
+    own = getattr(model, "enable_activation_checkpointing", None)
+    if callable(own):
+        try:
+            takes = "layers" in inspect.signature(own).parameters
+        except (TypeError, ValueError):
+            takes = False
+        if takes or not layers:
+            return
+        raise ValueError(f"{who}: {name}.enable_activation_checkpointing() takes no `layers`; extend it as the model "
+                         "contract says (engine/models/protocol.py): enable_activation_checkpointing(layers=None), "
+                         "None = every layer, else the listed layers" + (f"; or {instead}" if instead else ""))
+    if not isinstance(model, nn.Sequential):
+        wanted = "enable_activation_checkpointing(layers=...)" if layers else "enable_activation_checkpointing()"
+        raise ValueError(f"{who}: {name} has no {wanted} (the model contract) and is not an nn.Sequential; "
+                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")

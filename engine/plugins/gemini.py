@@ -35,6 +35,7 @@ from ..gemini.nvme import check_direct_io
 from ..gemini.placement import POLICIES
 from ..gemini.repack import ORDERS
 from ..mixed_precision import TORCH_DTYPE_MAP, resolve_precision
+from ..models.protocol import check_checkpointing
 from .base import Plugin
 
 
@@ -126,7 +127,8 @@ class GeminiPlugin(Plugin):
             # the model asks for "auto" itself: planned here, outside Gemini's hooks, with its own budget
             ac, budget = "auto", budget if ac == "auto" and budget is not None else asked
         if ac:
-            _check_checkpoint_contract(model, ac)
+            check_checkpointing(model, f"GeminiPlugin(activation_checkpointing={ac!r})", layers=ac == "auto",
+                                instead="use activation_checkpointing=True")
         skip = ("precision", "activation_checkpointing", "activation_budget")
         options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
         gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
@@ -177,30 +179,6 @@ class GeminiPlugin(Plugin):
         for m in self._managers:
             m.close()
         self._managers.clear()
-
-
-def _check_checkpoint_contract(model: nn.Module, ac) -> None:
-    """The model must take the layers to recompute (the model contract) or be an ``nn.Sequential``."""
-    import inspect
-
-    own = getattr(model, "enable_activation_checkpointing", None)
-    if callable(own):
-        if ac is True:
-            return
-        try:
-            takes = "layers" in inspect.signature(own).parameters
-        except (TypeError, ValueError):
-            takes = False
-        if takes:
-            return
-        raise ValueError(f"GeminiPlugin(activation_checkpointing='auto'): {type(model).__name__}."
-                         "enable_activation_checkpointing() takes no `layers`; extend it as the model contract says "
-                         "(engine/models/protocol.py) or use activation_checkpointing=True")
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"GeminiPlugin(activation_checkpointing={ac!r}): {type(model).__name__} has no "
-                         "enable_activation_checkpointing(layers=...) (the model contract) "
-                         "and is not an nn.Sequential; "
-                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ bad layout fails on every rank alike and before any collective.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,34 +42,16 @@ def resolve_checkpointing(activation_checkpointing, activation_budget, model: nn
     return Checkpointing()
 
 
-def _check_auto_contract(model: nn.Module) -> None:
-    """``"auto"`` switches layers through the model contract: the model must take a list of layers."""
-    own = getattr(model, "enable_activation_checkpointing", None)
-    if callable(own):
-        try:
-            takes = "layers" in inspect.signature(own).parameters
-        except (TypeError, ValueError):
-            takes = False
-        if takes:
-            return
-        raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {type(model).__name__}."
-                         "enable_activation_checkpointing() takes no `layers`; extend it as the model contract says "
-                         "(engine/models/protocol.py: enable_activation_checkpointing(layers=None)) or use "
-                         "activation_checkpointing=True")
-    if not isinstance(model, nn.Sequential):
-        raise ValueError(f"HybridParallelPlugin(activation_checkpointing='auto'): {type(model).__name__} has no "
-                         "enable_activation_checkpointing(layers=...) (the model contract) "
-                         "and is not an nn.Sequential; "
-                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
-
-
 def check_checkpointing(model: nn.Module, ckpt: Checkpointing) -> None:
+    """``"auto"`` switches layers through the model contract (the model takes a list of layers);
+    ``True`` needs the contract's method or an ``nn.Sequential``."""
+    from ...models.protocol import check_checkpointing as check
+
     if ckpt.auto:
-        _check_auto_contract(model)
-    if ckpt.every and not ckpt.own and not isinstance(model, nn.Sequential):
-        raise ValueError(f"HybridParallelPlugin(activation_checkpointing=True): {type(model).__name__} has no "
-                         "enable_activation_checkpointing() (the model contract) and is not an nn.Sequential; "
-                         "implement it, wrap your layers in nn.Sequential or set activation_checkpointing=False")
+        check(model, "HybridParallelPlugin(activation_checkpointing='auto')", layers=True,
+              instead="use activation_checkpointing=True")
+    elif ckpt.every:
+        check(model, "HybridParallelPlugin(activation_checkpointing=True)", layers=False)
 
 
 def check_tensor_parallel(model: nn.Module, plugin) -> None:
