@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn as nn
 from support.dist import run_distributed
+from support.gemini import LR, adamw_reference
 
 from colossal_lab.engine import Booster, telemetry
 from colossal_lab.engine.models import GPT, GPTConfig
 from colossal_lab.engine.plugins import GeminiPlugin
 
 STEPS = 10
-LR = 1e-2
 CFG = GPTConfig.preset("tiny", tie_embeddings=True)
 
 
@@ -53,18 +53,6 @@ def _execution_names():
 
 def _layout(gm):
     return [i.name for c in gm.manager.chunks for i in c.infos]
-
-
-def _reference(model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    losses = []
-    for x, y in batches:
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _boost(model, plugin):
@@ -142,7 +130,7 @@ HALF = lambda tmp, rank: dict(placement_policy="static", shard_param_frac=0.5, o
 def _train(name, tmp, rank=0, world=1):
     base = _base()
     batches = _batches(STEPS)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     model = _reordered(copy.deepcopy(base))
     registered = [n for n, _ in model.named_parameters()]
     placement = {**PLACEMENTS, "static_half": HALF, "auto_searched": SEARCHED}[name]
@@ -251,7 +239,7 @@ class _DataDependent(nn.Module):
 def test_untraceable_forward_keeps_registration_order_with_a_warning():
     base = _base()
     batches = _batches(4)
-    ref_losses, _ = _reference(copy.deepcopy(base), batches)
+    ref_losses, _ = adamw_reference(copy.deepcopy(base), batches)
     model = _DataDependent(_reordered(copy.deepcopy(base)))
     plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=0.07)
     booster, gm, gopt, _ = _boost(model, plugin)
@@ -274,7 +262,7 @@ def test_tight_budget_stages_through_nvme_or_keeps_the_packing(room_chunks, spil
     warning. Either way training then matches plain PyTorch."""
     base = _base()
     batches = _batches(STEPS)
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=5_000_000,
                           nvme_offload_dir=str(tmp_path), chunk_size_mb=0.07, max_prefetch=1)
     booster, gm, gopt, _ = _boost(_reordered(copy.deepcopy(base)), plugin)
@@ -323,7 +311,7 @@ def test_interleaved_order_fewer_chunks_and_retired_ids_emptied():
     base = _Towers()
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)) for _ in range(STEPS)]
-    ref_losses, ref_params = _reference(copy.deepcopy(base), batches)
+    ref_losses, ref_params = adamw_reference(copy.deepcopy(base), batches)
     events = []
     unsub = telemetry.subscribe(events.append)
     plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=1056 * 4 / 2 ** 20)
