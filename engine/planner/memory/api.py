@@ -30,14 +30,16 @@ def plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, s
     under ``plugin`` on ``world_size`` ranks — without allocating the model.
 
     Args:
-        model_or_config: an ``nn.Module`` (real, meta, or built under ``lazy_init()``), a ``GPTConfig``,
-            or any config with ``build()`` (the model contract).
+        model_or_config: an ``nn.Module`` (real, meta, or built under ``lazy_init()``; a transformers
+            model too), a ``GPTConfig``, any config with ``build()`` (the model contract), or a
+            transformers config (its model built on the meta device).
         plugin: ``None`` (one process), ``DDPPlugin``, ``LowLevelZeroPlugin``, ``GeminiPlugin`` or
             ``HybridParallelPlugin`` — the object you would hand to ``Booster``; its arguments count.
         world_size: ranks in the run.
         batch: samples each data-parallel rank takes per step (the dataloader's ``batch_size``; under
             a pipeline, the batch ``execute_pipeline`` splits into microbatches).
-        seq: tokens per sample (default: the config's ``block_size``).
+        seq: tokens per sample (default: the model's context, ``block_size`` or a transformers
+            config's ``max_position_embeddings``).
         device_memory: bytes of the compute device per rank (default: the GPU's total memory; on a
             CPU-only machine the compute device is host RAM, so this caps the ``cpu`` tier).
         host_memory: bytes of host RAM per rank (default: this machine's RAM / ``world_size``).
@@ -83,9 +85,12 @@ def _plan(model_or_config, plugin=None, *, world_size: int = 1, batch: int = 1, 
     if nvme_dir is None and isinstance(plugin, GeminiPlugin):
         nvme_dir = plugin.nvme_offload_dir
     if seq is None:
-        seq = getattr(getattr(model_or_config, "cfg", model_or_config), "block_size", None)
+        from .model import context_length
+
+        seq = context_length(model_or_config)
         if seq is None:
-            raise ValueError("cl.plan(seq=None): the model has no block_size; pass seq= (tokens per sample)")
+            raise ValueError("cl.plan(seq=None): the model names no context length (block_size, "
+                             "max_position_embeddings); pass seq= (tokens per sample)")
     if not isinstance(seq, int) or seq < 1:
         raise ValueError(f"cl.plan(seq={seq!r}): must be an int >= 1")
     env = _env(device, world_size, device_memory, host_memory, nvme_dir)

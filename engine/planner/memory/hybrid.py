@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ...models.hf import reads_dict_plan
 from .env import _Env
 from .model import _PlanKey, _tp_shapes
 from .nd import _NdKey
@@ -113,6 +114,11 @@ def _tp_arg(m, plugin, mb_n: int, notes: List[str]) -> Optional[tuple]:
                              f"{key_nd.batch_shards} row pieces, then {mb_n} microbatches; pass a batch that is a "
                              f"multiple of {key_nd.batch_shards * mb_n}")
         return tp, key_nd
+    if tp > 1 and reads_dict_plan(m.meta):  # a transformers model: the plan and the checks its plugin uses
+        from ...models.hf import check_tensor_parallel, resolve_plan
+
+        check_tensor_parallel(m.meta, plugin)  # the plugin's own refusals (heads, styles, ties), word for word
+        return tp, _PlanKey(resolve_plan(m.meta, plugin.tp_plan, tp)[0])
     if tp > 1:
         tplan = plugin.tp_plan if plugin.tp_plan is not None else (
             m.meta.tp_plan(sequence_parallel=plugin.sequence_parallel)

@@ -34,6 +34,13 @@ def _meta_model(model_or_config) -> Tuple[nn.Module, str]:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
         return copy.deepcopy(m, memo), type(m).__name__
+    from ...models.hf.planning import is_hf_config
+
+    if is_hf_config(model_or_config):  # a transformers config: its model class, built on meta
+        from ...models.hf.planning import meta_model
+
+        m = meta_model(model_or_config)
+        return m, type(m).__name__
     build = getattr(model_or_config, "build", None)
     if callable(build):
         cfg = copy.deepcopy(model_or_config)  # enabling checkpointing on the copy must not touch the user's
@@ -44,8 +51,29 @@ def _meta_model(model_or_config) -> Tuple[nn.Module, str]:
                             f"{type(m).__name__}, not an nn.Module")
         return m, type(m).__name__
     raise TypeError(f"cl.plan(model_or_config={type(model_or_config).__name__}): pass an nn.Module (real, meta or "
-                    "lazy_init), or a config with build() (the model contract, "
+                    "lazy_init), a transformers config, or a config with build() (the model contract, "
                     "colossal_lab.engine.models.protocol.ModelConfig)")
+
+
+def _config_of(model):
+    """The model's config: ours (``cfg``) or transformers' (``config``), None without one."""
+    cfg = getattr(model, "cfg", None)
+    return cfg if cfg is not None else getattr(model, "config", None)
+
+
+def context_length(model_or_config) -> Optional[int]:
+    """Tokens per sample the model takes at most: our config's ``block_size``, a transformers config's
+    ``max_position_embeddings`` (``n_positions`` for GPT-2); None when it names none."""
+    cfg = _config_of(model_or_config)
+    if cfg is None:
+        cfg = model_or_config
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    for name in ("block_size", "max_position_embeddings", "n_positions"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 class _Model:
@@ -64,14 +92,17 @@ class _Model:
         self.trainable_bytes = sum(_nbytes(p) for _, p in self.params if p.requires_grad)
         self.buffer_bytes = sum(_nbytes(b) for b in self.meta.buffers())
         self._traces: Dict[tuple, _Trace] = {}
-        cfg = getattr(self.meta, "cfg", None)
+        cfg = _config_of(self.meta)
+        if hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
         self.vocab = getattr(cfg, "vocab_size", None)
         if self.vocab is None:
             emb = next((m for m in self.meta.modules() if isinstance(m, nn.Embedding)), None)
             self.vocab = emb.num_embeddings if emb is not None else None
-        block = getattr(cfg, "block_size", None)
+        block = context_length(self.meta)
         if block is not None and seq > block:
-            raise ValueError(f"cl.plan(seq={seq}): the model's block_size is {block}; pass seq <= {block}")
+            raise ValueError(f"cl.plan(seq={seq}): the model takes at most {block} tokens per sample "
+                             f"(its block_size or max_position_embeddings); pass seq <= {block}")
 
     def supports_ac(self) -> bool:
         return (callable(getattr(self.meta, "enable_activation_checkpointing", None))
@@ -107,6 +138,8 @@ class _Model:
             return self._traces[key]
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        from ...models.hf import reads_dict_plan
+
         mode = FakeTensorMode(allow_non_fake_inputs=False)
         shapes = _tp_shapes(self.meta, tp[0], tp[1].plan) if tp and nd is None else None
         part = self.meta
@@ -127,15 +160,21 @@ class _Model:
                     return (torch.empty(shape, dtype=dt, device=dev),)
 
         with contextlib.ExitStack() as scope:  # the fake process group (N-d) ends with the trace, however it ends
-            tr = self._trace_on(scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b)
+            hf_tp = (tp[0], tp[1].plan) if shapes and reads_dict_plan(self.meta) else None
+            tr = self._trace_on(scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b,
+                                hf_tp)
         self._traces[key] = tr
         return tr
 
     def _trace_on(self, scope, part, mode, shapes, nd, make, first, last,
-                  ac, autocast, dtype, micro, stage, b) -> _Trace:
+                  ac, autocast, dtype, micro, stage, b, hf_tp=None) -> _Trace:
         """:meth:`trace`'s fake step on ``part`` (the whole model or a stage); an N-d layout's fake
         process group is entered on ``scope``, so it ends with the trace however the trace ends."""
         fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=shapes)
+        if shapes and hf_tp is not None:  # a transformers model counting heads by attribute: one rank's share
+            from ...models.hf.planning import per_rank
+
+            per_rank(fake, hf_tp[1], hf_tp[0])
         gloo = contextlib.nullcontext()
         if nd is not None:
             _convert_nd(scope, fake, mode, nd)
@@ -207,8 +246,16 @@ def _convert_nd(scope, fake: nn.Module, mode, nd: _NdKey) -> None:
 
 
 def _tp_shapes(meta: nn.Module, tp: int, plan: dict) -> Dict[str, torch.Size]:
-    """Shapes of one tensor-parallel rank's parameters under a Colwise/Rowwise plan."""
+    """Shapes of one tensor-parallel rank's parameters under a Colwise/Rowwise plan (a transformers
+    model's plan, of style names, is read by its adapter)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ...models.hf import reads_dict_plan
+
+    if reads_dict_plan(meta):
+        from ...models.hf.planning import shard_shapes
+
+        return shard_shapes(meta, plan, tp)
 
     out: Dict[str, torch.Size] = {}
     mods = dict(meta.named_modules())
