@@ -10,9 +10,10 @@ import os
 
 import pytest
 from support import ROOT
-from support.notebook import IpcKernelManager
 
 papermill = pytest.importorskip("papermill")
+
+from support.notebook import IpcKernelManager  # noqa: E402  (jupyter_client: only where papermill is)
 
 TUTORIALS = ROOT / "tutorials"
 ARTIFACTS = ROOT / "artifacts" / "tutorials"
