@@ -99,6 +99,12 @@ class Booster:
             raise TypeError(f"boost(optimizer=...): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if dataloader is not None:
             _check_sized(dataloader, "boost(dataloader=...)")
+        from .models.hf import is_hf_model
+
+        if is_hf_model(model):
+            from .models.hf.version import check_floor
+
+            check_floor("transformers")  # an older release's plans train differently: say so before any work
         out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
         if out[3] is not None:
             device = self.plugin.compute_device()

@@ -268,3 +268,50 @@ def test_version_is_read_without_importing_torch():
             "assert v == torch.__version__, (v, torch.__version__)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ---- the Hugging Face floors ----------------------------------------------------------------------
+
+def test_pyproject_hf_extra_states_the_engines_floors_and_test_includes_it():
+    import re
+
+    from colossal_lab.engine.models.hf.version import PEFT_FLOOR, TRANSFORMERS_FLOOR
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    floors = {}
+    for dep in extras["hf"]:
+        m = re.fullmatch(r"(transformers|peft)\s*>=\s*(\d+)\.(\d+)(?:\.0)?", dep.strip())
+        assert m, f"pyproject.toml [hf]: expected 'name>=X.Y', got {dep!r}"
+        floors[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    assert floors == {"transformers": TRANSFORMERS_FLOOR, "peft": PEFT_FLOOR}
+    assert "colossal-lab[hf]" in extras["test"]  # the tests run what the extra brings
+
+
+def test_hf_floor_check_names_the_release_the_floor_and_the_fix():
+    import pytest
+
+    from colossal_lab.engine.models.hf.version import PEFT_FLOOR, TRANSFORMERS_FLOOR, check_floor
+
+    for package, (major, minor) in (("transformers", TRANSFORMERS_FLOOR), ("peft", PEFT_FLOOR)):
+        old = f"{major}.{minor - 1}.2" if minor else f"{major - 1}.99.0"
+        with pytest.raises(ImportError, match=rf"needs {package} >= {major}\.{minor}, but {package} {old} .*"
+                                              rf"pip install --upgrade '{package}>={major}\.{minor}'"):
+            check_floor(package, old)
+        check_floor(package, f"{major}.{minor}.0.dev0")  # a development build of the floor passes
+
+
+def test_boost_refuses_an_hf_model_under_a_transformers_below_the_floor():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "from colossal_lab.engine import Booster\n"
+            "m = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+            "                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=32))\n"
+            "sys.modules['transformers'].__version__ = '5.0.0'  # the module transformers put there\n"
+            "Booster().boost(m, torch.optim.AdamW(m.parameters()))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and "transformers 5.0.0 is installed" in last, r.stderr[-2000:]

@@ -24,6 +24,13 @@ from .trace import _enable_ac, _fake_copy, _first_tensor, _nbytes, _simulate, _T
 
 def _meta_model(model_or_config) -> Tuple[nn.Module, str]:
     """A copy of the model whose parameters and buffers are meta tensors (no memory)."""
+    from ...models.hf import is_hf_model
+    from ...models.hf.planning import is_hf_config
+
+    if is_hf_model(model_or_config) or is_hf_config(model_or_config):
+        from ...models.hf.version import check_floor
+
+        check_floor("transformers")
     if isinstance(model_or_config, nn.Module):
         m = model_or_config
         tensors = list(m.parameters()) + list(m.buffers())
@@ -34,8 +41,6 @@ def _meta_model(model_or_config) -> Tuple[nn.Module, str]:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
         return copy.deepcopy(m, memo), type(m).__name__
-    from ...models.hf.planning import is_hf_config
-
     if is_hf_config(model_or_config):  # a transformers config: its model class, built on meta
         from ...models.hf.planning import meta_model
 
