@@ -11,7 +11,7 @@ transformers is already loaded). Shard shapes are read from the same plan the pl
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -29,20 +29,78 @@ def is_hf_config(obj) -> bool:
 
 
 def meta_model(config) -> nn.Module:
-    """The model ``config`` describes, built on the meta device (no memory): the class named first in
+    """The model ``config`` describes, built on the meta device (no memory): see :func:`build_model`."""
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def build_model(config) -> nn.Module:
+    """The model ``config`` describes, with transformers' own initialisation: the class named first in
     ``config.architectures`` when transformers has it, else the causal-LM class for its model type,
     else the bare model."""
     import transformers
 
     arch = next(iter(getattr(config, "architectures", None) or []), None)
     cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
-    with torch.device("meta"):
-        if cls is not None:
-            return cls(config)
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:  # an encoder (BERT) or a family without a causal-LM head
-            return transformers.AutoModel.from_config(config)
+    if cls is not None:
+        return cls(config)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError:  # an encoder (BERT) or a family without a causal-LM head
+        return transformers.AutoModel.from_config(config)
+
+
+def hidden_width(model: nn.Module) -> Optional[int]:
+    """The activation width of a transformers model (``hidden_size``, GPT-2's ``n_embd``, OPT's
+    ``word_embed_proj_dim`` aside), from its (text) config."""
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    for name in ("hidden_size", "n_embd", "d_model"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def vocab_size(model: nn.Module) -> Optional[int]:
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    n = getattr(cfg, "vocab_size", None)
+    return n if isinstance(n, int) else None
+
+
+def decoder_layers(model: nn.Module) -> Optional[int]:
+    """How many transformer blocks the (text) config names (``num_hidden_layers``, GPT-2's ``n_layer``)."""
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def shrink(model: nn.Module, plan: dict, tp: int) -> nn.Module:
+    """``model`` (real tensors) cut in place to one tensor-parallel rank's shapes under ``plan``: what one
+    rank computes, for timing (the first slice of each cut weight; the values do not matter).
+    Embeddings stay whole (their lookups cost no compute, and whole they take every token id)."""
+    shapes = shard_shapes(model, plan, tp)
+    for name, shape in shapes.items():
+        owner, _, attr = name.rpartition(".")
+        mod = model.get_submodule(owner)
+        if isinstance(mod, nn.Embedding):
+            continue  # a lookup costs no time worth timing, and every id must still find its row
+        old = getattr(mod, attr)
+        cut = old.data[tuple(slice(0, n) for n in shape)].clone()
+        setattr(mod, attr, nn.Parameter(cut, requires_grad=old.requires_grad))
+    for mod in model.modules():  # nn.Linear keeps its feature counts as attributes too
+        if isinstance(mod, nn.Linear):
+            mod.out_features, mod.in_features = mod.weight.shape
+    per_rank(model, plan, tp)
+    return model
 
 
 def shard_shapes(model: nn.Module, plan: dict, tp: int) -> Dict[str, torch.Size]:

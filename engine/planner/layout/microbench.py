@@ -93,8 +93,10 @@ def _time_compute(model_or_config, tp: int, toks: Sequence[int], seq: int, reps:
     import torch.nn.functional as F
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    from .space import vocab_of
+
     model = _shrunk_model(model_or_config, tp)
-    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    vocab = vocab_of(model)
     if vocab is None:
         raise ValueError("autoplan: calibration feeds token ids; this model has no cfg.vocab_size")
     row = {"tokens": [], "f": [], "fb": []}
@@ -108,8 +110,8 @@ def _time_compute(model_or_config, tp: int, toks: Sequence[int], seq: int, reps:
                 model(x)
 
         def fwd_bwd():
-            logits, _ = model(x)
-            F.cross_entropy(logits.flatten(0, 1).float(), x.flatten()).backward()
+            logits = logits_of(model(x))  # a head cut to a rank's vocabulary slice: targets within it
+            F.cross_entropy(logits.flatten(0, 1).float(), x.flatten() % logits.shape[-1]).backward()
             model.zero_grad(set_to_none=True)
 
         row["tokens"].append(b * seq)
@@ -203,17 +205,22 @@ def merge_calibrations(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 def _shrunk_model(model_or_config, tp: int):
     """A real model whose ``tp_plan()`` linears have one tensor-parallel rank's shape (column:
     out features / tp, row: in features / tp): what one rank computes."""
-    import copy
 
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if callable(getattr(model_or_config, "build", None)):
-        model = model_or_config.build()
-    else:  # the user's module: never change theirs
-        model = copy.deepcopy(model_or_config)
+    from .space import build_model
+
+    model = build_model(model_or_config)  # never the user's own module
     if tp == 1:
         return model
+    from ...models.hf import reads_dict_plan
+
+    if reads_dict_plan(model):  # a transformers model: its own plan's shapes (engine/models/hf)
+        from ...models.hf import resolve_plan
+        from ...models.hf.planning import shrink
+
+        return shrink(model, resolve_plan(model, None, tp)[0], tp)
     plan = model.tp_plan()
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
@@ -227,6 +234,13 @@ def _shrunk_model(model_or_config, tp: int):
             mod.weight = nn.Parameter(w[:, : w.shape[1] // tp].clone())
             mod.in_features = mod.weight.shape[1]
     return model
+
+
+def logits_of(out):
+    """The logits of a forward: ours return ``(logits, loss)``, transformers' an output with ``.logits``."""
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _timed(fn, reps: int, warm_up: bool = True) -> float:

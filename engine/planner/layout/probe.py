@@ -39,26 +39,25 @@ def probe_step(model_or_config, cand: dict, batch: int, seq: int, steps: int = 3
 
 
 def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measure_peak: bool) -> Dict[str, Any]:
-    import copy
 
     import torch
     import torch.nn.functional as F
 
     from ... import Booster, comm
     from ..memory import measure
+    from .microbench import logits_of
+    from .space import build_model, vocab_of
 
     c = Candidate(**cand)
 
     def crit(out, b):
-        out = out[0] if isinstance(out, tuple) else out
-        return F.cross_entropy(out.flatten(0, 1).float(), b["targets"].flatten())
+        return F.cross_entropy(logits_of(out).flatten(0, 1).float(), b["targets"].flatten())
 
     meter = measure() if measure_peak else contextlib.nullcontext()
     with meter:
         torch.manual_seed(0)
-        model = model_or_config.build() if callable(getattr(model_or_config, "build", None)) \
-            else copy.deepcopy(model_or_config)
-        vocab = model.cfg.vocab_size
+        model = build_model(model_or_config)
+        vocab = vocab_of(model)
         plugin = c.plugin()
         booster = Booster(plugin=plugin)
         model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)

@@ -32,12 +32,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ..memory.model import context_length
 from .calibration import Calibration, SearchRecord, read_calibration, write_calibration
 from .costs import Costs, features, fit_overheads, nd_traffic, overhead, predict
 from .microbench import calibrate, merge_calibrations, what_to_time
 from .probe import choose_probes, merge_probe, probe_step, runoff_pick
 from .result import AutoPlan, ordered
-from .space import Candidate, candidates, model_facts
+from .space import Candidate, candidates, model_facts, width_of
 
 # cl.plan's stated accuracy (docs/plan.md: each tier's peak within 10%): a layout planned up to this
 # much over the budget may still fit, and verification may run it to see
@@ -125,12 +126,13 @@ def _job(model_or_config, world_size, batch, seq, device_memory, host_memory, cl
     if device_memory is not None and not (isinstance(device_memory, int) and device_memory > 0):
         raise ValueError(f"autoplan(device_memory={device_memory!r}): bytes per rank, an int > 0 (or None)")
     meta, layers = model_facts(model_or_config)
-    cfg = getattr(meta, "cfg", None)
-    seq = seq if seq is not None else getattr(cfg, "block_size", None)
+    seq = seq if seq is not None else context_length(meta)
     if not isinstance(seq, int) or seq < 1:
         raise ValueError(f"autoplan(seq={seq!r}): tokens per sample, an int >= 1")
-    if cfg is None or not hasattr(cfg, "n_embd"):
-        raise ValueError("autoplan: the model needs a cfg with n_embd (the activation width) for the cost model")
+    width = width_of(meta)
+    if width is None:
+        raise ValueError("autoplan: the model needs a cfg with n_embd (the activation width) for the cost model, "
+                         "or a transformers config with hidden_size")
     if cluster is not None and getattr(cluster, "n", world_size) != world_size:
         raise ValueError(f"autoplan(cluster=...): it has {cluster.n} ranks, world_size={world_size}; "
                          f"launch cl.launch(n={world_size}) or pass world_size={cluster.n}")
@@ -141,7 +143,7 @@ def _job(model_or_config, world_size, batch, seq, device_memory, host_memory, cl
     # calls model = GPT(cfg) on each rank): whatever the layout, a rank holds that much once
     built = sum(p.numel() * p.element_size() for p in unique) + sum(b.numel() * b.element_size()
                                                                    for b in meta.buffers())
-    dims = dict(batch=batch, seq=seq, n_embd=cfg.n_embd, layers=layers, params=params, tensors=tensors)
+    dims = dict(batch=batch, seq=seq, n_embd=width, layers=layers, params=params, tensors=tensors)
     return _Job(model_or_config, world_size, batch, seq, device_memory, host_memory, meta, layers, cands, dims,
                 built)
 

@@ -3,9 +3,10 @@
 A :class:`Candidate` is one ``HybridParallelPlugin`` configuration: ``dp × tp × pp`` ranks, the
 pipeline schedule and its microbatches, ZeRO stage, activation checkpointing and the
 tensor-parallel mode (1D, or 2D / 2.5D / 3D where ``tp`` forms the mode's grid). What the model
-allows comes from its contract (``check_tp``, ``tp_plan``, ``tp_nd_plan``, ``num_layers``), read
-off a meta-device copy; what the batch allows is divisibility (rows per data-parallel rank, per
-microbatch, per grid row).
+allows comes from its contract (``check_tp``, ``tp_plan``, ``tp_nd_plan``, ``num_layers``), or for a
+transformers model from its adapter (``engine/models/hf``: its plan and head counts), read off a
+meta-device copy, and pipelines and recomputation only where the engine's own checks take the model;
+what the batch allows is divisibility (rows per data-parallel rank, per microbatch, per grid row).
 """
 from __future__ import annotations
 
@@ -86,12 +87,80 @@ def microbatches(c: Candidate) -> int:
 
 
 def model_facts(model_or_config) -> Tuple[Any, int]:
-    """(a meta-device model, its number of pipeline units)."""
+    """(a meta-device model, its number of pipeline units: the contract's ``num_layers()``, a
+    Sequential's children, or a transformers model's decoder layers)."""
     from ..memory import _meta_model
 
     meta, _ = _meta_model(model_or_config)
-    n = meta.num_layers() if callable(getattr(meta, "num_layers", None)) else len(meta)
-    return meta, int(n)
+    if callable(getattr(meta, "num_layers", None)):
+        return meta, int(meta.num_layers())
+    if _is_hf(meta):
+        from ...models.hf.planning import decoder_layers
+
+        return meta, int(decoder_layers(meta) or 1)
+    return meta, len(meta)
+
+
+def build_model(model_or_config):
+    """A real model to run: the config's ``build()``, a transformers config's model, or a copy of the
+    user's module (never theirs)."""
+    import copy
+
+    if callable(getattr(model_or_config, "build", None)):
+        return model_or_config.build()
+    from ...models.hf.planning import is_hf_config
+
+    if is_hf_config(model_or_config):
+        from ...models.hf.planning import build_model as build_hf
+
+        return build_hf(model_or_config)
+    return copy.deepcopy(model_or_config)
+
+
+def vocab_of(model) -> Optional[int]:
+    """Token ids the model takes: its config's ``vocab_size`` (ours or transformers')."""
+    if _is_hf(model):
+        from ...models.hf.planning import vocab_size
+
+        return vocab_size(model)
+    return getattr(getattr(model, "cfg", None), "vocab_size", None)
+
+
+def width_of(model) -> Optional[int]:
+    """The activation width the cost model needs: ``cfg.n_embd``, or a transformers model's hidden size."""
+    if _is_hf(model):
+        from ...models.hf.planning import hidden_width
+
+        return hidden_width(model)
+    return getattr(getattr(model, "cfg", None), "n_embd", None)
+
+
+def can_pipeline(meta) -> bool:
+    """Whether the engine cuts this model into pipeline stages (asked of the engine's own rule)."""
+    from ...pipeline.stage import num_layers
+
+    try:
+        num_layers(meta)
+    except TypeError:
+        return False
+    return True
+
+
+def can_checkpoint(meta) -> bool:
+    """Whether the plugin recomputes this model's layers (asked of the plugins' own check)."""
+    from ...models.protocol import check_checkpointing
+
+    try:
+        check_checkpointing(meta, "autoplan", layers=False)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_hf(model) -> bool:
+    from ...models.hf import reads_dict_plan
+
+    return reads_dict_plan(model)
 
 
 def candidates(model_or_config, world_size: int, batch: int, *, schedules: Sequence[str] = SCHEDULES,
@@ -108,9 +177,12 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
     _check_space(world_size, batch, schedules)
     meta, layers = model_facts(model_or_config)
     tp_modes = _modes(meta, tp_modes)
+    pipelines = can_pipeline(meta)
+    if not can_checkpoint(meta):
+        activation_checkpointing = [ac for ac in activation_checkpointing if not ac]
     out: List[Candidate] = []
     for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
+        for pp in _divisors(world_size // tp) if pipelines else [1]:
             dp = world_size // (tp * pp)
             if batch % dp == 0:
                 out += _layouts(meta, layers, dp, tp, pp, batch // dp, tp_modes, schedules, microbatch_factors,
@@ -176,6 +248,16 @@ def _divisors(n: int) -> List[int]:
 
 def _tp_ok(meta, tp: int) -> bool:
     if tp == 1:
+        return True
+    if _is_hf(meta):  # its plan (own, or the built-in table), and whole heads on every rank
+        from ...models.hf import resolve_plan
+        from ...models.hf.plan import check_heads
+
+        try:
+            resolve_plan(meta, None, tp)
+            check_heads(meta, tp)
+        except ValueError:
+            return False
         return True
     if not callable(getattr(meta, "tp_plan", None)):
         return False

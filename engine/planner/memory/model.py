@@ -74,11 +74,15 @@ def context_length(model_or_config) -> Optional[int]:
         cfg = model_or_config
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
+    return _context(cfg)[0]
+
+
+def _context(cfg) -> Tuple[Optional[int], str]:
     for name in ("block_size", "max_position_embeddings", "n_positions"):
         n = getattr(cfg, name, None)
         if isinstance(n, int) and n > 0:
-            return n
-    return None
+            return n, name
+    return None, ""
 
 
 class _Model:
@@ -104,10 +108,10 @@ class _Model:
         if self.vocab is None:
             emb = next((m for m in self.meta.modules() if isinstance(m, nn.Embedding)), None)
             self.vocab = emb.num_embeddings if emb is not None else None
-        block = context_length(self.meta)
+        block, name = _context(cfg)
         if block is not None and seq > block:
-            raise ValueError(f"cl.plan(seq={seq}): the model takes at most {block} tokens per sample "
-                             f"(its block_size or max_position_embeddings); pass seq <= {block}")
+            raise ValueError(f"cl.plan(seq={seq}): the model's {name} is {block} (tokens per sample at most); "
+                             f"pass seq <= {block}")
 
     def supports_ac(self) -> bool:
         return (callable(getattr(self.meta, "enable_activation_checkpointing", None))
