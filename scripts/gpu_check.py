@@ -25,7 +25,11 @@ as JSON; exits 1 if any scenario errored. ``--cpu`` runs the same runner at tiny
 gloo with CUDA hidden, so CI proves the runner itself; scenarios that need CUDA are skipped
 there with the reason.
 
-    python scripts/gpu_check.py [--json gpu-check.json] [--cpu] [--only NAME,NAME] [--list]
+    python scripts/gpu_check.py [--json gpu-check.json | --out DIR] [--cpu] [--quick] [--only NAME,NAME] [--list]
+
+``--quick`` runs the short check (the gpu tests, every plugin × bf16/fp16, Gemini in every
+placement at 1.4B, README's cell, int8 generation) within 270 s of scenarios; ``--out DIR`` writes
+``gpu-check.json`` and ``gpu-check.md`` (the markdown table docs/gpu.md keeps) there.
 """
 
 from __future__ import annotations
@@ -106,16 +110,23 @@ def _plugin(name: str, precision: str, **gemini_kw):
             "hybrid": lambda: HybridParallelPlugin(precision=precision)}[name]()
 
 
-def _train(plugin, precision: str, cfg, batch: int, seq: int, steps: int, cuda: bool, lr: float = 1e-3):
+def _train(plugin, precision: str, cfg, batch: int, seq: int, steps: int, cuda: bool, lr: float = 1e-3,
+           lazy: bool = False):
     """The user's first loop: model and optimizer made plainly, boosted, fed one CPU batch
-    repeatedly (so the loss must fall), clipped, stepped. Returns (losses, tokens/s after warm-up)."""
+    repeatedly (so the loss must fall), clipped, stepped. Returns (losses, tokens/s after warm-up).
+    ``lazy``: the model is built under ``lazy_init()`` (shapes only) and Gemini materialises it chunk
+    by chunk, as a user does for a model the host could not hold whole (and in seconds, not minutes)."""
+    import contextlib
+
     import torch
 
     from colossal_lab.engine import Booster
+    from colossal_lab.engine.lazy import lazy_init
     from colossal_lab.engine.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(cfg)
+    with lazy_init() if lazy else contextlib.nullcontext():
+        model = GPT(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     booster = Booster(plugin=plugin, mixed_precision=precision)
     model, optimizer, *_ = booster.boost(model, optimizer)
@@ -198,7 +209,7 @@ def scenario_gemini(placement: str, cpu: bool) -> dict:
             n_params = sum(p.numel() for p in GPT(cfg).parameters())
         # a gentler step for 1.4B parameters, whose loss an lr of 1e-3 can push up at first
         losses, tps = _train(_plugin("gemini", "bf16", **kw), "bf16", cfg, batch, seq, steps, cuda,
-                             lr=3e-4 if cuda else 1e-3)
+                             lr=3e-4 if cuda else 1e-3, lazy=True)
     finally:
         if nvme:
             import shutil
@@ -396,6 +407,14 @@ def _fig_engine(out: str) -> str:
     return f"ours/plain {d['ratio']} (paired {d['paired_ratio_median']}), {d['precision']}"
 
 
+#: ``--quick``: what a short GPU loan must answer first (issue: about 5 minutes on one H100, install
+#: included): the gpu tests, every plugin in reduced precision, Gemini at 1.4B in every placement,
+#: README's cell, int8 generation. The benchmarks and the long CUDA-path files are the full check's.
+QUICK = ("pytest-gpu", *(f"fc-{p}-{pr}" for p in PLUGINS for pr in ("bf16", "fp16")),
+         *(f"gemini-{pl}" for pl in PLACEMENTS), "readme-snippet", "int8-generate")
+QUICK_BUDGET = 270.0  # seconds of scenarios, leaving the install and the machine's start their share of 5 min
+
+
 def scenarios() -> List[Scenario]:
     s = [
         Scenario("pytest-collect", 90, 120, lambda cpu: _pytest("--collect-only", "tests"), _pytest_summary),
@@ -526,6 +545,25 @@ def table(rows: List[Row]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: List[Row], report: dict) -> str:
+    """The run as docs/gpu.md keeps it: when, where, which commit, then one row per scenario."""
+    head = (f"### {time.strftime('%Y-%m-%d')} · {report['device']} · torch {report['torch']} "
+            f"(CUDA {report['torch_cuda']}) · commit {report['commit']} · {report['mode']}"
+            f"{' --quick' if report.get('quick') else ''}\n\n")
+    lines = ["| scenario | status | figure | seconds |", "|---|---|---|---:|"]
+    for r in rows:
+        fig = r.figure.replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r.name} | {r.status} | {fig} | {r.seconds:.1f} |")
+    c = report["counts"]
+    return head + "\n".join(lines) + f"\n\n{c['ok']} ok, {c['error']} error, {c['skipped']} skipped in " \
+        f"{report['seconds']:.0f} s\n"
+
+
+def _commit() -> str:
+    rc, out = _run(["git", "rev-parse", "--short", "HEAD"], 30, dict(os.environ))
+    return out.strip() if rc == 0 and out.strip() else "unknown"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="gpu-check.json", help="where the rows go (default: gpu-check.json)")
@@ -533,8 +571,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="tiny sizes on gloo with CUDA hidden: proves the runner on a CPU machine")
     ap.add_argument("--only", default="", help="comma-separated scenario names (or prefixes ending in *)")
     ap.add_argument("--list", action="store_true", help="print the scenario names and exit")
-    ap.add_argument("--budget", type=float, default=570.0,
-                    help="seconds for the whole run; scenarios left when it is spent are skipped")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"the short check ({len(QUICK)} scenarios, budget {QUICK_BUDGET:.0f} s): " + ", ".join(QUICK))
+    ap.add_argument("--out", default=None,
+                    help="a folder for gpu-check.json and gpu-check.md (the markdown table docs/gpu.md keeps)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run (default 570, --quick 270); scenarios left when it is spent "
+                         "are skipped")
     ap.add_argument("--timeout", type=float, default=None, help="one time limit for every scenario (seconds)")
     ap.add_argument("--scenario", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -544,6 +587,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_child(args.scenario, args.result, args.cpu)
 
     todo = scenarios()
+    if args.budget is None:
+        args.budget = QUICK_BUDGET if args.quick else 570.0
+    if args.quick:
+        todo = [sc for sc in todo if sc.name in QUICK]
     if args.list:
         print("\n".join(s.name for s in todo))
         return 0
@@ -607,11 +654,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table(rows))
     counts = {s: sum(r.status == s for r in rows) for s in ("ok", "error", "skipped")}
     print(f"\n{counts['ok']} ok, {counts['error']} error, {counts['skipped']} skipped in {total:.0f} s")
-    report = {"mode": mode, **info, "seconds": round(total, 1), "budget": args.budget, "ok": ok, "counts": counts,
+    report = {"mode": mode, **info, "commit": _commit(), "quick": args.quick, "seconds": round(total, 1),
+              "budget": args.budget, "ok": ok, "counts": counts,
               "scenarios": [{"name": r.name, "status": r.status, "figure": r.figure, "seconds": round(r.seconds, 2),
                              "error": r.error, "detail": r.detail, "command": r.command} for r in rows]}
-    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"written: {args.json}")
+    json_path = Path(args.out) / "gpu-check.json" if args.out else Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"written: {json_path}")
+    if args.out:
+        md = Path(args.out) / "gpu-check.md"
+        md.write_text(markdown(rows, report))
+        print(f"written: {md}")
     return 0 if ok else 1
 
 

@@ -40,8 +40,11 @@ class _Stall:
 sys.meta_path.insert(0, _Stall())
 """
 
-SUBSET = ["pytest-collect", "fc-ddp-fp32", "fc-zero2-bf16", "gemini-cuda", "gemini-auto-nvme",
-          "int8-generate", "readme-snippet", "bench-engine", "pytest-cuda-paths"]
+#: What the quick check leaves to the full one (the quick run below covers the rest of a subset)
+SUBSET = ["pytest-collect", "fc-ddp-fp32", "bench-engine", "pytest-cuda-paths"]
+QUICK = ["pytest-gpu",
+         *(f"fc-{p}-{pr}" for p in ("ddp", "zero1", "zero2", "gemini", "hybrid") for pr in ("bf16", "fp16")),
+         "gemini-cuda", "gemini-cpu", "gemini-auto", "gemini-auto-nvme", "int8-generate", "readme-snippet"]
 
 
 def _env(tmp_path, blocked=True, stall=None):
@@ -88,34 +91,58 @@ def _table_rows(stdout):
     return rows
 
 
-def test_cpu_run_of_a_subset_on_a_bare_image(tmp_path):
-    r, report = _check(tmp_path, "--only", ",".join(SUBSET))
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+def _same_as_the_table(stdout, report, names):
+    """The table says what the JSON says, row for row, in the runner's order."""
     by_name = {s["name"]: s for s in report["scenarios"]}
-    assert [s["name"] for s in report["scenarios"]] == SUBSET  # the runner's order, each once
-    assert report["mode"] == "cpu" and report["ok"] is True and report["cuda_available"] is False
-    assert report["counts"] == {"ok": 8, "error": 0, "skipped": 1}
-
-    # the table says what the JSON says, row for row
-    rows = _table_rows(r.stdout)
-    assert [row[0] for row in rows] == SUBSET
+    assert [s["name"] for s in report["scenarios"]] == names  # the runner's order, each once
+    rows = _table_rows(stdout)
+    assert [row[0] for row in rows] == names
     for name, status, figure, seconds in rows:
         assert status == by_name[name]["status"]
         assert float(seconds) == pytest.approx(by_name[name]["seconds"], abs=0.06)
         assert by_name[name]["figure"].startswith(figure.rstrip("…"))
+    return by_name
 
+
+def test_cpu_run_of_a_subset_on_a_bare_image(tmp_path):
+    r, report = _check(tmp_path, "--only", ",".join(SUBSET))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert report["mode"] == "cpu" and report["ok"] is True and report["cuda_available"] is False
+    assert report["counts"] == {"ok": 4, "error": 0, "skipped": 0} and report["quick"] is False
+    by_name = _same_as_the_table(r.stdout, report, SUBSET)
     assert re.search(r"\d+ tests collected", by_name["pytest-collect"]["figure"])
-    for name in ("fc-ddp-fp32", "fc-zero2-bf16", "gemini-auto-nvme"):
-        d = by_name[name]["detail"]
-        assert by_name[name]["status"] == "ok" and "tok/s" in by_name[name]["figure"]
-        assert d["tokens_per_s"] > 0 and d["losses"][-1] < d["losses"][0]
-    assert by_name["gemini-auto-nvme"]["detail"]["plugin_kwargs"]["placement_policy"] == "auto"
-    assert by_name["gemini-cuda"]["status"] == "skipped" and "needs a CUDA device" in by_name["gemini-cuda"]["figure"]
-    assert by_name["int8-generate"]["figure"].startswith("tokens == bf16")
-    assert by_name["readme-snippet"]["status"] == "ok"
+    d = by_name["fc-ddp-fp32"]["detail"]
+    assert by_name["fc-ddp-fp32"]["status"] == "ok" and "tok/s" in by_name["fc-ddp-fp32"]["figure"]
+    assert d["tokens_per_s"] > 0 and d["losses"][-1] < d["losses"][0]
     assert re.match(r"ours/plain [\d.]+ \(paired [\d.]+\), fp32", by_name["bench-engine"]["figure"])
     # run beside the others; without CUDA only collected (its files are the CPU suite's)
     assert re.match(r"\d+/\d+ tests collected \(\d+ deselected\)", by_name["pytest-cuda-paths"]["figure"])
+
+
+def test_the_quick_check_on_a_bare_image_writes_its_json_and_markdown_where_told(tmp_path):
+    out = tmp_path / "out"
+    r, _ = _check(tmp_path, "--quick", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert report["quick"] is True and report["budget"] == 270 and report["ok"] is True
+    by_name = _same_as_the_table(r.stdout, report, QUICK)
+    for name in QUICK:
+        if name.startswith("fc-") or name in ("gemini-cpu", "gemini-auto", "gemini-auto-nvme"):
+            d = by_name[name]["detail"]
+            assert by_name[name]["status"] == "ok" and "tok/s" in by_name[name]["figure"], name
+            assert d["tokens_per_s"] > 0 and d["losses"][-1] < d["losses"][0], name
+    assert by_name["gemini-auto-nvme"]["detail"]["plugin_kwargs"]["placement_policy"] == "auto"
+    assert by_name["gemini-cuda"]["status"] == "skipped" and "needs a CUDA device" in by_name["gemini-cuda"]["figure"]
+    assert by_name["pytest-gpu"]["status"] == "skipped"  # every gpu test skips without CUDA
+    assert by_name["int8-generate"]["figure"].startswith("tokens == bf16")
+    assert by_name["readme-snippet"]["status"] == "ok"
+    # the markdown docs/gpu.md keeps: a heading with the commit, one row per scenario, the counts
+    md = (out / "gpu-check.md").read_text().splitlines()
+    assert md[0].startswith("### ") and f"commit {report['commit']}" in md[0] and "--quick" in md[0]
+    table = [line for line in md if line.startswith("| ") and not line.startswith("| scenario")]
+    assert [line.split(" | ")[0][2:] for line in table] == QUICK
+    assert md[-1] == (f"{report['counts']['ok']} ok, 0 error, {report['counts']['skipped']} skipped in "
+                      f"{report['seconds']:.0f} s")
 
 
 def test_time_limits_a_scenario_past_its_limit_errors_and_a_spent_budget_skips_the_rest(tmp_path):
