@@ -78,8 +78,16 @@ def _bert():  # an encoder, no plan in transformers: the built-in table (encoder
                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
+def _bloom():  # no plan in transformers: the built-in table; packed per-head q|k|v, ALiBi, tied head
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(SEED)
+    return BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256,
+                                        hidden_dropout=0.0, attention_dropout=0.0))
+
+
 MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
-          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert,
+          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert, "bloom": _bloom,
           "gpt2_odd_vocab": lambda: _gpt2(vocab_size=257)}  # GPT-2's real 50257 is odd too: uneven vocab shards
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
@@ -149,7 +157,8 @@ def _train(rank, world, name, plugin_name):
 
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
-         ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("gpt2", "tp2_mlp_only"), ("gpt2_odd_vocab", "tp2"),
+         ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("bloom", "tp2"), ("gpt2", "tp2_mlp_only"),
+         ("gpt2_odd_vocab", "tp2"),
          ("llama", "ddp"), ("llama", "zero2"), ("llama", "gemini")]
 
 
@@ -193,6 +202,8 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "model.decoder.embed_tokens.weight" in opt["sharded"]
     assert "bert.encoder.layer.1.attention.self.query.weight" in bert["sharded"]
     assert "model.layers.1.self_attn.q_proj.bias" in runs[0][("qwen2", "tp2")]["sharded"]
+    bloom = runs[0][("bloom", "tp2")]
+    assert "transformer.h.1.self_attention.query_key_value.weight" in bloom["sharded"] and bloom["tied"]
 
 
 def _tp2_dp2(rank, world):
@@ -259,11 +270,11 @@ def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
 
 
 def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import MptConfig, MptForCausalLM
 
-    bloom = BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
-    with pytest.raises(ValueError, match=r"model_type='bloom'.*no tensor-parallel plan.*tp_plan="):
-        _configure(bloom, tp_size=2)
+    mpt = MptForCausalLM(MptConfig(d_model=64, n_heads=4, n_layers=2, vocab_size=256))
+    with pytest.raises(ValueError, match=r"model_type='mpt'.*no tensor-parallel plan.*tp_plan="):
+        _configure(mpt, tp_size=2)
 
 
 def test_tied_weights_sharded_differently_are_refused():

@@ -17,7 +17,17 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
-from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan, unmatched
+from .plan import (
+    _prefixed,
+    check_heads,
+    check_ties,
+    per_rank_attributes,
+    read_plan,
+    tied_weights,
+    torch_plan,
+    unmatched,
+)
+from .tables import TABLES
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "reads_dict_plan", "resolve_plan"]
 
@@ -96,7 +106,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
                 raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
                                  f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
-    _per_rank(model, {name.rpartition(".")[0] for name in styles}, tp)
+    parents = {name.rpartition(".")[0] for name in styles}
+    _per_rank(model, parents, tp)
+    alibi = _prefixed(model, dict.fromkeys(TABLES.get(getattr(model.config, "model_type", None), {}).get("alibi", ())))
+    if alibi:  # ALiBi attentions whose heads the plan cut: each its rank's slice of the bias
+        from .alibi import slice_alibi
+
+        slice_alibi(model, alibi, tp_mesh.get_local_rank(), tp, only=parents)
     return model
 
 

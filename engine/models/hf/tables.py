@@ -3,7 +3,8 @@
 Keyed by ``config.model_type``; names are the base model's (as transformers' ``base_model_tp_plan``),
 and a head's entries (``lm_head``) are the task model's own. ``per_rank`` names the attributes of a
 module that count heads or widths and must hold one rank's share once its linears are sharded (a
-forward that reshapes with ``-1`` needs none). Values are style names (:mod:`.styles`) or
+forward that reshapes with ``-1`` needs none); ``alibi`` names the attention modules whose ALiBi bias is
+sliced to the rank's heads (:mod:`.alibi`). Values are style names (:mod:`.styles`) or
 ``(name, options)``.
 """
 
@@ -36,6 +37,20 @@ TABLES = {
         },
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"decoder.layers.*.self_attn": ("num_heads",)},
+    },
+    # BLOOM: query_key_value packs each head's q, k, v together ((heads, 3, head_dim) outputs), so a
+    # contiguous cut by output features gives a rank whole heads; ALiBi's per-head bias is sliced to them
+    "bloom": {
+        "base": {
+            "word_embeddings": "embedding_rowwise",
+            "h.*.self_attention.query_key_value": "colwise",
+            "h.*.self_attention.dense": "rowwise",
+            "h.*.mlp.dense_h_to_4h": "colwise",
+            "h.*.mlp.dense_4h_to_h": "rowwise",
+        },
+        "head": {"lm_head": "colwise_gather_output"},
+        "per_rank": {"h.*.self_attention": ("num_heads",)},
+        "alibi": ("h.*.self_attention",),
     },
     # BERT: the encoder only (its attention reshapes with -1); embeddings and task heads stay whole, as
     # the MLM head ties both the decoder's weight and its bias

@@ -1,0 +1,39 @@
+"""ALiBi under tensor parallelism (BLOOM): each rank's attention keeps only its own heads' biases.
+
+BLOOM builds one ALiBi bias for every head in the base model's forward, shaped
+``(batch * heads, 1, keys)``, and hands it to each attention layer by keyword (``alibi=``), which
+reshapes it by its own head count. Once a rank holds heads ``[r*h, (r+1)*h)`` (its query/key/value
+projection cut by output features, its ``num_heads`` one rank's share), a forward pre-hook on the
+attention slices the bias to those heads; the base model keeps the whole head count, so the slopes
+are the model's own. Built on ``nn.Module.register_forward_pre_hook(with_kwargs=True)``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from functools import partial
+from typing import Container, Iterable
+
+import torch.nn as nn
+
+
+def slice_alibi(model: nn.Module, patterns: Iterable[str], rank: int, tp: int, only: Container[str]) -> int:
+    """Hook every attention module matching ``patterns`` (and named in ``only``: those whose heads the
+    plan cut) so the ``alibi`` it receives is this rank's heads' rows; returns how many were hooked."""
+    hooked = 0
+    for name, mod in model.named_modules():
+        if name in only and any(name.count(".") == p.count(".") and fnmatch.fnmatchcase(name, p) for p in patterns):
+            mod.register_forward_pre_hook(partial(_own_heads, rank, tp), with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+def _own_heads(rank: int, tp: int, module: nn.Module, args, kwargs):
+    alibi = kwargs.get("alibi")
+    if alibi is None:
+        return None
+    h = module.num_heads  # this rank's share (the plan's per-rank attribute)
+    rows, rest = alibi.shape[0], alibi.shape[1:]
+    b = rows // (h * tp)  # (batch * all heads, 1, keys) -> (batch, all heads, 1, keys)
+    mine = alibi.view(b, h * tp, *rest)[:, rank * h:(rank + 1) * h]
+    return args, {**kwargs, "alibi": mine.reshape(b * h, *rest)}
