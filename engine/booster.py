@@ -11,6 +11,7 @@ torch.distributed.checkpoint directory.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch.nn as nn
@@ -88,6 +89,7 @@ class Booster:
         if self.mixed_precision == "fp8":
             require_fp8()
         self._boosted = False
+        self._boosted_models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # enable_lora refuses these
 
     # ---- boost ---------------------------------------------------------------------------
     def boost(self, model: nn.Module, optimizer: Optional[Optimizer] = None, criterion: Optional[Callable] = None,
@@ -105,6 +107,9 @@ class Booster:
             from .models.hf.version import check_floor
 
             check_floor("transformers")  # an older release's plans train differently: say so before any work
+        from .lora import trim_optimizer
+
+        trim_optimizer(model, optimizer)  # a LoRA model: only its adapters reach the optimizer
         out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
         if out[3] is not None:
             device = self.plugin.compute_device()
@@ -117,7 +122,29 @@ class Booster:
             # the new param groups (which carry over lr and initial_lr)
             _retarget_scheduler(boosted_sched, boosted_opt.optim)
         self._boosted = True
+        self._boosted_models.add(model)
         return out
+
+    # ---- LoRA (peft) -----------------------------------------------------------------------
+    def enable_lora(self, model: nn.Module, pretrained_dir: Optional[str] = None, lora_config=None,
+                    bnb_quantization_config=None, quantize: bool = False) -> nn.Module:
+        """``model`` wrapped in peft LoRA adapters (a ``peft.PeftModel``; new ones from
+        ``lora_config``, saved ones from ``pretrained_dir``), to pass to ``boost``: only the
+        adapters train and reach the optimizer. Every argument is checked first (engine/lora.py)."""
+        from .lora import enable_lora
+
+        if model in self._boosted_models:
+            raise ValueError("enable_lora(model=...): this booster already boosted the model; call "
+                             "booster.enable_lora(model, ...) first, then booster.boost(lora_model, optimizer, ...)")
+        return enable_lora(model, pretrained_dir=pretrained_dir, lora_config=lora_config,
+                           bnb_quantization_config=bnb_quantization_config, quantize=quantize)
+
+    def save_lora_as_pretrained(self, model, checkpoint, use_safetensors: bool = True) -> None:
+        """The boosted LoRA model's adapters in directory ``checkpoint``, as peft writes them
+        (``peft.PeftModel.from_pretrained(base, checkpoint)`` loads them); collective, rank 0 writes."""
+        from .lora import save_lora_as_pretrained
+
+        save_lora_as_pretrained(model, checkpoint, use_safetensors=use_safetensors)
 
     # ---- the training step ---------------------------------------------------------------
     def backward(self, loss, optimizer) -> None:
