@@ -1,0 +1,226 @@
+"""``Booster.enable_lora`` / ``save_lora_as_pretrained`` (engine/lora.py) with real peft on a tiny random
+Llama: under DDP, ZeRO-1/2 and Gemini on 2 real ranks, LoRA training follows single-process PEFT
+training (fp32, 5 steps), only adapters are in the optimizer state, the frozen base weights stay
+bit-for-bit, and the saved adapter loads with ``peft.PeftModel.from_pretrained`` to the same logits.
+Bad arguments fail before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from support.dist import run_distributed  # noqa: E402
+
+from colossal_lab.engine import Booster  # noqa: E402
+
+STEPS, LR, BATCH, SEQ, VOCAB = 5, 1e-2, 4, 16, 128
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+PLUGINS = ("ddp", "zero1", "zero2", "gemini")
+RTOL = 1e-4
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=VOCAB, attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def lora_config():
+    # random A and B (not B = 0), so the adapters change the logits from the first step on
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+
+
+def lora_llama():
+    base = tiny_llama()
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, lora_config())
+
+
+def batches():
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def adapters(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def reference():
+    """Single-process PEFT training on the full batches: losses, final adapters, logits on batch 0."""
+    model = lora_llama()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for x in batches():
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, adapters(model)
+
+
+def make_plugin(name):
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, LowLevelZeroPlugin
+
+    return {"ddp": lambda: DDPPlugin(), "zero1": lambda: LowLevelZeroPlugin(stage=1),
+            "zero2": lambda: LowLevelZeroPlugin(stage=2),
+            "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32")}[name]()
+
+
+def state_names(model, optimizer) -> list:
+    """Names of the parameters this rank holds optimizer state for (Gemini: its checkpoint keys)."""
+    from colossal_lab.engine.gemini.zero_optim import GeminiOptimizer
+
+    if isinstance(optimizer, GeminiOptimizer):
+        return sorted({k.split(".", 1)[1].rsplit(".", 1)[0] for k in optimizer.state_dict()})
+    names = {id(p): n for n, p in model.named_parameters()}
+    return sorted(names.get(id(p), "?") for p in optimizer.state)
+
+
+def train_one(rank, world, name, out_dir):
+    """One plugin: boost a fresh LoRA Llama, train STEPS steps on this rank's rows, save the adapters."""
+    base = tiny_llama()
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
+    booster = Booster(plugin=make_plugin(name), mixed_precision="fp32")
+    torch.manual_seed(1)
+    model = booster.enable_lora(base, lora_config=lora_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the usual way: boost keeps only the adapters
+    gm, gopt, *_ = booster.boost(model, opt)
+    b = BATCH // world
+    losses = []
+    for x in batches():
+        rows = x[rank * b:(rank + 1) * b]
+        loss = gm(input_ids=rows, labels=rows).loss
+        booster.backward(loss, gopt)
+        gopt.step()
+        gopt.zero_grad()
+        losses.append(loss.item())
+    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
+
+    peft_model = find_peft_model(gm)
+    # before any forward outside training: FSDP2 keeps the root unsharded after a forward
+    held = state_names(peft_model, gopt)
+    in_groups = [p.requires_grad for g in gopt.param_groups for p in g["params"]]
+    booster.save_lora_as_pretrained(gm, out_dir)
+    trained = full_trainable_state(gm, peft_model)
+    full = _full_params(gm)
+    base_now = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t
+                for n, t in full.items() if "lora_" not in n}
+    changed = sorted(n for n, t in frozen.items() if not torch.equal(t, base_now[n]))
+    x = batches()[0]
+    with torch.no_grad():
+        logits = gm(input_ids=x).logits.detach().cpu()
+    out = dict(losses=losses, state=held, in_groups=in_groups, trained=trained, changed=changed,
+               logits=logits)
+    if hasattr(booster.plugin, "close"):
+        booster.plugin.close()
+    return out
+
+
+def _full_params(gm) -> dict:
+    """Every parameter of the boosted model, whole, on CPU (collective under Gemini/FSDP2)."""
+    from colossal_lab.engine.gemini.zero_model import GeminiModel
+
+    if isinstance(gm, GeminiModel):
+        return gm.state_dict()
+    from colossal_lab.engine.lora import find_peft_model
+
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
+            for n, p in find_peft_model(gm).named_parameters()}
+
+
+def rank_fn(rank, world, root):
+    return {name: train_one(rank, world, name, f"{root}/{name}") for name in PLUGINS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return root, run_distributed(rank_fn, 2, str(root), timeout=600), reference()
+
+
+def _close(a, b):
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), rtol=RTOL, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_lora_follows_single_process_peft(runs, name):
+    _, ranks, (ref_losses, ref_adapters) = runs
+    losses = [sum(r[name]["losses"][i] for r in ranks) / len(ranks) for i in range(STEPS)]
+    assert _close(losses, ref_losses), (name, losses, ref_losses)
+    trained = ranks[0][name]["trained"]
+    assert set(trained) == set(ref_adapters)
+    for n, t in ref_adapters.items():
+        assert _close(trained[n], t), (name, n, (trained[n] - t).abs().max())
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_only_adapters_have_optimizer_state(runs, name):
+    _, ranks, (_, ref_adapters) = runs
+    held = set().union(*(r[name]["state"] for r in ranks))
+    assert held == set(ref_adapters), (name, sorted(held - set(ref_adapters))[:4])
+    # boost trimmed the user's AdamW(model.parameters()): no frozen parameter in any param group
+    assert all(r[name]["in_groups"] and all(r[name]["in_groups"]) for r in ranks), name
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_frozen_base_weights_unchanged(runs, name):
+    _, ranks, _ = runs
+    assert all(r[name]["changed"] == [] for r in ranks), name
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+def test_saved_adapter_loads_in_peft(runs, name):
+    root, ranks, _ = runs
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), str(root / name)).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=batches()[0]).logits
+    assert torch.allclose(logits, ranks[0][name]["logits"], rtol=RTOL, atol=1e-5)
+
+
+def test_enable_lora_from_pretrained_dir(runs):
+    root, ranks, _ = runs
+    model = Booster().enable_lora(tiny_llama(), pretrained_dir=str(root / "ddp"))
+    assert isinstance(model, peft.PeftModel)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(ranks[0]["ddp"]["trained"])
+    with torch.no_grad():
+        logits = model(input_ids=batches()[0]).logits
+    assert torch.allclose(logits, ranks[0]["ddp"]["logits"], rtol=RTOL, atol=1e-5)
+
+
+# ---- bad arguments: errors before any process group or wrapping --------------------------------
+def test_bad_target_modules_names_missing_and_real_ones():
+    import torch.distributed as dist
+
+    base = tiny_llama()
+    with pytest.raises(ValueError, match=r"target_modules.*\['qkv_proj'\].*q_proj"):
+        Booster().enable_lora(base, lora_config=peft.LoraConfig(target_modules=["q_proj", "qkv_proj"]))
+    assert not dist.is_initialized()
+    assert not any("lora_" in n for n, _ in base.named_parameters())  # nothing was wrapped
+
+
+def test_not_a_lora_config():
+    with pytest.raises(TypeError, match=r"lora_config.*peft.LoraConfig"):
+        Booster().enable_lora(tiny_llama(), lora_config={"r": 8, "target_modules": ["q_proj"]})
+    with pytest.raises(ValueError, match="lora_config=peft.LoraConfig"):
+        Booster().enable_lora(tiny_llama())
+
+
+def test_quantize_refused():
+    with pytest.raises(ValueError, match="quantize=False"):
+        Booster().enable_lora(tiny_llama(), lora_config=lora_config(), quantize=True)
+
+
+def test_after_boost_refused():
+    booster = Booster()
+    base = tiny_llama()
+    boosted, *_ = booster.boost(base)
+    for m in (boosted, base):
+        with pytest.raises(ValueError, match="enable_lora.*already boosted.*first"):
+            booster.enable_lora(m, lora_config=lora_config())
