@@ -59,6 +59,7 @@ class Chunk:
     grad_full: Optional[torch.Tensor] = None     # fp32 gradient of the full chunk (backward only)
     grads_pending: int = 0                       # trainable params whose grad has not arrived
     reduced: bool = False
+    frozen: bool = False                         # every parameter frozen at packing: no moments, no grads
 
     # ---- geometry --------------------------------------------------------------------------
     @property
@@ -93,8 +94,16 @@ class Chunk:
             and self.full.untyped_storage().nbytes() > 0
 
     @property
+    def state_rows(self) -> int:
+        """Rows of this chunk's fp32 state block: ``master|exp_avg|exp_avg_sq``, or only the master
+        for a frozen chunk (a LoRA base model: no optimizer state for weights that never step)."""
+        return 1 if self.frozen else 3
+
+    @property
     def trainable(self) -> List[TensorInfo]:
-        return [i for i in self.infos if i.param.requires_grad]
+        """Parameters that get gradients: none in a frozen chunk (``requires_grad`` is read when
+        chunks are packed: at boost and at the execution-order re-pack)."""
+        return [] if self.frozen else [i for i in self.infos if i.param.requires_grad]
 
     def names(self) -> Tuple[str, ...]:
         return tuple(i.name for i in self.infos)
@@ -167,15 +176,25 @@ def _waste(numels: List[int], size: int) -> int:
 def pack_chunks(tensors: List[TensorInfo], size: int, dtype: torch.dtype, world: int, rank: int,
                 shard_frac: float) -> List[Chunk]:
     """``tensors`` in this order in chunks of ``size`` elements (a tensor never straddles two; each
-    gets a fresh ``TensorInfo`` at its offset); the first ``shard_frac`` of the chunks sharded."""
-    groups: List[List[TensorInfo]] = [[]]
-    cur = 0
+    gets a fresh ``TensorInfo`` at its offset); the first ``shard_frac`` of the chunks sharded.
+
+    Trainable and frozen parameters never share a chunk: each kind fills its own open chunk, so a
+    frozen chunk gets no gradient buffer and no optimizer moments (a model with one kind packs as
+    if there were no rule)."""
+    groups: List[List[TensorInfo]] = []
+    frozen: List[bool] = []
+    open_: dict = {}  # kind (requires_grad) -> [index in groups, elements filled]
     for t in tensors:
-        if cur + t.numel > size and groups[-1]:
+        kind = bool(getattr(t.param, "requires_grad", True))
+        gi, cur = open_.get(kind, (-1, 0))
+        if gi < 0 or (cur + t.numel > size and groups[gi]):
             groups.append([])
-            cur = 0
-        groups[-1].append(replace(t, offset=cur, state=TensorState.FREE))
-        cur += t.numel
+            frozen.append(not kind)
+            gi, cur = len(groups) - 1, 0
+        groups[gi].append(replace(t, offset=cur, state=TensorState.FREE))
+        open_[kind] = (gi, cur + t.numel)
+    if not groups:
+        groups, frozen = [[]], [False]
     n_shard = int(round(shard_frac * len(groups)))
     return [Chunk(id=cid, size=size, dtype=dtype, world=world, rank=rank, sharded=world > 1 and cid < n_shard,
-                  infos=infos) for cid, infos in enumerate(groups)]
+                  infos=infos, frozen=frozen[cid]) for cid, infos in enumerate(groups)]

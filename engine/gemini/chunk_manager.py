@@ -145,7 +145,7 @@ class ChunkManager:
             share = self.shares_master(c)
             st = None
             if c.optim_home != "nvme":
-                st = self._alloc_ram(c.optim_home, 3 * c.shard_size, torch.float32)
+                st = self._alloc_ram(c.optim_home, c.state_rows * c.shard_size, torch.float32)
                 st.zero_()
                 st[:c.shard_size].copy_(master)
                 self._optim_state[c.id] = st
@@ -173,7 +173,7 @@ class ChunkManager:
                     c.shard = self._alloc_ram(c.param_home, c.shard_size, c.dtype)
                     c.shard.copy_(flat[s0:s1])
             if c.optim_home == "nvme":
-                state = torch.zeros(3 * c.shard_size, dtype=torch.float32)
+                state = torch.zeros(c.state_rows * c.shard_size, dtype=torch.float32)
                 state[:c.shard_size].copy_(master)
                 self.nvme.write(f"c{c.id}.state", state).result()
                 del state
@@ -526,10 +526,11 @@ class ChunkManager:
         self._optim_state.pop(c.id, None)
 
     def read_state(self, c: Chunk) -> torch.Tensor:
-        """A CPU copy of this rank's ``master|exp_avg|exp_avg_sq`` block of ``c``."""
+        """A CPU copy of this rank's ``master|exp_avg|exp_avg_sq`` block of ``c`` (the master alone
+        for a frozen chunk)."""
         self.flush_writes()
         if c.optim_home == "nvme":
-            return self.nvme.read(f"c{c.id}.state", torch.empty(3 * c.shard_size)).result()
+            return self.nvme.read(f"c{c.id}.state", torch.empty(c.state_rows * c.shard_size)).result()
         return self._optim_state[c.id].detach().to("cpu", copy=True)
 
     def write_state(self, c: Chunk, state: torch.Tensor, params: bool = False) -> None:

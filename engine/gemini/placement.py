@@ -28,8 +28,9 @@ class PlacementConfig:
 
 
 def optim_block_bytes(c: Chunk) -> int:
-    """fp32 master + exp_avg + exp_avg_sq + gradient for this rank's shard."""
-    return 4 * 4 * c.shard_size
+    """fp32 master + exp_avg + exp_avg_sq + gradient for this rank's shard (a frozen chunk: the
+    master alone)."""
+    return 4 * c.shard_size * (1 if c.frozen else 4)
 
 
 def shares_master(c: Chunk, param_tier: str, optim_tier: str, stack: TierStack) -> bool:

@@ -303,15 +303,16 @@ class _Mover:
         c = self.new[k]
         n = c.shard_size
         home_state = c.optim_home != "nvme" and not spill
-        block = self._empty(c.optim_home if home_state else self.host, 3 * n, zero=True)
+        nb = 4 * c.state_rows * n  # bytes of its fp32 state block
+        block = self._empty(c.optim_home if home_state else self.host, c.state_rows * n, zero=True)
         for oc in self.contrib[k]:
             self._move(k, c, oc, block)
         self.steps[k] = max([self.mgr.steps.get(oc.id, 0) for oc in self.contrib[k] if oc.trainable] or [0])
         if spill:
-            self.take("nvme", 12 * n)
+            self.take("nvme", nb)
             if not self.dry:
                 self.mgr.nvme.write(f"s{c.id}.state", block).result()
-            self.give(self.host, 12 * n)
+            self.give(self.host, nb)
             self.spilled.append(k)
         else:
             self._install(c, block, home_state)
@@ -348,7 +349,7 @@ class _Mover:
             return
         n_new, n_old = c.shard_size, oc.shard_size
         st = self.mgr.state_block(oc)
-        for r in range(3):
+        for r in range(min(c.state_rows, oc.state_rows)):
             for a, b, d in mine:
                 dst = block[r * n_new + d:r * n_new + d + b - a]
                 if st is not None:
@@ -374,7 +375,7 @@ class _Mover:
         staged = self._empty(self.host, q) if on_nvme else None  # this rank's piece, read from its file
         din = self._empty(gtier, q) if dev else None
         dout = self._empty(gtier, world * q)
-        for r in range(3):
+        for r in range(min(c.state_rows, oc.state_rows)):  # the same on every rank
             for j in sorted(pieces):
                 L = min(q, n - j * q)
                 self.gathers += 1
@@ -449,11 +450,12 @@ class _Mover:
                     shard.copy_(master)
                     c.shard = shard
         if c.optim_home == "nvme" or not home_state:
+            nb = 4 * c.state_rows * n
             if c.optim_home == "nvme":
-                self.take("nvme", 12 * n)
+                self.take("nvme", nb)
                 if not self.dry:
                     mgr.nvme.write(f"r{c.id}.state", block).result()
-            self.give(self.host, 12 * n)  # the staging block (a home block stays)
+            self.give(self.host, nb)  # the staging block (a home block stays)
 
     def _release(self, oc: Chunk) -> None:
         """Free old chunk ``oc``'s homes (RAM accounting, NVMe files): all its parameters moved."""
@@ -469,12 +471,12 @@ class _Mover:
         elif not share:
             self.give(oc.param_home, oc.shard_bytes)
         if oc.optim_home == "nvme":
-            self.give("nvme", 12 * n)
+            self.give("nvme", 4 * oc.state_rows * n)
             if not self.dry:
                 mgr.nvme.remove(f"c{oc.id}.state")
                 mgr.nvme.remove(f"c{oc.id}.grad")
         else:
-            self.give(oc.optim_home, 12 * n)
+            self.give(oc.optim_home, 4 * oc.state_rows * n)
             if not self.dry:
                 mgr.drop_state(oc)
         if not self.dry:
@@ -488,14 +490,14 @@ class _Mover:
             n = c.shard_size
             home_state = c.optim_home != "nvme"
             tier = c.optim_home if home_state else self.host
-            block = self._empty(tier, 3 * n)
+            block = self._empty(tier, c.state_rows * n)
             if not self.dry:
                 if block.device.type == "cpu":
                     self.mgr.nvme.read(f"s{c.id}.state", block).result()
                 else:
-                    block.copy_(self.mgr.nvme.read(f"s{c.id}.state", torch.empty(3 * n)).result())
+                    block.copy_(self.mgr.nvme.read(f"s{c.id}.state", torch.empty(c.state_rows * n)).result())
                 self.mgr.nvme.remove(f"s{c.id}.state")
-            self.give("nvme", 12 * n)
+            self.give("nvme", 4 * c.state_rows * n)
             self._install(c, block, home_state)
 
     def run(self, plan: List[int]) -> None:

@@ -169,6 +169,8 @@ class GeminiOptimizer(OptimizerWrapper):
         """``state.<name>.exp_avg|exp_avg_sq|step``, full tensors on CPU (collective on every rank)."""
         out: Dict[str, torch.Tensor] = {}
         for c in self.mgr.chunks:
+            if c.frozen:  # no moments (the same chunks on every rank, so the gathers still pair up)
+                continue
             full = self.mgr.gather_full(c, self.mgr.read_state(c))
             m, v = full[c.size:2 * c.size], full[2 * c.size:]
             for info in c.trainable:
@@ -179,6 +181,8 @@ class GeminiOptimizer(OptimizerWrapper):
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
         for c in self.mgr.chunks:
+            if c.frozen:
+                continue
             state = self.mgr.read_state(c)
             full = self.mgr.gather_full(c, state).clone()
             n, (s0, s1) = c.shard_size, c.shard_range

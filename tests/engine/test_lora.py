@@ -93,11 +93,13 @@ def train_one(rank, world, name, out_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the usual way: boost keeps only the adapters
     gm, gopt, *_ = booster.boost(model, opt)
     b = BATCH // world
-    losses = []
+    losses, chunks = [], None
     for x in batches():
         rows = x[rank * b:(rank + 1) * b]
         loss = gm(input_ids=rows, labels=rows).loss
         booster.backward(loss, gopt)
+        if name == "gemini" and chunks is None:
+            chunks = _chunk_facts(gm.manager)
         gopt.step()
         gopt.zero_grad()
         losses.append(loss.item())
@@ -116,7 +118,7 @@ def train_one(rank, world, name, out_dir):
     x = batches()[0]
     with torch.no_grad():
         logits = gm(input_ids=x).logits.detach().cpu()
-    out = dict(losses=losses, state=held, in_groups=in_groups, trained=trained, changed=changed,
+    out = dict(losses=losses, state=held, in_groups=in_groups, chunks=chunks, trained=trained, changed=changed,
                logits=logits)
     if hasattr(booster.plugin, "close"):
         booster.plugin.close()
@@ -133,6 +135,18 @@ def _full_params(gm) -> dict:
 
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", copy=True)
             for n, p in find_peft_model(gm).named_parameters()}
+
+
+def _chunk_facts(mgr) -> list:
+    """Per Gemini chunk after a backward: (frozen, trainable params, frozen params, state block
+    elements, shard elements, holds a gradient)."""
+    out = []
+    for c in mgr.chunks:
+        block = mgr.state_block(c)
+        n_train = sum(i.param.requires_grad for i in c.infos)
+        out.append((c.frozen, n_train, len(c.infos) - n_train, None if block is None else block.numel(),
+                    c.shard_size, mgr.has_grad(c)))
+    return out
 
 
 def rank_fn(rank, world, root):
@@ -184,6 +198,19 @@ def test_saved_adapter_loads_in_peft(runs, name):
     assert torch.allclose(logits, ranks[0][name]["logits"], rtol=RTOL, atol=1e-5)
 
 
+def test_gemini_frozen_chunks_hold_no_optimizer_state_or_gradients(runs):
+    _, ranks, _ = runs
+    for r in ranks:
+        facts = r["gemini"]["chunks"]
+        assert any(f[0] for f in facts) and not all(f[0] for f in facts)  # both kinds exist
+        for frozen, n_train, n_frozen, block, shard, has_grad in facts:
+            assert not (n_train and n_frozen), "a chunk mixes adapters and frozen weights"
+            if frozen:
+                assert n_train == 0 and block == shard and not has_grad  # the master alone, no moments
+            else:
+                assert n_frozen == 0 and block == 3 * shard and has_grad
+
+
 def test_enable_lora_from_pretrained_dir(runs):
     root, ranks, _ = runs
     model = Booster().enable_lora(tiny_llama(), pretrained_dir=str(root / "ddp"))
@@ -224,3 +251,12 @@ def test_after_boost_refused():
     for m in (boosted, base):
         with pytest.raises(ValueError, match="enable_lora.*already boosted.*first"):
             booster.enable_lora(m, lora_config=lora_config())
+
+
+def test_merged_model_gives_trained_logits(runs):
+    root, ranks, _ = runs
+    merged = peft.PeftModel.from_pretrained(tiny_llama(), str(root / "gemini")).merge_and_unload()
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    with torch.no_grad():
+        logits = merged(input_ids=batches()[0]).logits
+    assert torch.allclose(logits, ranks[0]["gemini"]["logits"], rtol=RTOL, atol=1e-5)
