@@ -107,9 +107,9 @@ class Booster:
             from .models.hf.version import check_floor
 
             check_floor("transformers")  # an older release's plans train differently: say so before any work
-        from .lora import trim_optimizer
+        from .lora import prepare_boost
 
-        trim_optimizer(model, optimizer)  # a LoRA model: only its adapters reach the optimizer
+        prepare_boost(model, optimizer, self.plugin)  # a LoRA model: only adapters reach the optimizer
         out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
         if out[3] is not None:
             device = self.plugin.compute_device()

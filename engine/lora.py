@@ -119,6 +119,22 @@ def enable_lora(model: nn.Module, pretrained_dir: Optional[str] = None, lora_con
     return lora
 
 
+def prepare_boost(model: nn.Module, optimizer: Optional[Optimizer], plugin) -> None:
+    """What ``boost`` does first for a model from ``enable_lora`` (nothing for any other model): the
+    optimizer trimmed to the adapters, and under tensor parallelism (a plugin with ``tp_size > 1``
+    and no ``tp_plan=`` of the user's) the base model's plan written for the LoRA layers
+    (``lora_tp.lora_tp_plan``), stored as the model's ``tp_plan``."""
+    if not getattr(model, LORA_MARK, False):
+        return
+    trim_optimizer(model, optimizer)
+    if getattr(plugin, "tp_size", 1) > 1 and getattr(plugin, "tp_plan", None) is None:
+        from .lora_tp import lora_tp_plan
+
+        plan = lora_tp_plan(model)
+        if plan is not None:
+            model.tp_plan = plan  # an instance attribute: read before peft forwards to the base model
+
+
 def trim_optimizer(model: nn.Module, optimizer: Optional[Optimizer]) -> None:
     """Drop frozen parameters from ``optimizer``'s param groups, in place (the user built it from
     ``model.parameters()``; the groups, their hyper-parameters and the optimizer object stay, so an
@@ -133,15 +149,12 @@ def trim_optimizer(model: nn.Module, optimizer: Optional[Optimizer]) -> None:
 
 # ---- saving -------------------------------------------------------------------------------------
 def find_peft_model(model: nn.Module):
-    """The ``peft.PeftModel`` inside a boosted model (through ModelWrapper / DDP / Gemini)."""
+    """The ``peft.PeftModel`` inside a boosted model (whatever wraps it: ModelWrapper, DDP, Gemini,
+    the hybrid plugin's stage modules)."""
     peft = _require_peft()
-    m = model
-    for _ in range(8):
+    for m in model.modules():
         if isinstance(m, peft.PeftModel):
             return m
-        m = m.unwrap() if hasattr(m, "unwrap") else getattr(m, "module", None)
-        if m is None:
-            break
     raise ValueError("save_lora_as_pretrained(model=...): no peft.PeftModel inside; pass the model "
                      "booster.boost returned for the model booster.enable_lora gave you")
 

@@ -18,7 +18,7 @@ from colossal_lab.engine import Booster  # noqa: E402
 
 STEPS, LR, BATCH, SEQ, VOCAB = 5, 1e-2, 4, 16, 128
 TARGETS = ["q_proj", "v_proj", "down_proj"]
-PLUGINS = ("ddp", "zero1", "zero2", "gemini")
+PLUGINS = ("ddp", "zero1", "zero2", "gemini", "tp2")
 RTOL = 1e-4
 
 
@@ -66,11 +66,12 @@ def reference():
 
 
 def make_plugin(name):
-    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, LowLevelZeroPlugin
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     return {"ddp": lambda: DDPPlugin(), "zero1": lambda: LowLevelZeroPlugin(stage=1),
             "zero2": lambda: LowLevelZeroPlugin(stage=2),
-            "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32")}[name]()
+            "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32"),
+            "tp2": lambda: HybridParallelPlugin(tp_size=2, precision="fp32")}[name]()
 
 
 def state_names(model, optimizer) -> list:
@@ -92,10 +93,11 @@ def train_one(rank, world, name, out_dir):
     model = booster.enable_lora(base, lora_config=lora_config())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the usual way: boost keeps only the adapters
     gm, gopt, *_ = booster.boost(model, opt)
-    b = BATCH // world
+    dp = 1 if name == "tp2" else world  # tp2 on 2 ranks: one data-parallel rank, the whole batch
+    b, rank_dp = BATCH // dp, rank % dp
     losses, chunks = [], None
     for x in batches():
-        rows = x[rank * b:(rank + 1) * b]
+        rows = x[rank_dp * b:(rank_dp + 1) * b]
         loss = gm(input_ids=rows, labels=rows).loss
         booster.backward(loss, gopt)
         if name == "gemini" and chunks is None:
@@ -118,8 +120,9 @@ def train_one(rank, world, name, out_dir):
     x = batches()[0]
     with torch.no_grad():
         logits = gm(input_ids=x).logits.detach().cpu()
-    out = dict(losses=losses, state=held, in_groups=in_groups, chunks=chunks, trained=trained, changed=changed,
-               logits=logits)
+    placements = {n: str(getattr(p, "placements", "whole")) for n, p in peft_model.named_parameters()}
+    out = dict(losses=losses, state=held, in_groups=in_groups, chunks=chunks, placements=placements,
+               trained=trained, changed=changed, logits=logits)
     if hasattr(booster.plugin, "close"):
         booster.plugin.close()
     return out
@@ -209,6 +212,20 @@ def test_gemini_frozen_chunks_hold_no_optimizer_state_or_gradients(runs):
                 assert n_train == 0 and block == shard and not has_grad  # the master alone, no moments
             else:
                 assert n_frozen == 0 and block == 3 * shard and has_grad
+
+
+def test_tp2_shards_adapters_like_their_base_layer(runs):
+    """colwise q_proj/v_proj: A whole, B's output rows sharded; rowwise down_proj: A's input columns
+    sharded, B whole (engine/lora_tp.py)."""
+    _, ranks, _ = runs
+    got = ranks[0]["tp2"]["placements"]
+    for layer in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"):
+        pre = f"base_model.model.model.layers.0.{layer}"
+        base, a, b = (got[f"{pre}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+        if layer.startswith("mlp"):
+            assert (base, a, b) == ("(Shard(dim=1),)", "(Shard(dim=1),)", "whole"), layer
+        else:
+            assert (base, a, b) == ("(Shard(dim=0),)", "whole", "(Shard(dim=0),)"), layer
 
 
 def test_enable_lora_from_pretrained_dir(runs):
