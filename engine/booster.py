@@ -109,8 +109,8 @@ class Booster:
             check_floor("transformers")  # an older release's plans train differently: say so before any work
         from .lora import prepare_boost
 
-        prepare_boost(model, optimizer, self.plugin)  # a LoRA model: only adapters reach the optimizer
-        out = self.plugin.configure(model, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
+        lora = prepare_boost(model, optimizer, self.plugin)  # a LoRA model: only adapters reach the optimizer
+        out = self.plugin.configure(lora, optimizer, criterion, dataloader, lr_scheduler, self.mixed_precision)
         if out[3] is not None:
             device = self.plugin.compute_device()
             if device.type != "cpu":  # batches arrive where the model computes

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +27,9 @@ from . import comm
 
 #: set on the PeftModel ``enable_lora`` returns: ``boost`` trims the optimizer of such a model
 LORA_MARK = "_colossal_lab_lora"
+#: set on the base model a pipeline splits instead of its PeftModel: a weak reference back to it
+PEFT_REF = "_colossal_lab_peft"
+PEFT_PREFIX = "base_model.model."  # a peft model's names of its base model's parameters
 
 
 def _require_peft():
@@ -119,20 +123,27 @@ def enable_lora(model: nn.Module, pretrained_dir: Optional[str] = None, lora_con
     return lora
 
 
-def prepare_boost(model: nn.Module, optimizer: Optional[Optimizer], plugin) -> None:
-    """What ``boost`` does first for a model from ``enable_lora`` (nothing for any other model): the
-    optimizer trimmed to the adapters, and under tensor parallelism (a plugin with ``tp_size > 1``
-    and no ``tp_plan=`` of the user's) the base model's plan written for the LoRA layers
-    (``lora_tp.lora_tp_plan``), stored as the model's ``tp_plan``."""
+def prepare_boost(model: nn.Module, optimizer: Optional[Optimizer], plugin) -> nn.Module:
+    """What ``boost`` does first for a model from ``enable_lora`` (nothing for any other model), and
+    the model to hand the plugin: the optimizer trimmed to the adapters; under tensor parallelism
+    (a plugin with ``tp_size > 1`` and no ``tp_plan=`` of the user's) the base model's plan written
+    for the LoRA layers (``lora_tp.lora_tp_plan``), stored as the model's ``tp_plan``; under a
+    pipeline (``pp_size > 1``) the base model itself, adapters injected in its layers, since the
+    pipeline splits a model by its own contract (``num_layers``, ``pipeline_stage``)."""
     if not getattr(model, LORA_MARK, False):
-        return
+        return model
     trim_optimizer(model, optimizer)
+    if getattr(plugin, "pp_size", 1) > 1:
+        base = model.get_base_model()
+        setattr(base, PEFT_REF, weakref.ref(model))
+        return base
     if getattr(plugin, "tp_size", 1) > 1 and getattr(plugin, "tp_plan", None) is None:
         from .lora_tp import lora_tp_plan
 
         plan = lora_tp_plan(model)
         if plan is not None:
             model.tp_plan = plan  # an instance attribute: read before peft forwards to the base model
+    return model
 
 
 def trim_optimizer(model: nn.Module, optimizer: Optional[Optimizer]) -> None:
@@ -155,6 +166,9 @@ def find_peft_model(model: nn.Module):
     for m in model.modules():
         if isinstance(m, peft.PeftModel):
             return m
+        ref = getattr(m, PEFT_REF, None)  # a pipeline split the base model (prepare_boost)
+        if ref is not None and ref() is not None:
+            return ref()
     raise ValueError("save_lora_as_pretrained(model=...): no peft.PeftModel inside; pass the model "
                      "booster.boost returned for the model booster.enable_lora gave you")
 
@@ -170,6 +184,8 @@ def full_trainable_state(model: nn.Module, peft_model: nn.Module) -> Dict[str, t
     Gemini chunks or FSDP2 DTensors when the plugin sharded it. Collective: every rank calls it."""
     mgr = _gemini_manager(model)
     out: Dict[str, torch.Tensor] = {}
+    if hasattr(model, "named_model_parameters") and hasattr(model, "runtime"):
+        return _hybrid_trainable_state(model)
     if mgr is not None:  # only the chunks holding adapters are gathered, in the same order on every rank
         for c in mgr.chunks:
             if not c.trainable:
@@ -183,6 +199,24 @@ def full_trainable_state(model: nn.Module, peft_model: nn.Module) -> Dict[str, t
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[name] = t.detach().to("cpu", copy=True)
     return out
+
+
+def _hybrid_trainable_state(model) -> Dict[str, torch.Tensor]:
+    """The hybrid plugin's adapters: DTensors made whole over tp, every pipeline stage's gathered
+    over pp; names as the peft model's (a split base model's get ``PEFT_PREFIX``)."""
+    peft = _require_peft()
+    split = not any(isinstance(m, peft.PeftModel) for m in model.modules())
+    local = {}
+    for n, p in model.named_model_parameters():
+        if p.requires_grad:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            local[(PEFT_PREFIX + n) if split else n] = t.detach().to("cpu", copy=True)
+    group = model.runtime.pp_group
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    parts: List = [None] * dist.get_world_size(group)
+    comm.all_gather_object(parts, local, group=group)
+    return {n: t for part in parts for n, t in part.items()}
 
 
 def save_lora_as_pretrained(model: nn.Module, checkpoint, use_safetensors: bool = True) -> None:

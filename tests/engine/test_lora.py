@@ -1,8 +1,8 @@
 """``Booster.enable_lora`` / ``save_lora_as_pretrained`` (engine/lora.py) with real peft on a tiny random
-Llama: under DDP, ZeRO-1/2 and Gemini on 2 real ranks, LoRA training follows single-process PEFT
-training (fp32, 5 steps), only adapters are in the optimizer state, the frozen base weights stay
-bit-for-bit, and the saved adapter loads with ``peft.PeftModel.from_pretrained`` to the same logits.
-Bad arguments fail before any process group exists."""
+Llama: under DDP, ZeRO-1/2, Gemini and hybrid tp=2 on 2 real ranks (and our GPT under pp=2), LoRA
+training follows single-process PEFT training (fp32, 5 steps), only adapters are in the optimizer
+state, the frozen base weights stay bit-for-bit, and the saved adapter loads with
+``peft.PeftModel.from_pretrained`` to the same logits. Bad arguments fail before any process group."""
 
 from __future__ import annotations
 
@@ -152,8 +152,77 @@ def _chunk_facts(mgr) -> list:
     return out
 
 
+# ---- our GPT under pp=2 (peft on a plain nn.Module; the pipeline splits the base model) -------------
+GPT_TARGETS = ["wq", "wv", "w2"]
+
+
+def gpt_lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=GPT_TARGETS, lora_dropout=0.0, init_lora_weights=False)
+
+
+def tiny_gpt():
+    from support.engine import tiny_model
+
+    m = tiny_model()
+    torch.manual_seed(1)  # the adapters' random init
+    return m
+
+
+def gpt_batches():
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return [(x, torch.roll(x, -1, 1)) for x in xs]
+
+
+def gpt_reference():
+    """Single-process peft on the GPT: losses, final adapters, logits on batch 0."""
+    model = peft.get_peft_model(tiny_gpt(), gpt_lora_config())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for x, y in gpt_batches():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits, _ = model(gpt_batches()[0][0])
+    return losses, adapters(model), logits
+
+
+def train_pp(rank, world, out_dir):
+    from support.engine import lm_loss
+
+    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    base = tiny_gpt()
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
+    booster = Booster(plugin=HybridParallelPlugin(pp_size=2, num_microbatches=2, precision="fp32"),
+                      mixed_precision="fp32")
+    model = booster.enable_lora(base, lora_config=gpt_lora_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    gm, gopt, *_ = booster.boost(model, opt, lm_loss)
+    losses = []
+    for x, y in gpt_batches():
+        out = booster.execute_pipeline(iter([{"idx": x, "targets": y}]), gm, lm_loss, gopt)
+        gopt.step()
+        gopt.zero_grad()
+        losses.append(None if out.get("loss") is None else float(out["loss"]))
+    names = {id(p): n for n, p in gm.named_model_parameters()}
+    held = sorted("base_model.model." + names.get(id(p), "?") for p in gopt.state)
+    trained = full_trainable_state(gm, find_peft_model(gm))
+    booster.save_lora_as_pretrained(gm, out_dir)
+    full = gm.full_state_dict()
+    changed = sorted(n for n, t in frozen.items() if not torch.equal(t, full[n.replace(".weight", ".base_layer.weight")
+                                                                          if n not in full else n]))
+    return dict(losses=losses, state=held, trained=trained, changed=changed)
+
+
 def rank_fn(rank, world, root):
-    return {name: train_one(rank, world, name, f"{root}/{name}") for name in PLUGINS}
+    out = {name: train_one(rank, world, name, f"{root}/{name}") for name in PLUGINS}
+    out["pp2"] = train_pp(rank, world, f"{root}/pp2")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +295,24 @@ def test_tp2_shards_adapters_like_their_base_layer(runs):
             assert (base, a, b) == ("(Shard(dim=1),)", "(Shard(dim=1),)", "whole"), layer
         else:
             assert (base, a, b) == ("(Shard(dim=0),)", "whole", "(Shard(dim=0),)"), layer
+
+
+def test_pp2_gpt_follows_single_process_peft(runs):
+    root, ranks, _ = runs
+    ref_losses, ref_adapters, ref_logits = gpt_reference()
+    last = ranks[-1]["pp2"]  # the last stage reports the loss
+    assert _close(last["losses"], ref_losses), (last["losses"], ref_losses)
+    trained = ranks[0]["pp2"]["trained"]
+    assert set(trained) == set(ref_adapters)
+    for n, t in ref_adapters.items():
+        assert _close(trained[n], t), (n, (trained[n] - t).abs().max())
+    held = set().union(*(r["pp2"]["state"] for r in ranks))
+    assert held == set(ref_adapters)  # the two stages' optimizers together: the adapters, nothing else
+    assert all(r["pp2"]["changed"] == [] for r in ranks)
+    loaded = peft.PeftModel.from_pretrained(tiny_gpt(), str(root / "pp2")).eval()
+    with torch.no_grad():
+        logits, _ = loaded(gpt_batches()[0][0])
+    assert torch.allclose(logits, ref_logits, rtol=RTOL, atol=1e-5)
 
 
 def test_enable_lora_from_pretrained_dir(runs):
