@@ -133,6 +133,9 @@ def prepare_boost(model: nn.Module, optimizer: Optional[Optimizer], plugin) -> n
     if not getattr(model, LORA_MARK, False):
         return model
     trim_optimizer(model, optimizer)
+    if getattr(plugin, "pp_size", 1) > 1 and getattr(plugin, "tp_size", 1) > 1:
+        raise ValueError(f"boost: a LoRA model under HybridParallelPlugin(tp_size={plugin.tp_size}, "
+                         f"pp_size={plugin.pp_size}) is not supported yet; use tp_size=1 or pp_size=1")
     if getattr(plugin, "pp_size", 1) > 1:
         base = model.get_base_model()
         setattr(base, PEFT_REF, weakref.ref(model))
