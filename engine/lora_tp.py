@@ -33,6 +33,11 @@ _ADAPTER_STYLES = {
 }
 
 
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA wrapper (a Linear's, an Embedding's, ...): a base layer plus adapters."""
+    return hasattr(module, "base_layer") and (hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A"))
+
+
 def _is_lora_linear(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", None), nn.Linear) and isinstance(
         getattr(module, "lora_A", None), nn.ModuleDict)
@@ -57,15 +62,15 @@ def lora_tp_plan(peft_model: nn.Module) -> Optional[Dict[str, object]]:
             if name.count(".") != depth or not fnmatch.fnmatchcase(name, pattern):
                 continue
             full = f"{prefix}.{name}"
-            if not _is_lora_linear(mod):
+            if not _is_lora_layer(mod):
                 out[full] = entry
                 continue
             style = entry[0] if isinstance(entry, tuple) else entry
-            if not isinstance(style, str) or style not in _ADAPTER_STYLES:
-                raise ValueError(f"enable_lora under tensor parallelism: {name!r} carries LoRA adapters and the "
-                                 f"plan shards it with {style!r}, which has no adapter rule; leave it out of "
-                                 f"LoraConfig(target_modules=...) or run tp_size=1. Rules exist for "
-                                 f"{sorted(_ADAPTER_STYLES)}")
+            if not _is_lora_linear(mod) or not isinstance(style, str) or style not in _ADAPTER_STYLES:
+                raise ValueError(f"enable_lora under tensor parallelism: {name!r} ({type(mod).__name__}) carries "
+                                 f"LoRA adapters and the plan shards it with {style!r}, which has no adapter rule; "
+                                 f"leave it out of LoraConfig(target_modules=...) or run tp_size=1. Rules exist "
+                                 f"for Linear layers under {sorted(_ADAPTER_STYLES)}")
             a_style, b_style = _ADAPTER_STYLES[style]
             out[f"{full}.base_layer"] = entry
             for adapter in mod.lora_A:

@@ -364,3 +364,21 @@ def test_merged_model_gives_trained_logits(runs):
     with torch.no_grad():
         logits = merged(input_ids=batches()[0]).logits
     assert torch.allclose(logits, ranks[0]["gemini"]["logits"], rtol=RTOL, atol=1e-5)
+
+
+def test_tp_refuses_lora_on_a_module_without_an_adapter_rule():
+    from colossal_lab.engine.lora_tp import lora_tp_plan
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(ValueError, match=r"embed_tokens.*embedding_rowwise.*target_modules"):
+        lora_tp_plan(model)
+
+
+def test_tp_and_pp_together_refused_before_any_work():
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2, precision="fp32"),
+                      mixed_precision="fp32")
+    model = booster.enable_lora(tiny_llama(), lora_config=lora_config())
+    with pytest.raises(ValueError, match=r"tp_size=2, pp_size=2.*not supported"):
+        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
