@@ -37,7 +37,10 @@ def _require_peft():
         import peft
     except ImportError:
         raise ImportError("booster.enable_lora needs peft: `pip install peft` "
-                          "(or `pip install colossal-lab[test]`, which brings it)") from None
+                          "(or `pip install 'colossal-lab[hf]'`, which brings peft and transformers)") from None
+    from .models.hf.version import check_floor
+
+    check_floor("peft")  # the oldest peft the LoRA tests pass on beside transformers 5
     return peft
 
 
