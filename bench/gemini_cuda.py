@@ -1,0 +1,318 @@
+"""``bench/gemini.py --device cuda``: the comparison a GPU user makes, in one call.
+
+Contenders (each trial a fresh process, ``bench/gemini_cuda_trial.py``; same GPT, data, bf16,
+activation checkpointing on every block, one-rank process group, same memory cap):
+plain PyTorch (autocast, fused AdamW), torch FSDP2 ``fully_shard`` + ``CPUOffloadPolicy``, our
+Gemini with placement ``cuda``, ``cpu``, ``auto`` and ``auto`` + NVMe, and Colossal-AI's
+``GeminiPlugin`` / DeepSpeed ZeRO-Offload where importable (skipped with the reason otherwise).
+
+1. throughput — at the ladder's throughput rungs (0.8B, 1.4B, 2.8B on GPU; tiny ones on CPU),
+   equal batch: tokens/s median over the steps after one warm-up step, and a busy fraction of one
+   extra, profiled step (GPU: union of kernel times / wall; CPU: union of aten-op times / wall);
+   ratios vs FSDP2 + offload and vs plain PyTorch. Under ``--tput-cap-gib`` (GPU default: the whole
+   card, so that plain PyTorch and Gemini ``cuda`` train these sizes at all).
+2. capacity — per contender, bisection over a GPT ladder reaching >= 10B parameters, 2 steps per
+   rung under the cap (``--cap-gib``, 8 GiB: ``torch.cuda.set_per_process_memory_fraction``; on CPU a
+   peak-RSS-growth cap, ``--cap-mib``); the largest rung that trains is the capacity (a lower bound
+   when it is the ladder's top); ratios vs plain PyTorch. An OOM or crash costs one rung.
+
+``--budget`` seconds bound the whole run: a trial gets at most what is left, and what does not
+start in time is reported as skipped for the budget. Prints a table and one JSON line; ``--out DIR``
+writes ``gemini_cuda.json`` and ``gemini_cuda.md``.
+
+    python bench/gemini.py --device cuda --nvme-dir /scratch/gbench --budget 330 --out /tmp/gb
+    python bench/gemini.py --device cpu --tiny --budget 80 --out /tmp/gb    # the harness on CPU (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONTENDERS = ["torch", "fsdp2_offload", "gemini_cuda", "gemini_cpu", "gemini_auto", "gemini_auto_nvme",
+              "colossalai_gemini", "deepspeed_offload"]
+LABELS = {"torch": "plain PyTorch (autocast, fused AdamW)", "fsdp2_offload": "FSDP2 fully_shard + CPUOffloadPolicy",
+          "gemini_cuda": "Gemini cuda", "gemini_cpu": "Gemini cpu", "gemini_auto": "Gemini auto",
+          "gemini_auto_nvme": "Gemini auto + NVMe", "colossalai_gemini": "Colossal-AI GeminiPlugin (auto)",
+          "deepspeed_offload": "DeepSpeed ZeRO-3 Offload"}
+NEEDS = {"colossalai_gemini": "colossalai", "deepspeed_offload": "deepspeed"}
+
+#: (width, layers); GPU ladder with vocab 50304, seq 512: 0.20, 0.31, 0.44, 0.61, 0.81, 1.42, 2.78, 4.39,
+#: 6.86, 10.09, 13.12 B parameters (finer at the bottom, where plain PyTorch's capacity falls)
+GPU_LADDER = [(1024, 8), (1024, 16), (1280, 16), (1536, 16), (2048, 12), (2048, 24), (2560, 32), (3072, 36),
+              (4096, 32), (4096, 48), (5120, 40)]
+#: CPU (--tiny) ladder with vocab 256, seq 64: 0.14 ... 42.9 M parameters
+TINY_LADDER = [(64, 2), (96, 2), (128, 2), (160, 4), (192, 4), (256, 4), (320, 4), (384, 6), (512, 6), (640, 6),
+               (768, 6)]
+TPUT_RUNGS = [4, 5, 6]  # GPU: 0.81B, 1.42B, 2.78B
+
+
+def settings(a) -> dict:
+    """The run's shape: data, caps and step counts for the mode."""
+    if a.device == "cuda":
+        return {"device": "cuda", "ladder": GPU_LADDER, "vocab": 50304, "seq": 512, "batch": a.batch or 8,
+                "cap_bytes": int(a.cap_gib * (1 << 30)),
+                "tput_cap_bytes": int(a.tput_cap_gib * (1 << 30)) if a.tput_cap_gib else 1 << 50,
+                "trial_timeout": 150}
+    return {"device": "cpu", "ladder": TINY_LADDER, "vocab": 256, "seq": 64, "batch": a.batch or 2,
+            "cap_bytes": int(a.cap_mib * (1 << 20)), "tput_cap_bytes": int(a.tput_cap_mib * (1 << 20)),
+            "trial_timeout": 60}
+
+
+def skip_reason(contender: str, device: str):
+    """Why ``contender`` cannot run here (None: it can)."""
+    lib = NEEDS.get(contender)
+    if lib and importlib.util.find_spec(lib) is None:
+        return f"skipped: not importable ({lib})"
+    if device != "cuda" and (contender == "gemini_cuda" or lib):
+        return "skipped: needs CUDA"
+    return None
+
+
+def ladder_params(s: dict) -> list:
+    """Parameter count of every rung (built on the meta device: no memory)."""
+    sys.path.insert(0, HERE)
+    from gemini_cuda_trial import gpt_config
+
+    from colossal_lab.engine.models import GPT
+
+    out = []
+    for d, layers in s["ladder"]:
+        with torch.device("meta"):
+            out.append(GPT(gpt_config(dict(s, d=d, layers=layers))).num_params())
+    return out
+
+
+class Runner:
+    """Starts trials in fresh processes inside the run's time budget."""
+
+    def __init__(self, s: dict, budget: float, nvme_dir: str):
+        self.s, self.nvme_dir = s, nvme_dir
+        self.deadline = time.monotonic() + budget
+        self.log = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def trial(self, contender: str, rung: int, steps: int, cap: int, profile: bool = False) -> dict:
+        left = self.left()
+        if left < 5:  # not worth starting a process
+            return {"ok": False, "skipped": True, "error": "skipped: budget"}
+        d, layers = self.s["ladder"][rung]
+        spec = {k: self.s[k] for k in ("device", "vocab", "seq", "batch")}
+        spec.update(contender=contender, d=d, layers=layers, steps=steps, cap_bytes=cap, profile=profile,
+                    nvme_dir=os.path.join(self.nvme_dir, f"{contender}-{rung}"))
+        os.makedirs(spec["nvme_dir"], exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run([sys.executable, os.path.join(HERE, "gemini_cuda_trial.py"), json.dumps(spec)],
+                               capture_output=True, text=True, env=env,
+                               timeout=max(1.0, min(self.s["trial_timeout"], left)))
+            lines = p.stdout.strip().splitlines()
+            if p.returncode == 0 and lines:
+                row = json.loads(lines[-1])
+            else:
+                tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+                row = {"ok": False, "error": f"crash (exit {p.returncode}): {tail[-200:]}"}
+        except subprocess.TimeoutExpired:
+            row = {"ok": False, "error": "timeout"}
+        finally:
+            shutil.rmtree(spec["nvme_dir"], ignore_errors=True)
+        row.update(contender=contender, rung=rung, wall_s=round(time.monotonic() - t0, 1))
+        self.log.append(row)
+        print(f"# {contender} rung {rung} (d={d}, L={layers}): "
+              f"{'ok' if row['ok'] else row.get('error')} in {row['wall_s']} s", file=sys.stderr, flush=True)
+        return row
+
+
+def _pmap(fn, items: list, jobs: int) -> list:
+    """``[fn(i) for i in items]``, ``jobs`` at a time (1 on a GPU: trials share the card)."""
+    if jobs <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(jobs) as ex:
+        return list(ex.map(fn, items))
+
+
+def throughput(r: Runner, contenders: list, rungs: list, steps: int, jobs: int = 1) -> dict:
+    """tokens/s (median after one warm-up step) and busy fraction, per size and contender."""
+    s, out = r.s, {}
+    tok = s["batch"] * s["seq"]
+    pairs = [(rung, c) for rung in rungs for c in contenders]
+    done = dict(zip(pairs, _pmap(lambda p: r.trial(p[1], p[0], steps + 1, s["tput_cap_bytes"], profile=True),
+                                 pairs, jobs)))
+    for rung in rungs:
+        row = {}
+        for c in contenders:
+            t = done[(rung, c)]
+            if t["ok"]:
+                row[c] = {"tokens_per_s": tok / statistics.median(t["step_s"][1:]), "busy": t.get("busy"),
+                          "busy_source": t.get("busy_source"), "peak_bytes": t.get("peak_bytes")}
+            else:
+                row[c] = {"error": t.get("error")}
+        for base, key in (("fsdp2_offload", "vs_fsdp2"), ("torch", "vs_torch")):
+            b = row.get(base, {}).get("tokens_per_s")
+            for v in row.values():
+                if b and "tokens_per_s" in v:
+                    v[key] = v["tokens_per_s"] / b
+        out[str(rung)] = row
+    return out
+
+
+def bisect(r: Runner, contender: str, n: int, steps: int) -> dict:
+    """Largest rung in [0, n) that trains ``steps`` steps under the cap (trains below, fails above)."""
+    lo, hi, tried = -1, n, []
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        t = r.trial(contender, mid, steps, r.s["cap_bytes"])
+        tried.append({"rung": mid, "ok": t["ok"], "error": t.get("error"), "peak_bytes": t.get("peak_bytes")})
+        if t.get("skipped"):
+            return {"rung": lo, "tried": tried, "incomplete": True}
+        lo, hi = (mid, hi) if t["ok"] else (lo, mid)
+    return {"rung": lo, "tried": tried, "incomplete": False, "top": lo == n - 1}
+
+
+def capacity(r: Runner, contenders: list, params: list, steps: int, jobs: int = 1) -> dict:
+    out = dict(zip(contenders, _pmap(lambda c: bisect(r, c, len(params), steps), contenders, jobs)))
+    for b in out.values():
+        b["params"] = params[b["rung"]] if b["rung"] >= 0 else 0
+    base = out.get("torch", {}).get("params")
+    for v in out.values():
+        if base:
+            v["vs_torch"] = v["params"] / base
+    return out
+
+
+def _fmt_n(n) -> str:
+    return "—" if not n else (f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M")
+
+
+def _cell_tput(v: dict) -> str:
+    if "tokens_per_s" not in v:
+        return v.get("error") or "—"
+    busy = f", busy {v['busy']:.2f}" if v.get("busy") is not None else ""
+    rel = "".join(f", {v[k]:.2f}× {n}" for k, n in (("vs_fsdp2", "FSDP2"), ("vs_torch", "plain")) if k in v)
+    return f"{v['tokens_per_s']:,.0f} tok/s{busy}{rel}"
+
+
+def markdown(res: dict) -> str:
+    """The tables docs/gpu.md keeps: capacity, then throughput per size."""
+    s = res["settings"]
+    unit = "GiB GPU memory" if s["device"] == "cuda" else "MiB peak RSS growth"
+    cap = s["cap_bytes"] / (1 << 30 if s["device"] == "cuda" else 1 << 20)
+    lines = [f"Capacity under {cap:g} {unit} (bisection, {res['capacity_steps']} steps per rung, batch "
+             f"{s['batch']}×{s['seq']}, bf16, activation checkpointing for all):", "",
+             "| contender | largest GPT trained | vs plain PyTorch | rungs tried |", "|---|---|---|---|"]
+    for c in res["contenders"]:
+        v = res["capacity"].get(c)
+        if v is None:
+            lines.append(f"| {LABELS[c]} | {res['skipped'].get(c, 'not run')} | — | — |")
+            continue
+        size = _fmt_n(v["params"]) + (" (ladder top: a lower bound)" if v.get("top") else "") + \
+            (" (incomplete: budget)" if v.get("incomplete") else "")
+        ratio = f"{v['vs_torch']:.1f}×" if "vs_torch" in v else "—"
+        tried = ", ".join(f"{t['rung']}:{'ok' if t['ok'] else t['error']}" for t in v["tried"])
+        lines.append(f"| {LABELS[c]} | {size} | {ratio} | {tried} |")
+    sizes = list(res["throughput"])
+    lines += ["", f"Throughput at equal batch and checkpointing (median after warm-up; busy: {res['busy_source']}):",
+              "", "| contender | " + " | ".join(_fmt_n(res["params"][int(k)]) for k in sizes) + " |",
+              "|---|" + "---|" * len(sizes)]
+    for c in res["contenders"]:
+        if c in res["skipped"]:
+            cells = [res["skipped"][c]] * len(sizes)
+        else:
+            cells = [_cell_tput(res["throughput"][k].get(c, {})) for k in sizes]
+        lines.append(f"| {LABELS[c]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cpu", action="store_true", help="= --device cpu --tiny (the harness on CPU, for CI)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny ladder (implied on CPU)")
+    ap.add_argument("--budget", type=float, default=330, help="seconds for the whole run (default fits a 6-min call)")
+    ap.add_argument("--cap-gib", type=float, default=8.0, help="GPU memory cap of the capacity trials")
+    ap.add_argument("--tput-cap-gib", type=float, default=0, help="GPU cap of the throughput trials (0: the card)")
+    ap.add_argument("--cap-mib", type=float, default=48, help="CPU: peak-RSS-growth cap of the capacity trials")
+    ap.add_argument("--tput-cap-mib", type=float, default=1024, help="CPU: cap of the throughput trials")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=3, help="timed throughput steps (after one warm-up step)")
+    ap.add_argument("--capacity-steps", type=int, default=2)
+    ap.add_argument("--tput-rungs", default=None,
+                    help="comma-separated ladder rungs (default 4,5,6: 0.8B, 1.4B, 2.8B on GPU)")
+    ap.add_argument("--ladder-rungs", type=int, default=None, help="use only the ladder's first N rungs")
+    ap.add_argument("--jobs", type=int, default=1, help="trials at a time (CPU only: on a GPU they would share it)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--out", default=None, help="write gemini_cuda.json and gemini_cuda.md here")
+    a = ap.parse_args(argv)
+    if a.cpu:
+        a.device, a.tiny = "cpu", True
+    if a.device == "cuda" and a.jobs != 1:
+        ap.error("--jobs: trials on one GPU run one at a time (they would share the card and its cap)")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here; use --cpu to run the harness at tiny sizes")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse(argv)
+    s = settings(a)
+    if a.ladder_rungs:
+        s["ladder"] = s["ladder"][:a.ladder_rungs]
+    wanted = [c for c in a.contenders.split(",") if c]
+    unknown = set(wanted) - set(CONTENDERS)
+    if unknown:
+        raise SystemExit(f"--contenders: unknown {sorted(unknown)}; choose from {CONTENDERS}")
+    skipped = {c: r for c in wanted if (r := skip_reason(c, s["device"]))}
+    run = [c for c in wanted if c not in skipped]
+    for c, why in skipped.items():
+        print(f"# {c}: {why}", file=sys.stderr)
+    nvme = a.nvme_dir or tempfile.mkdtemp(prefix="gbench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    params = ladder_params(s)
+    r = Runner(s, a.budget, nvme)
+    rungs = [int(x) for x in a.tput_rungs.split(",")] if a.tput_rungs else TPUT_RUNGS
+    res = {"bench": "gemini_cuda", "settings": {k: v for k, v in s.items() if k != "ladder"},
+           "ladder": s["ladder"], "params": params, "contenders": wanted, "skipped": skipped,
+           "capacity_steps": a.capacity_steps, "busy_source": "profiler kernel time / wall" if s["device"] == "cuda"
+           else "profiler aten-op time / wall (CPU)", "throughput": {}, "capacity": {}}
+    t0 = time.monotonic()
+    if not a.skip_throughput:
+        res["throughput"] = throughput(r, run, rungs, a.steps, a.jobs)
+    if not a.skip_capacity:
+        res["capacity"] = capacity(r, run, params, a.capacity_steps, a.jobs)
+    res["budget_s"], res["elapsed_s"] = a.budget, round(time.monotonic() - t0, 1)
+    res["skipped_for_budget"] = sum(1 for t in r.log if t.get("skipped"))
+    if res["skipped_for_budget"]:
+        print(f"# budget: {res['skipped_for_budget']} trial(s) skipped, {a.budget:g} s spent", file=sys.stderr)
+    if a.nvme_dir is None:
+        shutil.rmtree(nvme, ignore_errors=True)
+    md = markdown(res)
+    print(md)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gemini_cuda.json"), "w") as f:
+            json.dump(dict(res, trials=r.log), f, indent=1)
+        with open(os.path.join(a.out, "gemini_cuda.md"), "w") as f:
+            f.write(md)
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
