@@ -17,8 +17,8 @@ Gemini with placement ``cuda``, ``cpu``, ``auto`` and ``auto`` + NVMe, and Colos
    when it is the ladder's top); ratios vs plain PyTorch. An OOM or crash costs one rung.
 
 ``--budget`` seconds bound the whole run: a trial gets at most what is left, and what does not
-start in time is reported as skipped for the budget. Prints a table and one JSON line; ``--out DIR``
-writes ``gemini_cuda.json`` and ``gemini_cuda.md``.
+start in time is reported as skipped for the budget. The goals' trials go first (``plan``).
+Prints a table and one JSON line; ``--out DIR`` writes ``gemini_cuda.json`` and ``gemini_cuda.md``.
 
     python bench/gemini.py --device cuda --nvme-dir /scratch/gbench --budget 330 --out /tmp/gb
     python bench/gemini.py --device cpu --tiny --budget 80 --out /tmp/gb    # the harness on CPU (CI)
@@ -146,36 +146,43 @@ def _pmap(fn, items: list, jobs: int) -> list:
         return list(ex.map(fn, items))
 
 
-def throughput(r: Runner, contenders: list, rungs: list, steps: int, jobs: int = 1) -> dict:
-    """tokens/s (median after one warm-up step) and busy fraction, per size and contender."""
-    s, out = r.s, {}
-    tok = s["batch"] * s["seq"]
-    pairs = [(rung, c) for rung in rungs for c in contenders]
-    done = dict(zip(pairs, _pmap(lambda p: r.trial(p[1], p[0], steps + 1, s["tput_cap_bytes"], profile=True),
-                                 pairs, jobs)))
+#: the goal contenders go first, so a short budget still measures the issue's goals: plain PyTorch's
+#: capacity (the base of the ratio), throughput of the contenders the goals compare, Gemini + NVMe's
+#: capacity (first probe at the rung of the 20x goal), then everything else
+FIRST_TPUT = ["torch", "fsdp2_offload", "gemini_cuda", "gemini_auto"]
+GOAL_RATIO = 20
+
+
+def tput_cells(r: Runner, contender: str, rungs: list, steps: int) -> dict:
+    """{rung: cell} of one contender: tokens/s (median after one warm-up step) and busy fraction."""
+    tok = r.s["batch"] * r.s["seq"]
+    out = {}
     for rung in rungs:
-        row = {}
-        for c in contenders:
-            t = done[(rung, c)]
-            if t["ok"]:
-                row[c] = {"tokens_per_s": tok / statistics.median(t["step_s"][1:]), "busy": t.get("busy"),
-                          "busy_source": t.get("busy_source"), "peak_bytes": t.get("peak_bytes")}
-            else:
-                row[c] = {"error": t.get("error")}
+        t = r.trial(contender, rung, steps + 1, r.s["tput_cap_bytes"], profile=True)
+        out[str(rung)] = ({"tokens_per_s": tok / statistics.median(t["step_s"][1:]), "busy": t.get("busy"),
+                           "busy_source": t.get("busy_source"), "peak_bytes": t.get("peak_bytes")}
+                          if t["ok"] else {"error": t.get("error")})
+    return out
+
+
+def tput_ratios(table: dict) -> dict:
+    """Adds vs_fsdp2 / vs_torch to every cell of ``{rung: {contender: cell}}`` where both trained."""
+    for row in table.values():
         for base, key in (("fsdp2_offload", "vs_fsdp2"), ("torch", "vs_torch")):
             b = row.get(base, {}).get("tokens_per_s")
             for v in row.values():
                 if b and "tokens_per_s" in v:
                     v[key] = v["tokens_per_s"] / b
-        out[str(rung)] = row
-    return out
+    return table
 
 
-def bisect(r: Runner, contender: str, n: int, steps: int) -> dict:
-    """Largest rung in [0, n) that trains ``steps`` steps under the cap (trains below, fails above)."""
+def bisect(r: Runner, contender: str, n: int, steps: int, first=None) -> dict:
+    """Largest rung in [0, n) that trains ``steps`` steps under the cap (trains below, fails above);
+    ``first``: the first rung to probe (then halving as usual: at most one trial more)."""
     lo, hi, tried = -1, n, []
     while hi - lo > 1:
-        mid = (lo + hi) // 2
+        mid = first if first is not None and lo < first < hi else (lo + hi) // 2
+        first = None
         t = r.trial(contender, mid, steps, r.s["cap_bytes"])
         tried.append({"rung": mid, "ok": t["ok"], "error": t.get("error"), "peak_bytes": t.get("peak_bytes")})
         if t.get("skipped"):
@@ -184,15 +191,50 @@ def bisect(r: Runner, contender: str, n: int, steps: int) -> dict:
     return {"rung": lo, "tried": tried, "incomplete": False, "top": lo == n - 1}
 
 
-def capacity(r: Runner, contenders: list, params: list, steps: int, jobs: int = 1) -> dict:
-    out = dict(zip(contenders, _pmap(lambda c: bisect(r, c, len(params), steps), contenders, jobs)))
-    for b in out.values():
-        b["params"] = params[b["rung"]] if b["rung"] >= 0 else 0
-    base = out.get("torch", {}).get("params")
-    for v in out.values():
+def cap_result(b: dict, params: list) -> dict:
+    b["params"] = params[b["rung"]] if b["rung"] >= 0 else 0
+    return b
+
+
+def plan(run: list, do_tput: bool, do_cap: bool) -> list:
+    """The order of work: [(what, contender)], goal contenders first (see FIRST_TPUT)."""
+    first = [("tput", c) for c in FIRST_TPUT if c in run] if do_tput else []
+    if do_cap and "gemini_auto_nvme" in run:
+        first.append(("cap", "gemini_auto_nvme"))
+    rest = [("tput", c) for c in run if do_tput and ("tput", c) not in first]
+    rest += [("cap", c) for c in run if do_cap and c != "torch" and ("cap", c) not in first]
+    return first + rest
+
+
+def measure(r: Runner, run: list, params: list, a, jobs: int = 1) -> tuple:
+    """(throughput table, capacity per contender): plain PyTorch's capacity first (the ratios' base
+    and the 20x probe's rung), then ``plan``'s order, ``jobs`` trials at a time."""
+    rungs = [int(x) for x in a.tput_rungs.split(",")] if a.tput_rungs else TPUT_RUNGS
+    caps = {}
+    if not a.skip_capacity and "torch" in run:
+        caps["torch"] = cap_result(bisect(r, "torch", len(params), a.capacity_steps), params)
+    base = caps.get("torch", {}).get("params") or 0
+    goal = next((i for i, n in enumerate(params) if base and n >= GOAL_RATIO * base), None)
+
+    def work(task):
+        what, c = task
+        if what == "tput":
+            return tput_cells(r, c, rungs, a.steps)
+        return cap_result(bisect(r, c, len(params), a.capacity_steps,
+                                 first=goal if c == "gemini_auto_nvme" else None), params)
+
+    tasks = plan(run, not a.skip_throughput, not a.skip_capacity)
+    table = {str(k): {} for k in rungs} if not a.skip_throughput else {}
+    for (what, c), got in zip(tasks, _pmap(work, tasks, jobs)):
+        if what == "cap":
+            caps[c] = got
+        else:
+            for k, cell in got.items():
+                table[k][c] = cell
+    for v in caps.values():
         if base:
             v["vs_torch"] = v["params"] / base
-    return out
+    return tput_ratios(table), caps
 
 
 def _fmt_n(n) -> str:
@@ -286,16 +328,12 @@ def main(argv=None) -> dict:
     nvme = a.nvme_dir or tempfile.mkdtemp(prefix="gbench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     params = ladder_params(s)
     r = Runner(s, a.budget, nvme)
-    rungs = [int(x) for x in a.tput_rungs.split(",")] if a.tput_rungs else TPUT_RUNGS
     res = {"bench": "gemini_cuda", "settings": {k: v for k, v in s.items() if k != "ladder"},
            "ladder": s["ladder"], "params": params, "contenders": wanted, "skipped": skipped,
            "capacity_steps": a.capacity_steps, "busy_source": "profiler kernel time / wall" if s["device"] == "cuda"
            else "profiler aten-op time / wall (CPU)", "throughput": {}, "capacity": {}}
     t0 = time.monotonic()
-    if not a.skip_throughput:
-        res["throughput"] = throughput(r, run, rungs, a.steps, a.jobs)
-    if not a.skip_capacity:
-        res["capacity"] = capacity(r, run, params, a.capacity_steps, a.jobs)
+    res["throughput"], res["capacity"] = measure(r, run, params, a, a.jobs)
     res["budget_s"], res["elapsed_s"] = a.budget, round(time.monotonic() - t0, 1)
     res["skipped_for_budget"] = sum(1 for t in r.log if t.get("skipped"))
     if res["skipped_for_budget"]:

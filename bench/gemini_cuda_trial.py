@@ -73,7 +73,8 @@ def merged_busy(intervals, wall_us: float) -> float:
 
 def busy_fraction(step, cuda: bool) -> tuple:
     """(fraction, source) of one profiled step: on CUDA the union of kernel times over the step's
-    wall time (torch.profiler, CUDA activity); on CPU the union of aten-op times over wall."""
+    wall time (torch.profiler, CUDA activity; copies and memsets are not kernels: an offloading
+    contender's transfers do not count as busy); on CPU the union of aten-op times over wall."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -84,8 +85,8 @@ def busy_fraction(step, cuda: bool) -> tuple:
         _sync(cuda)
         wall_us = (time.perf_counter() - t0) * 1e6
     want = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    iv = [(e.time_range.start, e.time_range.end) for e in prof.events()
-          if e.device_type == want and (cuda or e.name.startswith("aten::"))]
+    iv = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == want and
+          (not e.name.startswith(("Memcpy", "Memset")) if cuda else e.name.startswith("aten::"))]
     return merged_busy(iv, wall_us), "profiler kernel time / wall" if cuda else "profiler aten-op time / wall"
 
 
@@ -97,7 +98,8 @@ def _sync(cuda: bool) -> None:
 def _build_torch(cfg, dev, spec):
     from colossal_lab.engine.models import GPT
 
-    model = GPT(cfg).to(dev)
+    with torch.device(dev):  # built where it trains: no host copy first
+        model = GPT(cfg)
     fused = {"fused": True} if dev.type == "cuda" else {}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
@@ -152,9 +154,7 @@ def _build_gemini(cfg, dev, spec):
     policy = spec["contender"].split("_", 1)[1]
     cap = spec["cap_bytes"]
     kw = {"placement_policy": "auto" if policy == "auto_nvme" else policy}
-    if policy.startswith("auto"):
-        kw["device_memory_limit"] = int(cap * (1 - GEMINI_MARGIN))
-    elif policy == "cpu" and dev.type == "cpu":  # the compute tier is RAM: plan against the cap
+    if dev.type == "cuda" or policy != "cuda":  # plan against the cap, as on a card of that size
         kw["device_memory_limit"] = int(cap * (1 - GEMINI_MARGIN))
     if policy == "auto_nvme":
         kw.update(nvme_offload_dir=spec["nvme_dir"], nvme_offload_frac=1.0)
@@ -256,7 +256,8 @@ def run(spec: dict) -> dict:
     if cuda:
         torch.cuda.set_device(0)
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), 0)
+        cap = spec["cap_bytes"] = min(cap, total)  # "the whole card" is passed as a huge cap
+        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
         torch.cuda.reset_peak_memory_stats(0)
     else:
         _warm_up(spec, dev)
