@@ -108,9 +108,12 @@ class Runner:
 
     def trial(self, contender: str, rung: int, steps: int, cap: int, profile: bool = False) -> dict:
         left = self.left()
-        if left < 5:  # not worth starting a process
-            return {"ok": False, "skipped": True, "error": "skipped: budget"}
+        if left < 10:  # not worth starting a process
+            row = {"ok": False, "skipped": True, "error": "skipped: budget"}
+            self.log.append(dict(row, contender=contender, rung=rung))
+            return row
         d, layers = self.s["ladder"][rung]
+        limit = min(self.s["trial_timeout"], left)
         spec = {k: self.s[k] for k in ("device", "vocab", "seq", "batch")}
         spec.update(contender=contender, d=d, layers=layers, steps=steps, cap_bytes=cap, profile=profile,
                     nvme_dir=os.path.join(self.nvme_dir, f"{contender}-{rung}"))
@@ -120,15 +123,16 @@ class Runner:
         try:
             p = subprocess.run([sys.executable, os.path.join(HERE, "gemini_cuda_trial.py"), json.dumps(spec)],
                                capture_output=True, text=True, env=env,
-                               timeout=max(1.0, min(self.s["trial_timeout"], left)))
+                               timeout=limit)
             lines = p.stdout.strip().splitlines()
             if p.returncode == 0 and lines:
                 row = json.loads(lines[-1])
             else:
                 tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
                 row = {"ok": False, "error": f"crash (exit {p.returncode}): {tail[-200:]}"}
-        except subprocess.TimeoutExpired:
-            row = {"ok": False, "error": "timeout"}
+        except subprocess.TimeoutExpired:  # cut by the budget: not the contender's failure
+            row = {"ok": False, "error": f"timeout ({limit:.0f} s)"} if limit == self.s["trial_timeout"] else \
+                {"ok": False, "skipped": True, "error": f"skipped: budget (cut at {limit:.0f} s)"}
         finally:
             shutil.rmtree(spec["nvme_dir"], ignore_errors=True)
         row.update(contender=contender, rung=rung, wall_s=round(time.monotonic() - t0, 1))
@@ -241,9 +245,15 @@ def _fmt_n(n) -> str:
     return "—" if not n else (f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M")
 
 
+def _short(err) -> str:
+    """An error as a table cell: its first 60 characters (the JSON keeps it whole)."""
+    err = str(err or "—").replace("|", "/")
+    return err if len(err) <= 60 else err[:57] + "..."
+
+
 def _cell_tput(v: dict) -> str:
     if "tokens_per_s" not in v:
-        return v.get("error") or "—"
+        return _short(v.get("error"))
     busy = f", busy {v['busy']:.2f}" if v.get("busy") is not None else ""
     rel = "".join(f", {v[k]:.2f}× {n}" for k, n in (("vs_fsdp2", "FSDP2"), ("vs_torch", "plain")) if k in v)
     return f"{v['tokens_per_s']:,.0f} tok/s{busy}{rel}"
@@ -265,9 +275,11 @@ def markdown(res: dict) -> str:
         size = _fmt_n(v["params"]) + (" (ladder top: a lower bound)" if v.get("top") else "") + \
             (" (incomplete: budget)" if v.get("incomplete") else "")
         ratio = f"{v['vs_torch']:.1f}×" if "vs_torch" in v else "—"
-        tried = ", ".join(f"{t['rung']}:{'ok' if t['ok'] else t['error']}" for t in v["tried"])
+        tried = ", ".join(f"{t['rung']}: {'ok' if t['ok'] else _short(t['error'])}" for t in v["tried"])
         lines.append(f"| {LABELS[c]} | {size} | {ratio} | {tried} |")
     sizes = list(res["throughput"])
+    if not sizes:  # --skip-throughput
+        return "\n".join(lines) + "\n"
     lines += ["", f"Throughput at equal batch and checkpointing (median after warm-up; busy: {res['busy_source']}):",
               "", "| contender | " + " | ".join(_fmt_n(res["params"][int(k)]) for k in sizes) + " |",
               "|---|" + "---|" * len(sizes)]
@@ -317,6 +329,9 @@ def main(argv=None) -> dict:
     s = settings(a)
     if a.ladder_rungs:
         s["ladder"] = s["ladder"][:a.ladder_rungs]
+    rungs = [int(x) for x in a.tput_rungs.split(",")] if a.tput_rungs else TPUT_RUNGS
+    if not a.skip_throughput and max(rungs) >= len(s["ladder"]):
+        raise SystemExit(f"--tput-rungs {rungs}: the ladder has {len(s['ladder'])} rungs (0..{len(s['ladder']) - 1})")
     wanted = [c for c in a.contenders.split(",") if c]
     unknown = set(wanted) - set(CONTENDERS)
     if unknown:

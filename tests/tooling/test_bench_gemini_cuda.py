@@ -113,3 +113,4 @@ def test_budget_skips_what_is_left():
     assert t == {"ok": False, "skipped": True, "error": "skipped: budget"}
     b = gemini_cuda.bisect(r, "torch", 9, 2)
     assert b["incomplete"] and b["rung"] == -1
+    assert [t["error"] for t in r.log] == ["skipped: budget"] * 2  # counted in skipped_for_budget
