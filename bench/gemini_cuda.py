@@ -118,7 +118,9 @@ class Runner:
         spec.update(contender=contender, d=d, layers=layers, steps=steps, cap_bytes=cap, profile=profile,
                     nvme_dir=os.path.join(self.nvme_dir, f"{contender}-{rung}"))
         os.makedirs(spec["nvme_dir"], exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.s["device"] == "cpu":  # tiny models: one thread each (--jobs share the cores); on a GPU host
+            env.setdefault("OMP_NUM_THREADS", "1")  # the offloaders' CPU Adam gets every core
         t0 = time.monotonic()
         try:
             p = subprocess.run([sys.executable, os.path.join(HERE, "gemini_cuda_trial.py"), json.dumps(spec)],

@@ -308,7 +308,8 @@ def run(spec: dict) -> dict:
 
 def main(arg: str) -> None:
     spec = json.loads(arg)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     print(json.dumps(run(spec)), flush=True)
 
 
