@@ -152,23 +152,20 @@ def _pmap(fn, items: list, jobs: int) -> list:
         return list(ex.map(fn, items))
 
 
-#: the goal contenders go first, so a short budget still measures the issue's goals: plain PyTorch's
-#: capacity (the base of the ratio), throughput of the contenders the goals compare, Gemini + NVMe's
-#: capacity (first probe at the rung of the 20x goal), then everything else
+#: the goals go first, so a short budget still measures them: plain PyTorch's capacity (the ratios'
+#: base), Gemini + NVMe's capacity (first probe at the rung of the 20x goal), then the throughput of
+#: the contenders the goals compare, size by size (a cut budget leaves whole sizes), then the rest
 FIRST_TPUT = ["torch", "fsdp2_offload", "gemini_cuda", "gemini_auto"]
 GOAL_RATIO = 20
 
 
-def tput_cells(r: Runner, contender: str, rungs: list, steps: int) -> dict:
-    """{rung: cell} of one contender: tokens/s (median after one warm-up step) and busy fraction."""
-    tok = r.s["batch"] * r.s["seq"]
-    out = {}
-    for rung in rungs:
-        t = r.trial(contender, rung, steps + 1, r.s["tput_cap_bytes"], profile=True)
-        out[str(rung)] = ({"tokens_per_s": tok / statistics.median(t["step_s"][1:]), "busy": t.get("busy"),
-                           "busy_source": t.get("busy_source"), "peak_bytes": t.get("peak_bytes")}
-                          if t["ok"] else {"error": t.get("error")})
-    return out
+def tput_cell(r: Runner, contender: str, rung: int, steps: int) -> dict:
+    """tokens/s (median after one warm-up step) and busy fraction of one contender at one size."""
+    t = r.trial(contender, rung, steps + 1, r.s["tput_cap_bytes"], profile=True)
+    if not t["ok"]:
+        return {"error": t.get("error")}
+    return {"tokens_per_s": r.s["batch"] * r.s["seq"] / statistics.median(t["step_s"][1:]), "busy": t.get("busy"),
+            "busy_source": t.get("busy_source"), "peak_bytes": t.get("peak_bytes")}
 
 
 def tput_ratios(table: dict) -> dict:
@@ -202,20 +199,18 @@ def cap_result(b: dict, params: list) -> dict:
     return b
 
 
-def plan(run: list, do_tput: bool, do_cap: bool) -> list:
-    """The order of work: [(what, contender)], goal contenders first (see FIRST_TPUT)."""
-    first = [("tput", c) for c in FIRST_TPUT if c in run] if do_tput else []
-    if do_cap and "gemini_auto_nvme" in run:
-        first.append(("cap", "gemini_auto_nvme"))
-    rest = [("tput", c) for c in run if do_tput and ("tput", c) not in first]
-    rest += [("cap", c) for c in run if do_cap and c != "torch" and ("cap", c) not in first]
-    return first + rest
+def plan(run: list, rungs: list, do_tput: bool, do_cap: bool) -> list:
+    """The order of work after plain PyTorch's capacity: [("cap", contender) or ("tput", contender, rung)]."""
+    tasks = [("cap", "gemini_auto_nvme")] if do_cap and "gemini_auto_nvme" in run else []
+    if do_tput:
+        tasks += [("tput", c, k) for k in rungs for c in FIRST_TPUT if c in run]
+        tasks += [("tput", c, k) for k in rungs for c in run if c not in FIRST_TPUT]
+    return tasks + [("cap", c) for c in run if do_cap and c not in ("torch", "gemini_auto_nvme")]
 
 
-def measure(r: Runner, run: list, params: list, a, jobs: int = 1) -> tuple:
+def measure(r: Runner, run: list, params: list, rungs: list, a, jobs: int = 1) -> tuple:
     """(throughput table, capacity per contender): plain PyTorch's capacity first (the ratios' base
     and the 20x probe's rung), then ``plan``'s order, ``jobs`` trials at a time."""
-    rungs = [int(x) for x in a.tput_rungs.split(",")] if a.tput_rungs else TPUT_RUNGS
     caps = {}
     if not a.skip_capacity and "torch" in run:
         caps["torch"] = cap_result(bisect(r, "torch", len(params), a.capacity_steps), params)
@@ -223,24 +218,23 @@ def measure(r: Runner, run: list, params: list, a, jobs: int = 1) -> tuple:
     goal = next((i for i, n in enumerate(params) if base and n >= GOAL_RATIO * base), None)
 
     def work(task):
-        what, c = task
-        if what == "tput":
-            return tput_cells(r, c, rungs, a.steps)
+        if task[0] == "tput":
+            return tput_cell(r, task[1], task[2], a.steps)
+        c = task[1]
         return cap_result(bisect(r, c, len(params), a.capacity_steps,
                                  first=goal if c == "gemini_auto_nvme" else None), params)
 
-    tasks = plan(run, not a.skip_throughput, not a.skip_capacity)
+    tasks = plan(run, rungs, not a.skip_throughput, not a.skip_capacity)
     table = {str(k): {} for k in rungs} if not a.skip_throughput else {}
-    for (what, c), got in zip(tasks, _pmap(work, tasks, jobs)):
-        if what == "cap":
-            caps[c] = got
+    for task, got in zip(tasks, _pmap(work, tasks, jobs)):
+        if task[0] == "cap":
+            caps[task[1]] = got
         else:
-            for k, cell in got.items():
-                table[k][c] = cell
+            table[str(task[2])][task[1]] = got
     for v in caps.values():
         if base:
             v["vs_torch"] = v["params"] / base
-    return tput_ratios(table), caps
+    return tput_ratios(table), {c: caps[c] for c in run if c in caps}
 
 
 def _fmt_n(n) -> str:
@@ -350,7 +344,7 @@ def main(argv=None) -> dict:
            "capacity_steps": a.capacity_steps, "busy_source": "profiler kernel time / wall" if s["device"] == "cuda"
            else "profiler aten-op time / wall (CPU)", "throughput": {}, "capacity": {}}
     t0 = time.monotonic()
-    res["throughput"], res["capacity"] = measure(r, run, params, a, a.jobs)
+    res["throughput"], res["capacity"] = measure(r, run, params, rungs, a, a.jobs)
     res["budget_s"], res["elapsed_s"] = a.budget, round(time.monotonic() - t0, 1)
     res["skipped_for_budget"] = sum(1 for t in r.log if t.get("skipped"))
     if res["skipped_for_budget"]:

@@ -100,11 +100,11 @@ def test_bisection_finds_the_last_rung_that_trains():
 
 def test_plan_puts_the_goals_first():
     run = ["torch", "fsdp2_offload", "gemini_cuda", "gemini_cpu", "gemini_auto", "gemini_auto_nvme"]
-    p = gemini_cuda.plan(run, True, True)
-    assert p[:5] == [("tput", "torch"), ("tput", "fsdp2_offload"), ("tput", "gemini_cuda"), ("tput", "gemini_auto"),
-                     ("cap", "gemini_auto_nvme")]
+    p = gemini_cuda.plan(run, [4, 5], True, True)
+    assert p[0] == ("cap", "gemini_auto_nvme")
+    assert p[1:9] == [("tput", c, k) for k in (4, 5) for c in ("torch", "fsdp2_offload", "gemini_cuda", "gemini_auto")]
     assert ("cap", "torch") not in p  # measured before the plan: the ratios' base
-    assert len(p) == 6 + 5 and len(set(p)) == len(p)
+    assert len(p) == 1 + 6 * 2 + 4 and len(set(p)) == len(p)
 
 
 def test_budget_skips_what_is_left():
