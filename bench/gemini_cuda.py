@@ -237,6 +237,15 @@ def measure(r: Runner, run: list, params: list, rungs: list, a, jobs: int = 1) -
     return tput_ratios(table), {c: caps[c] for c in run if c in caps}
 
 
+def _commit() -> str:
+    """The repository's short commit ("unknown" outside a checkout): which code the figures are of."""
+    try:
+        return subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def _fmt_n(n) -> str:
     return "—" if not n else (f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M")
 
@@ -260,7 +269,8 @@ def markdown(res: dict) -> str:
     s = res["settings"]
     unit = "GiB GPU memory" if s["device"] == "cuda" else "MiB peak RSS growth"
     cap = s["cap_bytes"] / (1 << 30 if s["device"] == "cuda" else 1 << 20)
-    lines = [f"Capacity under {cap:g} {unit} (bisection, {res['capacity_steps']} steps per rung, batch "
+    lines = [f"### bench/gemini.py --device {s['device']}: {res['when']}, {res['where']}, commit {res['commit']}",
+             "", f"Capacity under {cap:g} {unit} (bisection, {res['capacity_steps']} steps per rung, batch "
              f"{s['batch']}×{s['seq']}, bf16, activation checkpointing for all):", "",
              "| contender | largest GPT trained | vs plain PyTorch | rungs tried |", "|---|---|---|---|"]
     for c in res["contenders"]:
@@ -339,7 +349,9 @@ def main(argv=None) -> dict:
     nvme = a.nvme_dir or tempfile.mkdtemp(prefix="gbench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     params = ladder_params(s)
     r = Runner(s, a.budget, nvme)
-    res = {"bench": "gemini_cuda", "settings": {k: v for k, v in s.items() if k != "ladder"},
+    res = {"bench": "gemini_cuda", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "where": torch.cuda.get_device_name(0) if s["device"] == "cuda" else f"CPU, {os.cpu_count()} cores",
+           "commit": _commit(), "settings": {k: v for k, v in s.items() if k != "ladder"},
            "ladder": s["ladder"], "params": params, "contenders": wanted, "skipped": skipped,
            "capacity_steps": a.capacity_steps, "busy_source": "profiler kernel time / wall" if s["device"] == "cuda"
            else "profiler aten-op time / wall (CPU)", "throughput": {}, "capacity": {}}
