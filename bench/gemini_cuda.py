@@ -43,7 +43,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ["torch", "fsdp2_offload", "gemini_cuda", "gemini_cpu", "gemini_auto", "gemini_auto_nvme",
               "colossalai_gemini", "deepspeed_offload"]
-LABELS = {"torch": "plain PyTorch (autocast, fused AdamW)", "fsdp2_offload": "FSDP2 fully_shard + CPUOffloadPolicy",
+LABELS = {"torch": "plain PyTorch (autocast, AdamW fused on CUDA)",
+          "fsdp2_offload": "FSDP2 fully_shard + CPUOffloadPolicy",
           "gemini_cuda": "Gemini cuda", "gemini_cpu": "Gemini cpu", "gemini_auto": "Gemini auto",
           "gemini_auto_nvme": "Gemini auto + NVMe", "colossalai_gemini": "Colossal-AI GeminiPlugin (auto)",
           "deepspeed_offload": "DeepSpeed ZeRO-3 Offload"}
