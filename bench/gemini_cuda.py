@@ -66,10 +66,10 @@ def settings(a) -> dict:
         return {"device": "cuda", "ladder": GPU_LADDER, "vocab": 50304, "seq": 512, "batch": a.batch or 8,
                 "cap_bytes": int(a.cap_gib * (1 << 30)),
                 "tput_cap_bytes": int(a.tput_cap_gib * (1 << 30)) if a.tput_cap_gib else 1 << 50,
-                "trial_timeout": 150}
+                "trial_timeout": 150, "nvme_frac": 0.0 if a.nvme_frac is None else a.nvme_frac}
     return {"device": "cpu", "ladder": TINY_LADDER, "vocab": 256, "seq": 64, "batch": a.batch or 2,
             "cap_bytes": int(a.cap_mib * (1 << 20)), "tput_cap_bytes": int(a.tput_cap_mib * (1 << 20)),
-            "trial_timeout": 60}
+            "trial_timeout": 60, "nvme_frac": 1.0 if a.nvme_frac is None else a.nvme_frac}
 
 
 def skip_reason(contender: str, device: str):
@@ -115,7 +115,7 @@ class Runner:
             return row
         d, layers = self.s["ladder"][rung]
         limit = min(self.s["trial_timeout"], left)
-        spec = {k: self.s[k] for k in ("device", "vocab", "seq", "batch")}
+        spec = {k: self.s[k] for k in ("device", "vocab", "seq", "batch", "nvme_frac")}
         spec.update(contender=contender, d=d, layers=layers, steps=steps, cap_bytes=cap, profile=profile,
                     nvme_dir=os.path.join(self.nvme_dir, f"{contender}-{rung}"))
         os.makedirs(spec["nvme_dir"], exist_ok=True)
@@ -320,6 +320,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-capacity", action="store_true")
     ap.add_argument("--nvme-dir", default=None)
+    ap.add_argument("--nvme-frac", type=float, default=None,
+                    help="Gemini + NVMe's nvme_offload_frac (default: 0 on CUDA, host RAM first and only the "
+                         "overflow on disk, which a 64 GiB disk needs at 10B; 1 on CPU, where RAM is the compute tier)")
     ap.add_argument("--out", default=None, help="write gemini_cuda.json and gemini_cuda.md here")
     a = ap.parse_args(argv)
     if a.cpu:

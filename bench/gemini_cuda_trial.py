@@ -157,7 +157,7 @@ def _build_gemini(cfg, dev, spec):
     if dev.type == "cuda" or policy != "cuda":  # plan against the cap, as on a card of that size
         kw["device_memory_limit"] = int(cap * (1 - GEMINI_MARGIN))
     if policy == "auto_nvme":
-        kw.update(nvme_offload_dir=spec["nvme_dir"], nvme_offload_frac=1.0)
+        kw.update(nvme_offload_dir=spec["nvme_dir"], nvme_offload_frac=spec.get("nvme_frac", 1.0))
     with lazy_init():
         model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
