@@ -261,6 +261,8 @@ def main():
         harness(sys.argv[1:])
         return
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu"], default="cpu",
+                    help="cpu: these CPU benchmarks; --device cuda / --cpu: the GPU comparison (bench/gemini_cuda.py)")
     ap.add_argument("--trial", nargs=5)
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--budget-mib", type=float, default=512)

@@ -114,3 +114,12 @@ def test_budget_skips_what_is_left():
     b = gemini_cuda.bisect(r, "torch", 9, 2)
     assert b["incomplete"] and b["rung"] == -1
     assert [t["error"] for t in r.log] == ["skipped: budget"] * 2  # counted in skipped_for_budget
+
+
+def test_gemini_py_dispatches_only_the_harness_flags():
+    import gemini
+
+    for argv in (["--device", "cuda"], ["--cpu"], ["--device", "cpu", "--tiny"]):
+        assert gemini._wants_harness(argv), argv
+    for argv in ([], ["--device", "cpu"], ["--budget-mib", "512"]):  # the CPU benchmarks, as before
+        assert not gemini._wants_harness(argv), argv
