@@ -17,8 +17,9 @@
    of the step that dd would need to move the same bytes (1.0 = the disk is busy the whole
    step at dd's speed; Adam's compute is inside the step, so overlap counts).
 
-Comparisons at GPU scale (against Colossal-AI, under 6/24 GB GPU memory caps) need an
-accelerator and are not part of this script.
+``--device cuda`` (or ``--cpu`` / ``--device cpu --tiny`` for the same harness at tiny sizes on CPU)
+runs the GPU user's comparison instead: bench/gemini_cuda.py (plain PyTorch, FSDP2 + CPU offload,
+Gemini's placements, Colossal-AI and DeepSpeed where importable; capacity and throughput).
 
     python bench/gemini.py --nvme-dir /tmp/gemini-bench --budget-mib 512
 """
@@ -242,8 +243,26 @@ def raw_bw(nvme_dir, mib=1024, bs_mib=8):
     return w, r
 
 
+def _wants_harness(argv) -> bool:
+    """``--device cuda``, ``--cpu`` or ``--device cpu --tiny``: the GPU comparison's harness."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default=None)
+    pre.add_argument("--cpu", action="store_true")
+    pre.add_argument("--tiny", action="store_true")
+    a, _ = pre.parse_known_args(argv)
+    return a.device == "cuda" or a.cpu or (a.device == "cpu" and a.tiny)
+
+
 def main():
+    if _wants_harness(sys.argv[1:]):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gemini_cuda import main as harness
+
+        harness(sys.argv[1:])
+        return
     ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=["cpu"], default="cpu",
+                    help="cpu: these CPU benchmarks; --device cuda / --cpu: the GPU comparison (bench/gemini_cuda.py)")
     ap.add_argument("--trial", nargs=5)
     ap.add_argument("--nvme-dir", default=None)
     ap.add_argument("--budget-mib", type=float, default=512)
