@@ -367,10 +367,15 @@ def test_merged_model_gives_trained_logits(runs):
 
 
 def test_tp_refuses_lora_on_a_module_without_an_adapter_rule():
+    from transformers import BloomConfig, BloomForCausalLM
+
     from colossal_lab.engine.lora_tp import lora_tp_plan
 
-    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
-    with pytest.raises(ValueError, match=r"embed_tokens.*embedding_rowwise.*target_modules"):
+    # BLOOM's plan is the engine's built-in table, whatever the transformers release: its embedding is
+    # sharded embedding_rowwise (Llama's own plan shards its embedding only from transformers 5.21)
+    bloom = BloomForCausalLM(BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=128))
+    model = peft.get_peft_model(bloom, peft.LoraConfig(r=4, target_modules=["word_embeddings", "query_key_value"]))
+    with pytest.raises(ValueError, match=r"word_embeddings.*embedding_rowwise.*target_modules"):
         lora_tp_plan(model)
 
 
