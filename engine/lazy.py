@@ -35,10 +35,15 @@ def meta_names(module: nn.Module) -> list:
 
 
 def default_init(root: nn.Module) -> InitFn:
-    """``root.init_module`` where the model has one, else each module's ``reset_parameters()``."""
+    """``root.init_module`` where the model has one, else transformers' ``root._init_weights(module)``
+    (an HF model's own rule, which also recomputes buffers such as rotary tables), else each module's
+    ``reset_parameters()``."""
     own = getattr(root, "init_module", None)
     if callable(own):
         return own
+    hf_init = getattr(root, "_init_weights", None)
+    if callable(hf_init):
+        return lambda name, module: hf_init(module)
 
     def init(name: str, module: nn.Module) -> None:
         if not hasattr(module, "reset_parameters"):

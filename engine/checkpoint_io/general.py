@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 from .. import comm
 from .atomic import atomic_dir, atomic_file, recover
 from .checkpoint_io_base import CheckpointIO, PathLike, unwrap_model, unwrap_optimizer
+from .hf import hf_module, load_hf, save_hf
+from .hf_layout import ModuleView
 from .safetensors_shards import _prepare, load_state_dict_shards, save_state_dict_shards
 
 
@@ -49,6 +51,10 @@ class GeneralCheckpointIO(CheckpointIO):
         return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def save_model(self, model, path: PathLike, shard: bool = True, size_per_shard: float = 1024) -> None:
+        hf = hf_module(model)
+        if hf is not None:  # transformers' layout, which from_pretrained loads (hf.py)
+            save_hf(ModuleView(hf), path, size_per_shard=size_per_shard, shard=shard)
+            return
         if str(path).endswith(".safetensors") and shard:
             raise ValueError(f"save_model(path={str(path)!r}, shard=True): shards need a directory; "
                              "pass a directory path, or shard=False to write this one file")
@@ -63,6 +69,10 @@ class GeneralCheckpointIO(CheckpointIO):
         self._barrier()
 
     def load_model(self, model, path: PathLike, strict: bool = True) -> None:
+        hf = hf_module(model)
+        if hf is not None:  # each rank reads only its own part (hf.py)
+            load_hf(ModuleView(hf), path, strict=strict)
+            return
         module = unwrap_model(model)
         sd = load_state_dict_shards(path)
         want = set(get_model_state_dict(module).keys())

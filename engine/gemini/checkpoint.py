@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover, save_state_dict_shards
+from ..checkpoint_io.hf import load_hf, save_hf
 from .zero_model import GeminiModel
 from .zero_optim import GeminiOptimizer
 
@@ -50,7 +51,19 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
                 raise TypeError(f"GeminiCheckpointIO: {type(optimizer).__name__} is not a Gemini optimizer")
         return o
 
+    def _hf_view(self, model):
+        """The chunk-by-chunk view of a transformers model (``hf_view.py``), or None for others."""
+        from ..models.hf import is_hf_model
+        from .hf_view import GeminiView
+
+        g = self._gemini(model)
+        return GeminiView(g) if is_hf_model(g.module) else None
+
     def save_model(self, model, path, shard: bool = True, size_per_shard: float = 1024) -> None:
+        view = self._hf_view(model)
+        if view is not None:  # transformers' layout, one chunk whole at a time
+            save_hf(view, path, size_per_shard=size_per_shard, shard=shard)
+            return
         sd = self._gemini(model).state_dict()
         if self._is_writer():
             with atomic_dir(path) as tmp:
@@ -58,6 +71,10 @@ class GeminiCheckpointIO(GeneralCheckpointIO):
         self._barrier()
 
     def load_model(self, model, path, strict: bool = True) -> None:
+        view = self._hf_view(model)
+        if view is not None:  # each rank reads its shard's bytes of each tensor
+            load_hf(view, path, strict=strict)
+            return
         if self._is_writer():
             recover(path)
         self._barrier()

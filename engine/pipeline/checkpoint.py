@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from .. import comm
 from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover
+from ..checkpoint_io.hf import load_hf, save_hf
 
 
 def _targets(optimizer, model):
@@ -47,14 +48,38 @@ def _names(model) -> Dict[int, List[str]]:
     return out
 
 
+def _hf_view(model):
+    """A view of the transformers model a hybrid model runs (``checkpoint_io/hf_layout.py``), or None."""
+    from ..checkpoint_io.hf_layout import ModuleView
+    from ..models.hf import is_hf_model
+
+    inners = [m.inner for m in getattr(model, "stage_modules", [])]
+    if not inners or not is_hf_model(inners[0]):
+        return None
+    if len(inners) > 1 or getattr(model, "_plugin_pp", 1) > 1:
+        raise NotImplementedError("save_model/load_model of a transformers model under pp_size > 1: its "
+                                  "stages are not read or written in transformers' layout yet; use pp_size=1")
+    return ModuleView(inners[0])
+
+
 class HybridCheckpointIO(GeneralCheckpointIO):
     def full_model_state_dict(self, model) -> dict:
         return model.full_state_dict()
+
+    def save_model(self, model, path, shard: bool = True, size_per_shard: float = 1024) -> None:
+        view = _hf_view(model)
+        if view is None:
+            return super().save_model(model, path, shard=shard, size_per_shard=size_per_shard)
+        save_hf(view, path, size_per_shard=size_per_shard, shard=shard)
 
     @torch.no_grad()
     def load_model(self, model, path, strict: bool = True) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        view = _hf_view(model)
+        if view is not None:  # each rank reads only its slice of each tensor
+            load_hf(view, path, strict=strict)
+            return
         sd = load_state_dict_shards(path)
         nd = getattr(model, "nd", None)  # tp_mode 2d/2.5d/3d: parameters are blocks of the full tensors
         for mod in model.stage_modules:

@@ -62,7 +62,12 @@ class DDPPlugin(Plugin):
 def prepare_module(model: nn.Module, mixed_precision: str) -> nn.Module:
     """Move ``model`` to this rank's device and apply precision-specific module changes (fp8
     swaps eligible Linear layers; parameters stay fp32 masters in every mode)."""
-    model = model.to(default_device())
+    from ..models.hf.empty import needs_empty, to_empty_for_load
+
+    if needs_empty(model):  # a transformers model built on meta, for booster.load_model to fill
+        model = to_empty_for_load(model, default_device())
+    else:
+        model = model.to(default_device())
     if mixed_precision == "fp8":
         from ..mixed_precision.fp8 import convert_to_fp8
 

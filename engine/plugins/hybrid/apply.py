@@ -87,6 +87,7 @@ def apply_pipeline(model: nn.Module, spec, dims: ParallelDims, prepare: Callable
                    autocast, input_key: str, loss_scale: Callable[[], float]) -> HybridParallelModule:
     """This rank's stage modules (the whole model without a pipeline) and the runtime driving them;
     each stage's module carries its ``stage_index`` (a checkpoint plan's event reports it)."""
+    from ...models.hf.empty import needs_empty, to_empty_for_load
     from ...pipeline.runtime import PipelineRuntime
     from ...pipeline.stage import StageModule, build_stages
 
@@ -95,7 +96,10 @@ def apply_pipeline(model: nn.Module, spec, dims: ParallelDims, prepare: Callable
         ids = spec.stage_indices(pp_rank)
         modules, stages = build_stages(model, ids, spec.num_stages, dims.pp_group, device, autocast, prepare)
     else:
-        ids, modules, stages = [0], [StageModule(prepare(model), autocast).to(device)], []
+        stage = StageModule(prepare(model), autocast)
+        # a transformers model built on meta: storage for this rank's shards only, for load_model to fill
+        stage = to_empty_for_load(stage, device) if needs_empty(stage) else stage.to(device)
+        ids, modules, stages = [0], [stage], []
     runtime = PipelineRuntime(spec, modules, stages, device=device, rank=dist.get_rank(), pp_rank=pp_rank,
                               pp_group=dims.pp_group if dims.pp > 1 else None, dp_rank=dims.rank("dp"),
                               tp_rank=dims.rank("tp"), input_key=input_key, loss_scale=loss_scale)

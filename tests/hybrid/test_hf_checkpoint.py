@@ -1,0 +1,283 @@
+"""transformers checkpoints through the booster: what every plugin saves loads in plain transformers,
+and what transformers' ``save_pretrained`` writes loads into every layout.
+
+Tiny random models built from configs (no hub), fp32, eval mode. Two runs of real processes serve every
+check (one per world size): on 2 ranks each family is boosted under tp2, DDP, ZeRO-2 and Gemini, saved
+with ``booster.save_model(shard=True)`` in files small enough to make several, and a model with other
+random weights is loaded from a sharded ``save_pretrained`` directory; on 4 ranks the same for tp2 x dp2,
+and a model built on the meta device, boosted, then loaded. The test process reads the saved
+directories with ``AutoModelFor*.from_pretrained`` and compares logits with the plain model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.dist import run_distributed  # noqa: E402
+
+SEED, OTHER = 11, 99
+SHARD_MB = 0.05  # ~50 KB files: several per model, as a real checkpoint has
+FAMILIES = ("llama", "llama_tied", "qwen2", "gpt2", "opt", "bert")
+LAYOUTS_2 = ("tp2", "ddp", "zero2", "gemini")
+TOL = 1e-6
+
+
+def _config(family):
+    import transformers as tf
+
+    small = dict(num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
+    if family in ("llama", "llama_tied", "qwen2"):
+        cls = tf.LlamaConfig if family != "qwen2" else tf.Qwen2Config
+        return cls(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                   tie_word_embeddings=family == "llama_tied", **small)
+    if family == "gpt2":
+        return tf.GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=257, n_positions=64,  # uneven vocab shards
+                             bos_token_id=0, eos_token_id=0)
+    if family == "opt":
+        return tf.OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=1, **small)
+    return tf.BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, **small)
+
+
+def _auto(family):
+    import transformers as tf
+
+    return tf.AutoModelForMaskedLM if family == "bert" else tf.AutoModelForCausalLM
+
+
+def _build(family, seed):
+    torch.manual_seed(seed)
+    return _auto(family).from_config(_config(family)).eval()
+
+
+def _input():
+    return torch.randint(2, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _logits(model):
+    return model(input_ids=_input()).logits.detach().float().cpu()
+
+
+def _plugin(layout):
+    from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
+
+    return {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
+            "zero2": lambda: LowLevelZeroPlugin(stage=2),
+            "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32")}[layout]()
+
+
+def _boosted(layout, model):
+    from colossal_lab.engine import Booster
+
+    booster = Booster(plugin=_plugin(layout))
+    boosted, *_ = booster.boost(model)
+    return booster, boosted
+
+
+def _save_and_load(rank, world, root, hf_dirs, layouts, families):
+    """Each layout x family: save from it (files listed), load the HF directory into it (logits)."""
+    out = {}
+    for layout in layouts:
+        for family in families:
+            booster, model = _boosted(layout, _build(family, SEED))
+            target = os.path.join(root, f"{layout}-{family}")
+            booster.save_model(model, target, shard=True, size_per_shard=SHARD_MB)
+            booster, model = _boosted(layout, _build(family, OTHER))
+            booster.load_model(model, hf_dirs[family])
+            out[(layout, family)] = {"files": sorted(os.listdir(target)), "logits": _logits(model)}
+    return out if rank == 0 else None
+
+
+def _errors(rank, world, bad):
+    """Each bad input to load_model under tp2: the error's type and message."""
+    booster, model = _boosted("tp2", _build("llama", OTHER))
+    out = {}
+    for name, path in bad.items():
+        try:
+            booster.load_model(model, path)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+def _lazy(layout, hf_dir):
+    """The lazy path: a Llama built under ``lazy_init()`` (the meta device), boosted, then loaded."""
+    from colossal_lab.engine.lazy import is_lazy, lazy_init
+
+    with lazy_init():
+        model = _build("llama", OTHER)
+    assert is_lazy(model)
+    booster, model = _boosted(layout, model)
+    booster.load_model(model, hf_dir)
+    return _logits(model)
+
+
+def _world2(rank, world, root, hf_dirs, bad, single):
+    out = _save_and_load(rank, world, root, hf_dirs, LAYOUTS_2, FAMILIES)
+    booster, model = _boosted("tp2", _build("llama", OTHER))
+    booster.load_model(model, single)  # one .safetensors file, not a directory
+    single_logits = _logits(model)
+    lazy = {layout: _lazy(layout, hf_dirs["llama"]) for layout in LAYOUTS_2}
+    errors = _errors(rank, world, bad)
+    return (out, single_logits, lazy, errors) if rank == 0 else None
+
+
+def _world4(rank, world, root, hf_dirs):
+    """tp2 x dp2 (Llama, GPT-2's packed Conv1D), and the lazy path under it."""
+    out = _save_and_load(rank, world, root, hf_dirs, ("tp2",), ("llama", "gpt2"))
+    lazy = _lazy("tp2", hf_dirs["llama"])  # every rank: boosting and loading are collectives
+    return (out, lazy) if rank == 0 else None
+
+
+# ---- fixtures: the plain models, their save_pretrained directories, the two runs --------------------------
+@pytest.fixture(scope="module")
+def plain():
+    return {f: _logits(_build(f, SEED)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_pretrained")
+    out = {}
+    for f in FAMILIES:
+        out[f] = str(root / f)
+        _build(f, SEED).save_pretrained(out[f], max_shard_size="40KB")
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory, hf_dirs):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("hf_bad")
+    sd = {}
+    for f in sorted(os.listdir(hf_dirs["llama"])):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(hf_dirs["llama"], f)))
+    sd.pop("model.norm.weight")
+    sd["model.extra.weight"] = torch.zeros(3)
+    (root / "wrong_keys").mkdir()
+    save_file(sd, str(root / "wrong_keys" / "model.safetensors"), metadata={"format": "pt"})
+    (root / "not_safetensors.safetensors").write_text("this is not a safetensors file")
+    return {"wrong_keys": str(root / "wrong_keys"), "not_safetensors": str(root / "not_safetensors.safetensors"),
+            "missing_path": str(root / "nothing_here")}
+
+
+@pytest.fixture(scope="module")
+def single_file(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_single")
+    _build("llama", SEED).save_pretrained(str(root))
+    return str(root / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory, hf_dirs, bad_inputs, single_file):
+    root = str(tmp_path_factory.mktemp("saved2"))
+    out, single, lazy, errors = run_distributed(_world2, 2, root, hf_dirs, bad_inputs, single_file, timeout=600)[0]
+    return root, out, single, lazy, errors
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory, hf_dirs):
+    root = str(tmp_path_factory.mktemp("saved4"))
+    out, lazy = run_distributed(_world4, 4, root, hf_dirs, timeout=600)[0]
+    return root, out, lazy
+
+
+def _from_pretrained(family, path):
+    return _auto(family).from_pretrained(path).eval()
+
+
+def _close(a, b):
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max()
+
+
+# ---- save: every layout writes what transformers loads --------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_checkpoint_loads_in_transformers(run2, plain, layout, family):
+    root, out, _, _, _ = run2
+    path = os.path.join(root, f"{layout}-{family}")
+    files = out[(layout, family)]["files"]
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 1
+    _close(_logits(_from_pretrained(family, path)), plain[family])
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_tp2_dp2_checkpoint_loads_in_transformers(run4, plain, family):
+    root, _, _ = run4
+    _close(_logits(_from_pretrained(family, os.path.join(root, f"tp2-{family}"))), plain[family])
+
+
+def test_saved_files_match_save_pretrained(run2, hf_dirs):
+    """Same tensor names as transformers writes (tied weights once), format metadata, total size."""
+    from safetensors import safe_open
+
+    root, _, _, _, _ = run2
+    for family in FAMILIES:
+        ours = json.load(open(os.path.join(root, f"tp2-{family}", "model.safetensors.index.json")))
+        theirs = json.load(open(os.path.join(hf_dirs[family], "model.safetensors.index.json")))
+        assert set(ours["weight_map"]) == set(theirs["weight_map"]), family
+        assert ours["metadata"]["total_size"] == theirs["metadata"]["total_size"], family
+        first = os.path.join(root, f"tp2-{family}", sorted(set(ours["weight_map"].values()))[0])
+        with safe_open(first, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    tied = json.load(open(os.path.join(root, "gemini-llama_tied", "model.safetensors.index.json")))
+    assert "lm_head.weight" not in tied["weight_map"] and "model.embed_tokens.weight" in tied["weight_map"]
+
+
+# ---- load: save_pretrained directories load into every layout ----------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_loads_into_layout(run2, plain, layout, family):
+    _, out, _, _, _ = run2
+    _close(out[(layout, family)]["logits"], plain[family])
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_save_pretrained_loads_into_tp2_dp2(run4, plain, family):
+    _, out, _ = run4
+    _close(out[("tp2", family)]["logits"], plain[family])
+
+
+def test_single_safetensors_file_loads(run2, plain):
+    _close(run2[2], plain["llama"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+def test_meta_model_boosted_then_loaded(run2, plain, layout):
+    _close(run2[3][layout], plain["llama"])
+
+
+def test_meta_model_boosted_then_loaded_tp2_dp2(run4, plain):
+    _close(run4[2], plain["llama"])
+
+
+# ---- bad input ------------------------------------------------------------------------------------------
+def test_bad_inputs_are_named(run2):
+    errors = run2[4]
+    kind, msg = errors["wrong_keys"]
+    assert kind == "RuntimeError" and "model.norm.weight" in msg and "model.extra.weight" in msg
+    kind, msg = errors["not_safetensors"]
+    assert kind == "ValueError" and "not a safetensors file" in msg
+    kind, msg = errors["missing_path"]
+    assert kind == "FileNotFoundError" and "nothing_here" in msg
+
+
+def test_save_refuses_a_file_path(tmp_path):
+    from colossal_lab.engine import Booster
+
+    with pytest.raises(ValueError, match="directory"):
+        Booster().save_model(_build("llama", SEED), str(tmp_path / "x.safetensors"))
+    shutil.rmtree(tmp_path, ignore_errors=True)
