@@ -7,7 +7,9 @@ package never imports transformers: it knows the model by its class names and re
 and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates into torch's
 ``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.grad_sum`
 per-head norms whose gradients are partial, :mod:`.tables`
-holds plans for families that ship none). Only 1D tensor parallelism is covered so far (docs/hf.md).
+holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
+``base_model_pp_plan`` and :mod:`.loss` is the criterion contract of ``execute_pipeline``). 1D tensor
+parallelism and pipelines are covered so far (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
+from .loss import check_batch, pipeline_criterion
+from .pipeline import num_layers, pipeline_stage
 from .plan import check_heads, check_ties, per_rank_attributes, read_plan, tied_weights, torch_plan, unmatched
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "reads_dict_plan", "resolve_plan"]
+__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "num_layers",
+           "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
 
 
 def is_hf_model(module: nn.Module) -> bool:

@@ -4,7 +4,9 @@ Keyed by ``config.model_type``; names are the base model's (as transformers' ``b
 and a head's entries (``lm_head``) are the task model's own. ``per_rank`` names the attributes of a
 module that count heads or widths and must hold one rank's share once its linears are sharded (a
 forward that reshapes with ``-1`` needs none). Values are style names (:mod:`.styles`) or
-``(name, options)``.
+``(name, options)``. ``pp`` is the pipeline layout transformers' ``base_model_pp_plan`` gives other
+families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
+does not own it runs instead (:mod:`.pipeline`), and the task head (``head``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ TABLES = {
         "head": {"lm_head": "colwise_gather_output"},
         # GPT2Attention splits c_attn's output into q, k, v by split_size (the hidden width)
         "per_rank": {"h.*.attn": ("split_size", "num_heads")},
+        # position embeddings and the dropout run once, on the first stage (the stages' forward: pipeline.py)
+        "pp": {"pre": {"wte": "none", "wpe": "zeros", "drop": "identity"}, "layers": "h",
+               "post": {"ln_f": "identity"}, "head": ["lm_head"]},
     },
     # OPT: nn.Linear projections; its attention reshapes by num_heads; the head is tied to embed_tokens
     "opt": {
@@ -36,6 +41,10 @@ TABLES = {
         },
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"decoder.layers.*.self_attn": ("num_heads",)},
+        "pp": {"pre": {"decoder.embed_tokens": "none", "decoder.embed_positions": "zeros",
+                       "decoder.project_in": "none"},
+               "layers": "decoder.layers",
+               "post": {"decoder.final_layer_norm": "none", "decoder.project_out": "none"}, "head": ["lm_head"]},
     },
     # BERT: the encoder only (its attention reshapes with -1); embeddings and task heads stay whole, as
     # the MLM head ties both the decoder's weight and its bias
@@ -49,5 +58,8 @@ TABLES = {
             "encoder.layer.*.output.dense": "rowwise",
         },
         "head": {},
+        # the embeddings block (word + position + type, norm, dropout) runs on the first stage only
+        "pp": {"pre": {"embeddings": "pass_embeds"}, "layers": "encoder.layer", "post": {"pooler": "none"},
+               "head": ["cls"]},
     },
 }

@@ -1,0 +1,189 @@
+"""Pipeline stages of a transformers model, cut by its own ``base_model_pp_plan``.
+
+A stage is a copy of the task model (``LlamaForCausalLM``, ...) holding only its part: the decoder layers
+of its slice (the others become parameterless pass-throughs, so every kept parameter keeps the unsplit
+model's name and the layer list keeps its length and indices), the embeddings on the first stage, the
+final norm and the head on the last. Its forward is the model's *own* base forward, called with
+``input_ids`` on the first stage and ``inputs_embeds=<previous stage's hidden states>`` elsewhere, so the
+glue transformers' plan leaves out (rotary cos/sin from position ids, the causal mask from the model's
+mask helper, learned position embeddings) is recomputed exactly as the unsplit model computes it; modules
+a later stage must not run again (GPT-2's position embedding, a dropout before the layers) are stood in
+for as :mod:`.tables` says. The layout comes from ``config.base_model_pp_plan`` (entries before the layer
+list: embeddings, after it: final norms) and the class's ``_pp_plan`` (the head), or from the built-in
+table for families that ship none (GPT-2, OPT, BERT). Built on ``copy.deepcopy`` with a memo (the other
+stages' modules are never copied), as the reference GPT's ``pipeline_stage`` is.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .tables import TABLES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Module names (the task model's) a pipeline cuts by: ``base`` the base model ('' when the model is
+    one), ``layers`` the layer list, ``pre``/``post`` the modules before/after it with what a stage that does
+    not own them puts in their place (``"none"``, ``"identity"``, ``"zeros"``, ``"pass_embeds"``), ``head``
+    the task head's modules."""
+
+    base: str
+    layers: str
+    pre: Dict[str, str]
+    post: Dict[str, str]
+    head: Tuple[str, ...]
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _module(model: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:
+        return None
+
+
+def layout(model: nn.Module) -> Optional[Layout]:
+    """The model's pipeline layout, or None when neither its config nor the built-in table gives one."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    config = getattr(model, "config", None)
+    table = TABLES.get(getattr(config, "model_type", None), {}).get("pp")
+    plan = getattr(config, "base_model_pp_plan", None)
+    if table is not None:
+        pre, post = dict(table["pre"]), dict(table["post"])
+        layers, head = table["layers"], tuple(table["head"])
+    elif isinstance(plan, dict) and plan:
+        names = list(plan)
+        at = next((i for i, n in enumerate(names)
+                   if isinstance(_module(model, _join(base, n)), nn.ModuleList)), None)
+        if at is None:
+            return None
+        layers = names[at]
+        pre = {n: "none" for n in names[:at]}  # bypassed: the base forward takes inputs_embeds
+        post = {n: "identity" for n in names[at + 1:]}
+        head = tuple(getattr(type(model), "_pp_plan", None) or {})
+    else:
+        return None
+    head = tuple(h for h in head if base and _module(model, h) is not None)
+    return Layout(base, _join(base, layers), {_join(base, k): v for k, v in pre.items()},
+                  {_join(base, k): v for k, v in post.items()}, head)
+
+
+def _layout_or_raise(model: nn.Module) -> Layout:
+    found = layout(model)
+    if found is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"pipeline parallelism: {type(model).__name__} (model_type={model_type!r}) has no "
+                         "config.base_model_pp_plan and colossal-lab has no built-in pipeline layout for it "
+                         "(engine/models/hf/tables.py); use pp_size=1")
+    return found
+
+
+def num_layers(model: nn.Module) -> int:
+    """How many decoder (encoder) layers the pipeline divides among its stages."""
+    return len(model.get_submodule(_layout_or_raise(model).layers))
+
+
+def stage_layers(model: nn.Module, stage: int, num_stages: int) -> range:
+    """Indices of the layers stage ``stage`` of ``num_stages`` holds (an even split)."""
+    per = num_layers(model) // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def owned_layers(model: nn.Module) -> List[Tuple[int, str, nn.Module]]:
+    """``(index, name, layer)`` of the layers this model (or stage of it) runs, in order."""
+    lay = _layout_or_raise(model)
+    return [(i, f"{lay.layers}.{i}", m) for i, m in enumerate(model.get_submodule(lay.layers))
+            if not isinstance(m, PassThrough)]
+
+
+class PassThrough(nn.Module):
+    """A layer another stage holds: returns its first argument (the hidden states) unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class Zeros(nn.Module):
+    """A position embedding an earlier stage already added: adds nothing."""
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros(())
+
+
+class PassEmbeds(nn.Module):
+    """An embeddings block (BERT's) an earlier stage ran: hands back the ``inputs_embeds`` it is given."""
+
+    def forward(self, *args, inputs_embeds=None, **kwargs):
+        return inputs_embeds
+
+
+_STAND_INS = {"identity": nn.Identity, "zeros": Zeros, "pass_embeds": PassEmbeds, "none": lambda: None}
+
+
+def _set(model: nn.Module, name: str, value: Optional[nn.Module]) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, value)
+
+
+def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A copy of ``model`` holding stage ``stage``'s part, whose forward takes the previous stage's
+    hidden states (the first: ``input_ids``) and returns hidden states (the last: the head's logits)."""
+    lay = _layout_or_raise(model)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"pipeline_stage: stage={stage} must be in [0, {num_stages})")
+    first, last = stage == 0, stage == num_stages - 1
+    keep = stage_layers(model, stage, num_stages)
+    layers = model.get_submodule(lay.layers)
+    drop = {i: m for i, m in enumerate(layers) if i not in keep}
+    replaced = {n: s for n, s in lay.pre.items() if not first}
+    replaced.update({n: s for n, s in lay.post.items() if not last})
+    replaced.update({n: "none" for n in lay.head if not last})
+    memo = {id(m): None for m in drop.values()}
+    memo.update({id(m): None for n in replaced if (m := _module(model, n)) is not None})
+    part = copy.deepcopy(model, memo)
+    part_layers = part.get_submodule(lay.layers)
+    for i in drop:
+        part_layers[i] = PassThrough()
+    for name, kind in replaced.items():
+        if _module(model, name) is not None:
+            _set(part, name, _STAND_INS[kind]())
+    part._cl_stage = (first, last, lay)
+    part.forward = _StageForward(part)
+    part.stage_index = stage
+    return part
+
+
+class _StageForward:
+    """The forward of a stage (module docstring); kept on the instance, so the stage stays the HF model."""
+
+    def __init__(self, part: nn.Module):
+        first, last, lay = part._cl_stage
+        self.first, self.last, self.lay = first, last, lay
+        base = _module(part, lay.base)
+        params = inspect.signature(type(base).forward).parameters
+        self.cache = "use_cache" in params
+        self.part_ref = [part]  # not an attribute nn.Module would register
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        part = self.part_ref[0]
+        base = _module(part, self.lay.base)
+        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if self.cache:
+            kw["use_cache"] = False
+        out = type(base).forward(base, **kw) if base is part else base(**kw)
+        h = out[0] if not isinstance(out, torch.Tensor) else out
+        if self.last and self.lay.head:
+            for name in self.lay.head:
+                h = part.get_submodule(name)(h)
+        return h
