@@ -45,6 +45,7 @@ from .. import comm
 from ..device import default_device
 from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
 from ..models import hf
+from ..models.protocol import checkpointing_method
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from .base import Plugin
 from .hybrid.apply import (
@@ -226,8 +227,8 @@ class HybridParallelPlugin(Plugin):
             self.input_key = "input_ids"
         dims = ParallelDims.for_world(check_running(), self.pp_size, self.cp_size, self.tp_size)
         names_of = parameter_names(model)  # taken now: tensor parallelism replaces the parameters
-        if ckpt.own:
-            model.enable_activation_checkpointing()
+        if ckpt.own:  # the model's own method, or the adapter's for a transformers model
+            checkpointing_method(model)()
         self.dims = dims.build(default_device().type)
         apply_context_parallel(model, dims, self.cp_mode)  # before the stages copy it
         grid, nd_params = nd_grid(dims, self.tp_mode, self.tp_grid), {}
