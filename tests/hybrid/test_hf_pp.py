@@ -277,6 +277,34 @@ def test_the_planner_chooses_among_hf_decoder_layers():
     assert loss == ref_loss and all(torch.equal(a, b) for a, b in zip(g, ref_g))
 
 
+# families beyond the trained ones, by their own base_model_pp_plan: learned or rotary positions, sliding
+# windows, an embedding dropout in the plan (GPT-NeoX, Phi), logits soft-capped (Gemma 2) or scaled (Cohere)
+# after the head, experts (Mixtral, Qwen2-MoE)
+FAMILIES = ["mistral", "gemma", "gemma2", "gemma3_text", "qwen3", "granite", "cohere", "olmo2", "starcoder2",
+            "gpt_neox", "phi", "mixtral", "qwen2_moe"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_stages_chained_compute_the_unsplit_model(model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from colossal_lab.engine.models.hf import pipeline_stage
+
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, num_hidden_layers=LAYERS, vocab_size=256,
+                               max_position_embeddings=64, head_dim=16)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    x = _x(0)[:2, :16]
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        for n in (2, 4):
+            h = x
+            for s in range(n):
+                h = pipeline_stage(model, s, n).eval()(h)
+            assert torch.equal(h, ref), (model_type, n)
+
+
 # ---- bad input: refused before any process group exists -------------------------------------
 
 def _configure(model, **kw):

@@ -3,13 +3,14 @@
 A stage is a copy of the task model (``LlamaForCausalLM``, ...) holding only its part: the decoder layers
 of its slice (the others become parameterless pass-throughs, so every kept parameter keeps the unsplit
 model's name and the layer list keeps its length and indices), the embeddings on the first stage, the
-final norm and the head on the last. Its forward is the model's *own* base forward, called with
+final norm and the head on the last. Its forward is the model's *own* base forward (the last stage's: the
+task model's own forward, whose head and post-processing of the logits run as unsplit), called with
 ``input_ids`` on the first stage and ``inputs_embeds=<previous stage's hidden states>`` elsewhere, so the
 glue transformers' plan leaves out (rotary cos/sin from position ids, the causal mask from the model's
 mask helper, learned position embeddings) is recomputed exactly as the unsplit model computes it; modules
 a later stage must not run again (GPT-2's position embedding, a dropout before the layers) are stood in
 for as :mod:`.tables` says. The layout comes from ``config.base_model_pp_plan`` (entries before the layer
-list: embeddings, after it: final norms) and the class's ``_pp_plan`` (the head), or from the built-in
+list: embeddings, after it: final norms; the head is every other module of the task model), or from the built-in
 table for families that ship none (GPT-2, OPT, BERT). Built on ``copy.deepcopy`` with a memo (the other
 stages' modules are never copied), as the reference GPT's ``pipeline_stage`` is.
 """
@@ -69,14 +70,24 @@ def layout(model: nn.Module) -> Optional[Layout]:
         if at is None:
             return None
         layers = names[at]
-        pre = {n: "none" for n in names[:at]}  # bypassed: the base forward takes inputs_embeds
+        # an embedding adds nothing on a later stage (a token embedding is not even called: the base forward
+        # takes inputs_embeds), anything else on the way in (a dropout, a norm) already ran on the first stage
+        tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        pre = {n: _stand_in_for(_module(model, _join(base, n)), tokens) for n in names[:at]}
         post = {n: "identity" for n in names[at + 1:]}
-        head = tuple(getattr(type(model), "_pp_plan", None) or {})
+        head = ()
     else:
         return None
-    head = tuple(h for h in head if base and _module(model, h) is not None)
+    # the head: every module of the task model beside its base model (lm_head, cls, score, ...)
+    head = tuple(dict.fromkeys(list(head) + [n for n, _ in model.named_children() if n != base])) if base else ()
     return Layout(base, _join(base, layers), {_join(base, k): v for k, v in pre.items()},
                   {_join(base, k): v for k, v in post.items()}, head)
+
+
+def _stand_in_for(module: Optional[nn.Module], tokens: Optional[nn.Module]) -> str:
+    if module is tokens or module is None:
+        return "none"
+    return "zeros" if isinstance(module, nn.Embedding) else "identity"
 
 
 def _layout_or_raise(model: nn.Module) -> Layout:
@@ -107,28 +118,40 @@ def owned_layers(model: nn.Module) -> List[Tuple[int, str, nn.Module]]:
             if not isinstance(m, PassThrough)]
 
 
-class PassThrough(nn.Module):
+class StandIn(nn.Module):
+    """A module another stage holds, in this stage's copy: no parameters, and no tensor-parallel style."""
+
+
+class PassThrough(StandIn):
     """A layer another stage holds: returns its first argument (the hidden states) unchanged."""
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
 
 
-class Zeros(nn.Module):
+class Zeros(StandIn):
     """A position embedding an earlier stage already added: adds nothing."""
 
     def forward(self, *args, **kwargs):
         return torch.zeros(())
 
 
-class PassEmbeds(nn.Module):
+class PassEmbeds(StandIn):
     """An embeddings block (BERT's) an earlier stage ran: hands back the ``inputs_embeds`` it is given."""
 
     def forward(self, *args, inputs_embeds=None, **kwargs):
         return inputs_embeds
 
 
-_STAND_INS = {"identity": nn.Identity, "zeros": Zeros, "pass_embeds": PassEmbeds, "none": lambda: None}
+class Identity(StandIn):
+    """A module an earlier stage already applied (a dropout, an embedding norm) or a later one will (a final
+    norm): hands its input back."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+_STAND_INS = {"identity": Identity, "zeros": Zeros, "pass_embeds": PassEmbeds, "none": lambda: None}
 
 
 def _set(model: nn.Module, name: str, value: Optional[nn.Module]) -> None:
@@ -165,25 +188,26 @@ def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 
 
 class _StageForward:
-    """The forward of a stage (module docstring); kept on the instance, so the stage stays the HF model."""
+    """The forward of a stage (module docstring); kept on the instance, so the stage stays the HF model.
+    The last stage runs the task model's own forward (its head and whatever follows it: Gemma 2's logit
+    soft-capping, Cohere's logit scale) and returns the logits; the others run the base model's."""
 
     def __init__(self, part: nn.Module):
         first, last, lay = part._cl_stage
         self.first, self.last, self.lay = first, last, lay
-        base = _module(part, lay.base)
-        params = inspect.signature(type(base).forward).parameters
-        self.cache = "use_cache" in params
+        self.task = last  # the last stage (or the only one) ends in the task model's own head
+        runs = part if self.task else _module(part, lay.base)
+        self.cache = "use_cache" in inspect.signature(type(runs).forward).parameters
         self.part_ref = [part]  # not an attribute nn.Module would register
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         part = self.part_ref[0]
-        base = _module(part, self.lay.base)
+        runs = part if self.task else _module(part, self.lay.base)
         kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
         if self.cache:
             kw["use_cache"] = False
-        out = type(base).forward(base, **kw) if base is part else base(**kw)
-        h = out[0] if not isinstance(out, torch.Tensor) else out
-        if self.last and self.lay.head:
-            for name in self.lay.head:
-                h = part.get_submodule(name)(h)
-        return h
+        out = type(runs).forward(runs, **kw) if runs is part else runs(**kw)
+        if isinstance(out, torch.Tensor):
+            return out
+        logits = getattr(out, "logits", None) if self.task else None
+        return logits if logits is not None else out[0]
