@@ -105,6 +105,7 @@ PLUGINS = {
     "tp2_pp2": dict(tp_size=2, pp_size=2, num_microbatches=2),
     "ckpt": dict(pp_size=2, num_microbatches=2, activation_checkpointing=True),
     "auto": dict(pp_size=2, num_microbatches=2, activation_checkpointing="auto", activation_budget=1 << 30),
+    "tp2_ckpt": dict(tp_size=2, activation_checkpointing=True),  # no pipeline: execute_pipeline's own loop
 }
 
 
@@ -119,13 +120,15 @@ class _Calls:
         self.n += 1
 
 
-def _gemini(name):
-    """GeminiPlugin(activation_checkpointing=True), dp2, the plain HF loop on each rank's half."""
+def _gemini(name, ac):
+    """GeminiPlugin(activation_checkpointing=ac), dp2, the plain HF loop on each rank's half."""
     from colossal_lab.engine import Booster
     from colossal_lab.engine.models.hf.checkpointing import recomputed
     from colossal_lab.engine.plugins import GeminiPlugin
 
-    plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", activation_checkpointing=True)
+    budget = 1 << 30 if ac == "auto" else None
+    plugin = GeminiPlugin(placement_policy="cpu", precision="fp32", activation_checkpointing=ac,
+                          activation_budget=budget)
     booster = Booster(plugin=plugin)
     plain = MODELS[name]()
     calls = _Calls(plain.model.layers[0])
@@ -145,7 +148,8 @@ def _gemini(name):
         losses.append(t.item() / world)
         if s == 0:  # Gemini's first step also traced the model once: count the others
             calls.n = 0
-    return {"losses": losses, "norms": norms, "recomputed": recomputed(plain), "calls": calls.n / (STEPS - 1)}
+    return {"losses": losses, "norms": norms, "recomputed": recomputed(plain), "calls": calls.n / (STEPS - 1),
+            "planned": getattr(plain, "checkpoint_plan", None) is not None}
 
 
 def _train(name, plugin_name):
@@ -156,8 +160,8 @@ def _train(name, plugin_name):
     from colossal_lab.engine.models.hf.checkpointing import recomputed
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
-    if plugin_name == "gemini_ckpt":
-        return _gemini(name)
+    if plugin_name.startswith("gemini"):
+        return _gemini(name, "auto" if plugin_name == "gemini_auto" else True)
     plugin = HybridParallelPlugin(**PLUGINS[plugin_name])
     booster = Booster(plugin=plugin)
     model = MODELS[name]()
@@ -188,7 +192,7 @@ def _train(name, plugin_name):
 
 CASES_2 = [("llama", "1f1b"), ("llama", "gpipe"), ("llama", "interleaved"), ("llama", "zb"), ("qwen2", "1f1b"),
            ("gpt2", "1f1b"), ("opt", "1f1b"), ("bert", "1f1b"), ("llama_tied", "1f1b"), ("llama", "ckpt"),
-           ("llama", "auto"), ("llama", "gemini_ckpt")]
+           ("llama", "auto"), ("llama", "gemini_ckpt"), ("llama", "gemini_auto"), ("llama", "tp2_ckpt")]
 CASES_4 = [(name, "tp2_pp2") for name in ("llama", "qwen2", "gpt2", "opt", "bert")]
 
 
@@ -239,6 +243,8 @@ def test_every_layer_recomputes_under_checkpointing(runs):
     assert all(r["planned"] for r in (r[("llama", "auto")] for r in runs))  # "auto": a plan on every stage
     gemini = runs[0][("llama", "gemini_ckpt")]
     assert gemini["recomputed"] == list(range(LAYERS)) and gemini["calls"] == 2
+    assert all(r[("llama", "gemini_auto")]["planned"] for r in runs)
+    assert all(r[("llama", "tp2_ckpt")]["recomputed"] == list(range(LAYERS)) for r in runs)
 
 
 @pytest.fixture(scope="module")
