@@ -8,8 +8,9 @@ and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates int
 ``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.grad_sum`
 per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
-``base_model_pp_plan`` and :mod:`.loss` is the criterion contract of ``execute_pipeline``). 1D tensor
-parallelism and pipelines are covered so far (docs/hf.md).
+``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
+recomputes decoder layers). 1D tensor parallelism, pipelines and activation checkpointing are covered so far
+(docs/hf.md).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def layout(model: nn.Module) -> Optional[Layout]:
         layers = names[at]
         # an embedding adds nothing on a later stage (a token embedding is not even called: the base forward
         # takes inputs_embeds), anything else on the way in (a dropout, a norm) already ran on the first stage
-        tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        tokens = _input_embeddings(model)
         pre = {n: _stand_in_for(_module(model, _join(base, n)), tokens) for n in names[:at]}
         post = {n: "identity" for n in names[at + 1:]}
         head = ()
@@ -84,7 +84,18 @@ def layout(model: nn.Module) -> Optional[Layout]:
                   {_join(base, k): v for k, v in post.items()}, head)
 
 
+def _input_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    """The token embedding (``get_input_embeddings()``), or None where the model does not say."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def _stand_in_for(module: Optional[nn.Module], tokens: Optional[nn.Module]) -> str:
+    """What a later stage puts in place of a module the plan lists before the layers: nothing for the token
+    embedding (never called once inputs_embeds is given), zeros for another embedding (its sum was taken on
+    the first stage), the identity for the rest (a dropout or norm the first stage applied)."""
     if module is tokens or module is None:
         return "none"
     return "zeros" if isinstance(module, nn.Embedding) else "identity"
