@@ -6,7 +6,7 @@ from typing import Callable, List, Tuple
 
 import torch.nn as nn
 
-from ..models.protocol import check_checkpointing
+from ..models.protocol import check_checkpointing, checkpointing_method
 from .profile import Entry
 
 
@@ -15,7 +15,14 @@ def _unwrap(m: nn.Module) -> nn.Module:
 
 
 def _find_layers(model: nn.Module) -> List[Tuple[int, str, nn.Module]]:
-    """(index, name, module) of the chain's layers, in order."""
+    """(index, name, module) of the chain's layers, in order (a transformers model's, or a pipeline stage's
+    of one, from its adapter)."""
+    from ..models import hf
+
+    if hf.is_hf_model(model):
+        from ..models.hf.pipeline import owned_layers
+
+        return owned_layers(model)
     if isinstance(model, nn.Sequential):
         return [(i, str(i), _unwrap(m)) for i, m in enumerate(model)]
     want = model.num_layers() if callable(getattr(model, "num_layers", None)) else None
@@ -50,8 +57,8 @@ def _parts_of(model: nn.Module, layers) -> Tuple[str, ...]:
 
 def _setter(model: nn.Module) -> Callable[[List[Entry]], None]:
     """A function applying ``layers`` (entries as for ``enable_activation_checkpointing``)."""
-    own = getattr(model, "enable_activation_checkpointing", None)
-    if callable(own):
+    own = checkpointing_method(model)
+    if own is not None:
         check_checkpointing(model, "plan_checkpointing", layers=True)
         return lambda entries: own(layers=list(entries))
     if isinstance(model, nn.Sequential):

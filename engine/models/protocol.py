@@ -10,9 +10,10 @@ asks one more (:class:`NdTensorParallelContract`, ``tp_nd_plan``), and a model m
 plan its activation checkpointing (:class:`CheckpointRequestContract`, ``checkpoint_budget``); each is
 kept in its own protocol.
 
-A ``transformers.PreTrainedModel`` is not asked these by name where its own attributes differ in kind
-(transformers 5's ``tp_plan`` is a dict property): the engine reads its plan through the adapter in
-:mod:`.hf` (docs/hf.md).
+A ``transformers.PreTrainedModel`` is not asked these by name: the adapter in :mod:`.hf` answers for it,
+asked first (``hf.is_hf_model``): its tensor-parallel plan (transformers 5's ``tp_plan`` is a dict
+property, the one contract name ``PreTrainedModel`` also has), its pipeline stages (``base_model_pp_plan``)
+and its activation checkpointing (:func:`checkpointing_method`); docs/hf.md.
 """
 
 from __future__ import annotations
@@ -113,6 +114,22 @@ class CheckpointRequestContract(Protocol):
         False (no method: only a plugin's ``activation_checkpointing`` turns it on)."""
 
 
+def checkpointing_method(model: nn.Module):
+    """The model's ``enable_activation_checkpointing(layers=None)``: its own, or for a transformers model the
+    adapter's (``models.hf.checkpointing``: each decoder layer recomputes through transformers' own
+    ``GradientCheckpointingLayer``), asked first as for ``tp_plan``; None when neither exists."""
+    from .hf import is_hf_model
+
+    if is_hf_model(model):
+        import functools
+
+        from .hf.checkpointing import enable_activation_checkpointing
+
+        return functools.partial(enable_activation_checkpointing, model)
+    own = getattr(model, "enable_activation_checkpointing", None)
+    return own if callable(own) else None
+
+
 def check_checkpointing(model: nn.Module, who: str, *, layers: bool, instead: str = "") -> None:
     """Refuse, naming ``who`` (the caller and its argument), a model that cannot recompute its layers:
     it needs ``enable_activation_checkpointing()`` (taking ``layers`` where ``layers``: a planner
@@ -121,8 +138,8 @@ def check_checkpointing(model: nn.Module, who: str, *, layers: bool, instead: st
     import inspect
 
     name = type(model).__name__
-    own = getattr(model, "enable_activation_checkpointing", None)
-    if callable(own):
+    own = checkpointing_method(model)
+    if own is not None:
         try:
             takes = "layers" in inspect.signature(own).parameters
         except (TypeError, ValueError):

@@ -1,8 +1,10 @@
 """Cut a model into pipeline stage modules and wrap them as torch ``PipelineStage``s.
 
 A model is cut by the model contract's ``num_layers()``/``pipeline_stage(i, n)``, or, as an
-``nn.Sequential``, evenly by its children (docs/hybrid.md). :class:`StageModule` keeps the first item
-of a tuple output (torch's stages want tensors) and runs the stage under autocast when asked.
+``nn.Sequential``, evenly by its children (docs/hybrid.md); a transformers model is cut by its adapter
+(``models.hf``: its ``base_model_pp_plan``), which is asked first (docs/hf.md).
+:class:`StageModule` keeps the first item of a tuple output (torch's stages want tensors) and runs the
+stage under autocast when asked.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def _no_split(model: nn.Module, method: str) -> TypeError:
 
 def num_layers(model: nn.Module) -> int:
     """How many units the model splits into (its ``num_layers()``, or Sequential children)."""
+    from ..models import hf
+
+    if hf.is_hf_model(model):
+        return hf.num_layers(model)
     if callable(getattr(model, "num_layers", None)):
         return model.num_layers()
     if isinstance(model, nn.Sequential):
@@ -63,7 +69,11 @@ def check_divisible(model: nn.Module, num_stages: int) -> None:
 
 def split_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     """A copy of ``model`` holding only stage ``stage``'s part."""
+    from ..models import hf
+
     check_divisible(model, num_stages)
+    if hf.is_hf_model(model):
+        return hf.pipeline_stage(model, stage, num_stages)
     if callable(getattr(model, "pipeline_stage", None)):
         return model.pipeline_stage(stage, num_stages)
     if not isinstance(model, nn.Sequential):

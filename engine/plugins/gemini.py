@@ -35,7 +35,7 @@ from ..gemini.nvme import check_direct_io
 from ..gemini.placement import POLICIES
 from ..gemini.repack import ORDERS
 from ..mixed_precision import TORCH_DTYPE_MAP, resolve_precision
-from ..models.protocol import check_checkpointing
+from ..models.protocol import check_checkpointing, checkpointing_method
 from .base import Plugin
 
 
@@ -135,8 +135,9 @@ class GeminiPlugin(Plugin):
                                         group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
         self._managers.append(manager)
         if ac is True:  # after packing: chunks keep the model's own parameter names (no wrapper infix)
-            if callable(getattr(model, "enable_activation_checkpointing", None)):
-                model.enable_activation_checkpointing()
+            own = checkpointing_method(model)  # the model's, or the adapter's for a transformers model
+            if own is not None:
+                own()
             else:
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
                 for i in range(len(model)):

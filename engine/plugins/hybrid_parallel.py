@@ -44,6 +44,8 @@ from torch.optim import Optimizer
 from .. import comm
 from ..device import default_device
 from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
+from ..models import hf
+from ..models.protocol import checkpointing_method
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from .base import Plugin
 from .hybrid.apply import (
@@ -152,6 +154,7 @@ class HybridParallelPlugin(Plugin):
         self._scaler: Optional[DynamicLossScaler] = None
         self.grads = GradSync(TiedCopies(), None)  # the gradient sync at optimizer.step(), once configured
         self._model: Optional[HybridParallelModule] = None
+        self._hf = False  # a transformers model: HF batches and criterion (models/hf/loss.py)
 
     @classmethod
     def auto(cls, model_or_config, *, batch: int, world_size: Optional[int] = None, seq: Optional[int] = None,
@@ -219,10 +222,13 @@ class HybridParallelPlugin(Plugin):
         self.precision = resolve_precision(mixed_precision, self.precision, "HybridParallelPlugin")
         spec = ScheduleSpec(self.pp_style, self.pp_size, self.num_model_chunks, self.num_microbatches or 1)
         ckpt = self._check(model, spec)
+        self._hf = hf.is_hf_model(model)
+        if self._hf and self.input_key == "idx":  # transformers' batches: {"input_ids": x, "labels": y}
+            self.input_key = "input_ids"
         dims = ParallelDims.for_world(check_running(), self.pp_size, self.cp_size, self.tp_size)
         names_of = parameter_names(model)  # taken now: tensor parallelism replaces the parameters
-        if ckpt.own:
-            model.enable_activation_checkpointing()
+        if ckpt.own:  # the model's own method, or the adapter's for a transformers model
+            checkpointing_method(model)()
         self.dims = dims.build(default_device().type)
         apply_context_parallel(model, dims, self.cp_mode)  # before the stages copy it
         grid, nd_params = nd_grid(dims, self.tp_mode, self.tp_grid), {}
@@ -286,6 +292,9 @@ class HybridParallelPlugin(Plugin):
                                  f"is not a multiple of microbatch_size={self.microbatch_size}")
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
+        if self._hf:  # outputs.logits / outputs.loss for the criterion (docs/hf.md)
+            hf.check_batch(batch)
+            criterion = hf.pipeline_criterion(model.stage_modules[-1].inner, criterion)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
         self._step.microbatches = m  # an "auto" plan made in this call divides the budget by what is in flight
         self._step.errors = []

@@ -7,7 +7,10 @@ package never imports transformers: it knows the model by its class names and re
 and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates into torch's
 ``parallelize_module`` styles, :mod:`.local_linear` runs ``Conv1D`` and packed weights, :mod:`.grad_sum`
 per-head norms whose gradients are partial, :mod:`.tables`
-holds plans for families that ship none). Only 1D tensor parallelism is covered so far (docs/hf.md).
+holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
+``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
+recomputes decoder layers). 1D tensor parallelism, pipelines and activation checkpointing are covered so far
+(docs/hf.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
+from .loss import check_batch, pipeline_criterion
+from .pipeline import num_layers, pipeline_stage
 from .plan import (
     _prefixed,
     check_heads,
@@ -29,7 +34,8 @@ from .plan import (
 )
 from .tables import TABLES
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "is_hf_model", "reads_dict_plan", "resolve_plan"]
+__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "num_layers",
+           "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
 
 
 def is_hf_model(module: nn.Module) -> bool:

@@ -55,12 +55,15 @@ def per_rank_attributes(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
 
 
 def _matches(plan: dict, model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
-    """``(pattern, module name, module)`` for every module a plan entry names (one dot-part per ``*``)."""
+    """``(pattern, module name, module)`` for every module a plan entry names (one dot-part per ``*``); a
+    pipeline stage's stand-ins for the other stages' modules are not the modules the plan names."""
+    from .pipeline import StandIn
+
     out = []
     for pattern in plan:
         depth = pattern.count(".")
         for name, mod in model.named_modules():
-            if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern):
+            if name.count(".") == depth and fnmatch.fnmatchcase(name, pattern) and not isinstance(mod, StandIn):
                 out.append((pattern, name, mod))
     return out
 

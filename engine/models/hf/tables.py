@@ -5,7 +5,9 @@ and a head's entries (``lm_head``) are the task model's own. ``per_rank`` names 
 module that count heads or widths and must hold one rank's share once its linears are sharded (a
 forward that reshapes with ``-1`` needs none); ``alibi`` names the attention modules whose ALiBi bias is
 sliced to the rank's heads (:mod:`.alibi`). Values are style names (:mod:`.styles`) or
-``(name, options)``.
+``(name, options)``. ``pp`` is the pipeline layout transformers' ``base_model_pp_plan`` gives other
+families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
+does not own it runs instead (:mod:`.pipeline`), and the task head (``head``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ TABLES = {
         "head": {"lm_head": "colwise_gather_output"},
         # GPT2Attention splits c_attn's output into q, k, v by split_size (the hidden width)
         "per_rank": {"h.*.attn": ("split_size", "num_heads")},
+        # position embeddings and the dropout run once, on the first stage (the stages' forward: pipeline.py)
+        "pp": {"pre": {"wte": "none", "wpe": "zeros", "drop": "identity"}, "layers": "h",
+               "post": {"ln_f": "identity"}, "head": ["lm_head"]},
     },
     # OPT: nn.Linear projections; its attention reshapes by num_heads; the head is tied to embed_tokens
     "opt": {
@@ -37,6 +42,10 @@ TABLES = {
         },
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"decoder.layers.*.self_attn": ("num_heads",)},
+        "pp": {"pre": {"decoder.embed_tokens": "none", "decoder.embed_positions": "zeros",
+                       "decoder.project_in": "none"},
+               "layers": "decoder.layers",
+               "post": {"decoder.final_layer_norm": "none", "decoder.project_out": "none"}, "head": ["lm_head"]},
     },
     # BLOOM: query_key_value packs each head's q, k, v together ((heads, 3, head_dim) outputs), so a
     # contiguous cut by output features gives a rank whole heads; ALiBi's per-head bias is sliced to them
@@ -64,5 +73,8 @@ TABLES = {
             "encoder.layer.*.output.dense": "rowwise",
         },
         "head": {},
+        # the embeddings block (word + position + type, norm, dropout) runs on the first stage only
+        "pp": {"pre": {"embeddings": "pass_embeds"}, "layers": "encoder.layer", "post": {"pooler": "none"},
+               "head": ["cls"]},
     },
 }

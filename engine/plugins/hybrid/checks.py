@@ -32,10 +32,11 @@ def resolve_checkpointing(activation_checkpointing, activation_budget, model: nn
     plugin's with the criterion a pipeline runs and the stage's share, for the model's budget unless
     the plugin gives one."""
     from ...autockpt_request import requested_budget
+    from ...models.protocol import checkpointing_method
 
     ac = activation_checkpointing
     if ac is True:
-        return Checkpointing(every=True, own=callable(getattr(model, "enable_activation_checkpointing", None)))
+        return Checkpointing(every=True, own=checkpointing_method(model) is not None)
     asked = requested_budget(model)
     if ac == "auto" or asked is not None:
         return Checkpointing(auto=True, budget=activation_budget if activation_budget is not None else asked)

@@ -21,6 +21,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _as_placed(p: torch.Tensor) -> None:
+    """Give a DTensor parameter's gradient the parameter's placements: autograd may leave another layout
+    (a vocabulary-sharded embedding's gradient comes back replicated), and the copies of a tied weight on
+    different stages are summed shard by shard."""
+    g = p.grad
+    if g is not None and hasattr(g, "placements") and hasattr(p, "placements") and g.placements != p.placements:
+        p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
 class TiedCopies:
     """This rank's copies of each tied weight with the group summing them (``copies``), and the names
     of copies a gradient norm skips (``skip``: after the sync every copy holds the same gradient, so a
@@ -54,6 +63,8 @@ class TiedCopies:
 
     def sum_grads(self) -> None:
         for params, group in self.copies:
+            for p in params:
+                _as_placed(p)
             grads = [p.grad for p in params if p.grad is not None]
             if not grads:
                 continue

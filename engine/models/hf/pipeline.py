@@ -1,0 +1,224 @@
+"""Pipeline stages of a transformers model, cut by its own ``base_model_pp_plan``.
+
+A stage is a copy of the task model (``LlamaForCausalLM``, ...) holding only its part: the decoder layers
+of its slice (the others become parameterless pass-throughs, so every kept parameter keeps the unsplit
+model's name and the layer list keeps its length and indices), the embeddings on the first stage, the
+final norm and the head on the last. Its forward is the model's *own* base forward (the last stage's: the
+task model's own forward, whose head and post-processing of the logits run as unsplit), called with
+``input_ids`` on the first stage and ``inputs_embeds=<previous stage's hidden states>`` elsewhere, so the
+glue transformers' plan leaves out (rotary cos/sin from position ids, the causal mask from the model's
+mask helper, learned position embeddings) is recomputed exactly as the unsplit model computes it; modules
+a later stage must not run again (GPT-2's position embedding, a dropout before the layers) are stood in
+for as :mod:`.tables` says. The layout comes from ``config.base_model_pp_plan`` (entries before the layer
+list: embeddings, after it: final norms; the head is every other module of the task model), or from the built-in
+table for families that ship none (GPT-2, OPT, BERT). Built on ``copy.deepcopy`` with a memo (the other
+stages' modules are never copied), as the reference GPT's ``pipeline_stage`` is.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .tables import TABLES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Module names (the task model's) a pipeline cuts by: ``base`` the base model ('' when the model is
+    one), ``layers`` the layer list, ``pre``/``post`` the modules before/after it with what a stage that does
+    not own them puts in their place (``"none"``, ``"identity"``, ``"zeros"``, ``"pass_embeds"``), ``head``
+    the task head's modules."""
+
+    base: str
+    layers: str
+    pre: Dict[str, str]
+    post: Dict[str, str]
+    head: Tuple[str, ...]
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _module(model: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:
+        return None
+
+
+def layout(model: nn.Module) -> Optional[Layout]:
+    """The model's pipeline layout, or None when neither its config nor the built-in table gives one."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    config = getattr(model, "config", None)
+    table = TABLES.get(getattr(config, "model_type", None), {}).get("pp")
+    plan = getattr(config, "base_model_pp_plan", None)
+    if table is not None:
+        pre, post = dict(table["pre"]), dict(table["post"])
+        layers, head = table["layers"], tuple(table["head"])
+    elif isinstance(plan, dict) and plan:
+        names = list(plan)
+        at = next((i for i, n in enumerate(names)
+                   if isinstance(_module(model, _join(base, n)), nn.ModuleList)), None)
+        if at is None:
+            return None
+        layers = names[at]
+        # an embedding adds nothing on a later stage (a token embedding is not even called: the base forward
+        # takes inputs_embeds), anything else on the way in (a dropout, a norm) already ran on the first stage
+        tokens = _input_embeddings(model)
+        pre = {n: _stand_in_for(_module(model, _join(base, n)), tokens) for n in names[:at]}
+        post = {n: "identity" for n in names[at + 1:]}
+        head = ()
+    else:
+        return None
+    # the head: every module of the task model beside its base model (lm_head, cls, score, ...)
+    head = tuple(dict.fromkeys(list(head) + [n for n, _ in model.named_children() if n != base])) if base else ()
+    return Layout(base, _join(base, layers), {_join(base, k): v for k, v in pre.items()},
+                  {_join(base, k): v for k, v in post.items()}, head)
+
+
+def _input_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    """The token embedding (``get_input_embeddings()``), or None where the model does not say."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _stand_in_for(module: Optional[nn.Module], tokens: Optional[nn.Module]) -> str:
+    """What a later stage puts in place of a module the plan lists before the layers: nothing for the token
+    embedding (never called once inputs_embeds is given), zeros for another embedding (its sum was taken on
+    the first stage), the identity for the rest (a dropout or norm the first stage applied)."""
+    if module is tokens or module is None:
+        return "none"
+    return "zeros" if isinstance(module, nn.Embedding) else "identity"
+
+
+def _layout_or_raise(model: nn.Module) -> Layout:
+    found = layout(model)
+    if found is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"pipeline parallelism: {type(model).__name__} (model_type={model_type!r}) has no "
+                         "config.base_model_pp_plan and colossal-lab has no built-in pipeline layout for it "
+                         "(engine/models/hf/tables.py); use pp_size=1")
+    return found
+
+
+def num_layers(model: nn.Module) -> int:
+    """How many decoder (encoder) layers the pipeline divides among its stages."""
+    return len(model.get_submodule(_layout_or_raise(model).layers))
+
+
+def stage_layers(model: nn.Module, stage: int, num_stages: int) -> range:
+    """Indices of the layers stage ``stage`` of ``num_stages`` holds (an even split)."""
+    per = num_layers(model) // num_stages
+    return range(stage * per, (stage + 1) * per)
+
+
+def owned_layers(model: nn.Module) -> List[Tuple[int, str, nn.Module]]:
+    """``(index, name, layer)`` of the layers this model (or stage of it) runs, in order."""
+    lay = _layout_or_raise(model)
+    return [(i, f"{lay.layers}.{i}", m) for i, m in enumerate(model.get_submodule(lay.layers))
+            if not isinstance(m, PassThrough)]
+
+
+class StandIn(nn.Module):
+    """A module another stage holds, in this stage's copy: no parameters, and no tensor-parallel style."""
+
+
+class PassThrough(StandIn):
+    """A layer another stage holds: returns its first argument (the hidden states) unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class Zeros(StandIn):
+    """A position embedding an earlier stage already added: adds nothing."""
+
+    def forward(self, *args, **kwargs):
+        return torch.zeros(())
+
+
+class PassEmbeds(StandIn):
+    """An embeddings block (BERT's) an earlier stage ran: hands back the ``inputs_embeds`` it is given."""
+
+    def forward(self, *args, inputs_embeds=None, **kwargs):
+        return inputs_embeds
+
+
+class Identity(StandIn):
+    """A module an earlier stage already applied (a dropout, an embedding norm) or a later one will (a final
+    norm): hands its input back."""
+
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+_STAND_INS = {"identity": Identity, "zeros": Zeros, "pass_embeds": PassEmbeds, "none": lambda: None}
+
+
+def _set(model: nn.Module, name: str, value: Optional[nn.Module]) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, attr, value)
+
+
+def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """A copy of ``model`` holding stage ``stage``'s part, whose forward takes the previous stage's
+    hidden states (the first: ``input_ids``) and returns hidden states (the last: the head's logits)."""
+    lay = _layout_or_raise(model)
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"pipeline_stage: stage={stage} must be in [0, {num_stages})")
+    first, last = stage == 0, stage == num_stages - 1
+    keep = stage_layers(model, stage, num_stages)
+    layers = model.get_submodule(lay.layers)
+    drop = {i: m for i, m in enumerate(layers) if i not in keep}
+    replaced = {n: s for n, s in lay.pre.items() if not first}
+    replaced.update({n: s for n, s in lay.post.items() if not last})
+    replaced.update({n: "none" for n in lay.head if not last})
+    memo = {id(m): None for m in drop.values()}
+    memo.update({id(m): None for n in replaced if (m := _module(model, n)) is not None})
+    part = copy.deepcopy(model, memo)
+    part_layers = part.get_submodule(lay.layers)
+    for i in drop:
+        part_layers[i] = PassThrough()
+    for name, kind in replaced.items():
+        if _module(model, name) is not None:
+            _set(part, name, _STAND_INS[kind]())
+    part._cl_stage = (first, last, lay)
+    part.forward = _StageForward(part)
+    part.stage_index = stage
+    return part
+
+
+class _StageForward:
+    """The forward of a stage (module docstring); kept on the instance, so the stage stays the HF model.
+    The last stage runs the task model's own forward (its head and whatever follows it: Gemma 2's logit
+    soft-capping, Cohere's logit scale) and returns the logits; the others run the base model's."""
+
+    def __init__(self, part: nn.Module):
+        first, last, lay = part._cl_stage
+        self.first, self.last, self.lay = first, last, lay
+        self.task = last  # the last stage (or the only one) ends in the task model's own head
+        runs = part if self.task else _module(part, lay.base)
+        self.cache = "use_cache" in inspect.signature(type(runs).forward).parameters
+        self.part_ref = [part]  # not an attribute nn.Module would register
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        part = self.part_ref[0]
+        runs = part if self.task else _module(part, self.lay.base)
+        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if self.cache:
+            kw["use_cache"] = False
+        out = type(runs).forward(runs, **kw) if runs is part else runs(**kw)
+        if isinstance(out, torch.Tensor):
+            return out
+        logits = getattr(out, "logits", None) if self.task else None
+        return logits if logits is not None else out[0]
