@@ -1,5 +1,6 @@
 """``cl.plan`` on transformers models and configs: each plugin's predicted peak per rank and tier
-against a real run of the plain HF loop (``model(input_ids=x, labels=x).loss``) on 2 gloo ranks,
+against a real run of the plain HF loop (``model(input_ids=x, labels=x).loss``; under a pipeline
+``execute_pipeline`` with HF batches and the model's own loss) on 2 gloo ranks,
 within the 10% the GPT's plans keep (``test_memory.py``); an HF config plans as its model does; the
 tensor-parallel plugin's refusals come before any work, word for word."""
 
@@ -26,6 +27,8 @@ PLUGINS = {
     "zero2": lambda: LowLevelZeroPlugin(stage=2),
     "gemini_cpu": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32", chunk_size_mb=2),
     "tp2": lambda: HybridParallelPlugin(tp_size=2),
+    "tp2_ac": lambda: HybridParallelPlugin(tp_size=2, activation_checkpointing=True),
+    "pp2": lambda: HybridParallelPlugin(pp_size=2, num_microbatches=2),
 }
 
 
@@ -66,10 +69,14 @@ def _train_and_measure(rank, world, cases):
             meter.start_window()
             losses = []
             for x in data:
-                loss = model(input_ids=x, labels=x).loss
-                booster.backward(loss, opt)
-                losses.append(float(loss))
-                del loss
+                if name == "pp2":  # HF batches, the model's own loss (criterion=None)
+                    res = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)
+                    losses.append(None if res["loss"] is None else float(res["loss"]))
+                else:
+                    loss = model(input_ids=x, labels=x).loss
+                    booster.backward(loss, opt)
+                    losses.append(float(loss))
+                    del loss
                 opt.step()
                 opt.zero_grad()
             if isinstance(plugin, GeminiPlugin):
@@ -93,7 +100,8 @@ def measured():
 def test_predicted_peak_of_an_hf_model_is_within_10pct_of_measured(measured, case):
     family, name = case
     plan = cl.plan(_model(family), PLUGINS[name](), world_size=WORLD, batch=BATCH, seq=SEQ)
-    assert all(0 < v < 20 for rank in range(WORLD) for v in measured[rank][case]["losses"])  # it trained
+    losses = [v for rank in range(WORLD) for v in measured[rank][case]["losses"] if v is not None]
+    assert len(losses) >= STEPS and all(0 < v < 20 for v in losses)  # it trained
     for rank in range(WORLD):
         peaks = measured[rank][case]["peak"]
         for tier in plan.tiers:

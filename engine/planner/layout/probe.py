@@ -44,6 +44,7 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
     import torch.nn.functional as F
 
     from ... import Booster, comm
+    from ...models.hf import is_hf_model
     from ..memory import measure
     from .microbench import logits_of
     from .space import build_model, vocab_of
@@ -58,13 +59,17 @@ def _probe(model_or_config, cand: dict, batch: int, seq: int, steps: int, measur
         torch.manual_seed(0)
         model = build_model(model_or_config)
         vocab = vocab_of(model)
+        # a transformers model takes HF batches and its own loss (the engine's contract for it, docs/hf.md)
+        hf = is_hf_model(model)
+        loss_fn = None if hf else crit
         plugin = c.plugin()
         booster = Booster(plugin=plugin)
-        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), crit)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss_fn)
         x = torch.randint(0, vocab, (batch // c.dp, seq), generator=torch.Generator().manual_seed(0))
+        feed = {"input_ids": x, "labels": x} if hf else {"idx": x, "targets": x}
 
         def step():
-            booster.execute_pipeline(iter([{"idx": x, "targets": x}]), model, crit, opt)
+            booster.execute_pipeline(iter([feed]), model, loss_fn, opt)
             opt.step()
             opt.zero_grad()
 

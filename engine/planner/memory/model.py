@@ -114,7 +114,9 @@ class _Model:
                              f"pass seq <= {block}")
 
     def supports_ac(self) -> bool:
-        return (callable(getattr(self.meta, "enable_activation_checkpointing", None))
+        from ...models.protocol import checkpointing_method
+
+        return (checkpointing_method(self.meta) is not None
                 or isinstance(self.meta, nn.Sequential))
 
     def ac_enabled(self) -> bool:

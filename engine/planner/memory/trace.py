@@ -263,8 +263,11 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
 
 
 def _enable_ac(m: nn.Module) -> None:
-    if callable(getattr(m, "enable_activation_checkpointing", None)):
-        m.enable_activation_checkpointing()
+    from ...models.protocol import checkpointing_method
+
+    own = checkpointing_method(m)  # the model's own, or a transformers model's adapter
+    if own is not None:
+        own()
     elif isinstance(m, nn.Sequential):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
