@@ -134,7 +134,17 @@ class StandIn(nn.Module):
 
 
 class PassThrough(StandIn):
-    """A layer another stage holds: returns its first argument (the hidden states) unchanged."""
+    """A layer another stage holds: returns its first argument (the hidden states) unchanged. It keeps the
+    layer's plain attributes (``attention_type``, ``layer_idx``, ...), which some releases' base forwards
+    read off every layer in the loop."""
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "PassThrough":
+        stand_in = cls()
+        for k, v in vars(layer).items():
+            if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))):
+                setattr(stand_in, k, v)
+        return stand_in
 
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
@@ -187,8 +197,8 @@ def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     memo.update({id(m): None for n in replaced if (m := _module(model, n)) is not None})
     part = copy.deepcopy(model, memo)
     part_layers = part.get_submodule(lay.layers)
-    for i in drop:
-        part_layers[i] = PassThrough()
+    for i, layer in drop.items():
+        part_layers[i] = PassThrough.of(layer)
     for name, kind in replaced.items():
         if _module(model, name) is not None:
             _set(part, name, _STAND_INS[kind]())
