@@ -4,7 +4,8 @@ The floors are the oldest releases the Hugging Face tests pass whole on (``scrip
 runs them there): older transformers 5 releases ship plans the adapter reads as written but that
 train differently (before 5.3, Qwen3's per-head ``q_norm``/``k_norm`` carry no
 ``replicated_with_grad_allreduce`` entry, so their gradients stay partial under tensor parallelism),
-and peft before 0.18 does not import beside transformers 5. pyproject.toml's ``[hf]`` extra states the
+base forwards that a pipeline stage cannot run as cut before 5.5 (OLMo 2's), and peft before 0.18
+does not import beside transformers 5. pyproject.toml's ``[hf]`` extra states the
 same floors (tests/tooling/test_packaging.py holds them together). The check reads the version of
 the package already loaded (an HF model exists, so transformers is): nothing is imported here.
 """
@@ -15,7 +16,7 @@ import re
 import sys
 from typing import Optional, Tuple
 
-TRANSFORMERS_FLOOR = (5, 3)
+TRANSFORMERS_FLOOR = (5, 5)
 PEFT_FLOOR = (0, 18)
 
 
