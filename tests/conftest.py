@@ -20,6 +20,13 @@ def _cuda_available() -> bool:
         return False
 
 
+# Triton reads TRITON_INTERPRET once per process, and some test modules import packages that import
+# triton at their own import (peft does): on a machine without CUDA the Triton kernels' tests run in the
+# interpreter, so it is set here, before any test module is collected.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
