@@ -38,6 +38,7 @@ import tempfile
 import time
 
 import torch
+from rss import reset_peak, rss_mib  # bench/ is sys.path[0] when run as a script
 
 NVME_MARGIN_MIB = 128  # of the RSS budget, kept out of Gemini's RAM tier: activations, autograd grads, IO threads
 
@@ -56,14 +57,6 @@ def _cfg(d, layers=4):
                      activation_checkpointing=True)
 
 
-def _rss_mib(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def trial(kind: str, d: int, layers: int, budget_mib: float, nvme_dir: str) -> dict:
     """One training step of GPT(width d, layers) in this process; reports peak RSS growth.
 
@@ -77,12 +70,8 @@ def trial(kind: str, d: int, layers: int, budget_mib: float, nvme_dir: str) -> d
     _, wl = warm(torch.randint(0, 256, (1, 8)), torch.randint(0, 256, (1, 8)))
     wl.backward()
     del warm, wl
-    try:  # reset the kernel's peak-RSS mark (VmHWM) so import-time peaks do not count
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    base = _rss_mib()
+    reset_peak()  # import-time peaks do not count
+    base = rss_mib()
     torch.manual_seed(0)
     if kind == "torch":
         model = GPT(_cfg(d, layers))
@@ -109,7 +98,7 @@ def trial(kind: str, d: int, layers: int, budget_mib: float, nvme_dir: str) -> d
     opt.step()  # returns after write-behind has landed
     step_s = time.perf_counter() - t0
     rd, wr = (st.bytes_read - r0, st.bytes_written - w0) if st else (0, 0)
-    peak = _rss_mib("VmHWM")
+    peak = rss_mib("VmHWM")
     params = sum(p.numel() for p in model.parameters()) if plugin is None else \
         sum(i.numel for c in model.manager.chunks for i in c.infos)
     if plugin is not None:

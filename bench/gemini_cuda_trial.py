@@ -22,27 +22,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from rss import reset_peak, rss_mib  # bench/ is sys.path[0] when run as a script
 
 GIB = 1 << 30
 #: of the cap, kept out of Gemini's compute tier: activations, logits, the loss's fp32 copy
 GEMINI_MARGIN = 0.25
-
-
-def _rss_mib(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _reset_rss_peak() -> None:
-    """Reset the kernel's peak-RSS mark (VmHWM) so import-time peaks do not count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def _one_rank_group(cuda: bool) -> None:
@@ -145,6 +129,18 @@ def _build_fsdp2(cfg, dev, spec):
     return step, n, None
 
 
+def _booster_step(booster, model, opt, dev):
+    """One training step through a Colossal-AI-shaped booster (ours and Colossal-AI's share the API)."""
+    def step(x):
+        _, loss = model(x[:, :-1].to(dev), x[:, 1:].to(dev))
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def _build_gemini(cfg, dev, spec):
     from colossal_lab.engine import Booster
     from colossal_lab.engine.lazy import lazy_init
@@ -166,14 +162,7 @@ def _build_gemini(cfg, dev, spec):
     model, opt, *_ = booster.boost(model, opt)
     n = sum(i.numel for c in model.manager.chunks for i in c.infos)
 
-    def step(x):
-        _, loss = model(x[:, :-1].to(dev), x[:, 1:].to(dev))
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, n, plugin.close
+    return _booster_step(booster, model, opt, dev), n, plugin.close
 
 
 def _build_colossalai(cfg, dev, spec):  # pragma: no cover - needs colossalai and CUDA
@@ -192,14 +181,7 @@ def _build_colossalai(cfg, dev, spec):  # pragma: no cover - needs colossalai an
     model, opt, *_ = booster.boost(model, opt)
     n = sum(p.numel() for p in model.parameters())
 
-    def step(x):
-        _, loss = model(x[:, :-1].to(dev), x[:, 1:].to(dev))
-        booster.backward(loss, opt)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, n, None
+    return _booster_step(booster, model, opt, dev), n, None
 
 
 def _build_deepspeed(cfg, dev, spec):  # pragma: no cover - needs deepspeed and CUDA
@@ -261,8 +243,8 @@ def run(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(0)
     else:
         _warm_up(spec, dev)
-        _reset_rss_peak()
-    base = _rss_mib()
+        reset_peak()
+    base = rss_mib()
     torch.manual_seed(0)
     cfg = gpt_config(spec)
     x = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"] + 1), generator=torch.Generator().manual_seed(0))
@@ -298,10 +280,10 @@ def run(spec: dict) -> dict:
     if cuda:
         row["peak_bytes"] = torch.cuda.max_memory_allocated(0)
     else:
-        row["peak_bytes"] = int((_rss_mib("VmHWM") - base) * 2 ** 20)
+        row["peak_bytes"] = int((rss_mib("VmHWM") - base) * 2 ** 20)
         if row["ok"] and row["peak_bytes"] > cap:
             row.update(ok=False, error="over cap")
-    row["host_peak_rss_mib"] = _rss_mib("VmHWM")
+    row["host_peak_rss_mib"] = rss_mib("VmHWM")
     dist.destroy_process_group()
     return row
 
