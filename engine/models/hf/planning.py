@@ -50,37 +50,31 @@ def build_model(config) -> nn.Module:
         return transformers.AutoModel.from_config(config)
 
 
-def hidden_width(model: nn.Module) -> Optional[int]:
-    """The activation width of a transformers model (``hidden_size``, GPT-2's ``n_embd``, OPT's
-    ``word_embed_proj_dim`` aside), from its (text) config."""
+def _config_int(model: nn.Module, names) -> Optional[int]:
+    """The first positive int among ``names`` on the model's (text) config; None if none is set."""
     cfg = getattr(model, "config", None)
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
-    for name in ("hidden_size", "n_embd", "d_model"):
+    for name in names:
         n = getattr(cfg, name, None)
         if isinstance(n, int) and n > 0:
             return n
     return None
 
 
+def hidden_width(model: nn.Module) -> Optional[int]:
+    """The activation width of a transformers model (``hidden_size``, GPT-2's ``n_embd``, OPT's
+    ``word_embed_proj_dim`` aside), from its (text) config."""
+    return _config_int(model, ("hidden_size", "n_embd", "d_model"))
+
+
 def vocab_size(model: nn.Module) -> Optional[int]:
-    cfg = getattr(model, "config", None)
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    n = getattr(cfg, "vocab_size", None)
-    return n if isinstance(n, int) else None
+    return _config_int(model, ("vocab_size",))
 
 
 def decoder_layers(model: nn.Module) -> Optional[int]:
     """How many transformer blocks the (text) config names (``num_hidden_layers``, GPT-2's ``n_layer``)."""
-    cfg = getattr(model, "config", None)
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
+    return _config_int(model, ("num_hidden_layers", "n_layer", "num_layers"))
 
 
 def shrink(model: nn.Module, plan: dict, tp: int) -> nn.Module:
