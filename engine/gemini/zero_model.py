@@ -44,6 +44,9 @@ class GeminiModel(ModelWrapper):
             if own:
                 self._handles.append(m.register_forward_pre_hook(self._make_pre_fwd(own)))
                 self._handles.append(m.register_forward_hook(self._make_post_fwd(own)))
+                if any(not p.requires_grad for p in own):
+                    self._handles.append(m.register_forward_pre_hook(self._make_frozen_release(own),
+                                                                     with_kwargs=True))
         for c in manager.chunks:
             for info in c.trainable:
                 self._handles.append(info.param.register_post_accumulate_grad_hook(self._make_grad_hook(c, info)))
@@ -97,6 +100,32 @@ class GeminiModel(ModelWrapper):
 
         for t in tensors:
             t.register_hook(pre_bwd)
+
+    def _make_frozen_release(self, params):
+        """Frozen parameters (a LoRA base) get no gradient, so no gradient hook says when backward is done
+        with them: the module's inputs pass through :class:`_PostBackward`, whose backward runs once the
+        gradients of those inputs exist, i.e. once the module's backward is over; its frozen tensors then
+        leave the pinned state and the chunk may be released, instead of staying gathered to the end of
+        backward. A module none of whose inputs needs a gradient (an embedding) keeps them to the end."""
+        frozen = [(c, [i for i in infos if not i.param.requires_grad]) for c, infos in self._by_chunk(params)]
+        frozen = [(c, infos) for c, infos in frozen if infos]
+
+        def release():
+            for c, infos in frozen:
+                held = [i for i in infos if i.state == TensorState.HOLD_AFTER_BWD]
+                if held:
+                    self._mgr.done(c, held, TensorState.HOLD)
+
+        def hook(module, args, kwargs):
+            if not (torch.is_grad_enabled() and module.training):
+                return None
+            flat = [t for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not flat:
+                return None
+            swapped = dict(zip(map(id, flat), _PostBackward.apply(release, *flat)))
+            return _swap((args, kwargs), swapped)
+
+        return hook
 
     def _make_grad_hook(self, c: Chunk, info: TensorInfo):
         def hook(param):
@@ -165,3 +194,31 @@ def _flatten(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _flatten(o)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward calls ``callback`` (FSDP2's
+    ``RegisterPostBackwardFunction``): it runs once the gradients of those inputs exist."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _swap(obj, new: Dict[int, torch.Tensor]):
+    """``obj`` (nested tuples/lists/dicts of tensors) with the tensors whose ids are keys of ``new`` replaced."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(id(obj), obj)
+    if isinstance(obj, tuple):
+        return tuple(_swap(o, new) for o in obj)
+    if isinstance(obj, list):
+        return [_swap(o, new) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _swap(o, new) for k, o in obj.items()}
+    return obj

@@ -126,12 +126,16 @@ class _Homes:
                 h.nvme_param_chunks.append(c)
             else:
                 h.cats[c.param_home]["params"] += c.shard_bytes
+            # fp32 master + Adam's two moments; a frozen chunk (a LoRA base) keeps its master only and gets
+            # no gradient (Chunk.state_rows)
+            state, grad = 4 * c.state_rows * n, (0 if c.frozen else 4 * n)
             if c.optim_home == "nvme":
-                h.files["state"] += 12 * n
-                h.files["grad"] += 4 * n
+                h.files["state"] += state
+                h.files["grad"] += grad
             else:
-                h.cats[c.optim_home]["optimizer"] += 12 * n - (c.shard_bytes if share else 0)
-                h.grads_ram[c.id] = 4 * n
+                h.cats[c.optim_home]["optimizer"] += state - (c.shard_bytes if share else 0)
+                if grad:
+                    h.grads_ram[c.id] = grad
             if not alias:
                 h.nonalias_full += c.full_bytes
                 h.full_sizes.append(c.full_bytes)
@@ -171,7 +175,7 @@ def _step_host(homes: _Homes, chunks, cap: Optional[int], dtype: torch.dtype) ->
             best = cand
         left_grads -= ram_grads.get(c.id, 0)
         if c.optim_home == "nvme":
-            pending += 12 * c.shard_size + (c.shard_bytes if c.param_home == "nvme" and dtype != torch.float32 else 0)
+            pending += 4 * c.state_rows * c.shard_size + (c.shard_bytes if c.param_home == "nvme" and dtype != torch.float32 else 0)
     return best or {**on_host, "grads": 0, "working": 0}
 
 
