@@ -175,7 +175,8 @@ def _step_host(homes: _Homes, chunks, cap: Optional[int], dtype: torch.dtype) ->
             best = cand
         left_grads -= ram_grads.get(c.id, 0)
         if c.optim_home == "nvme":
-            pending += 4 * c.state_rows * c.shard_size + (c.shard_bytes if c.param_home == "nvme" and dtype != torch.float32 else 0)
+            low = c.param_home == "nvme" and dtype != torch.float32  # its low-precision parameter shard too
+            pending += 4 * c.state_rows * c.shard_size + (c.shard_bytes if low else 0)
     return best or {**on_host, "grads": 0, "working": 0}
 
 
