@@ -34,11 +34,12 @@ def seq_boundary(n_inputs: int = 1, into: Optional[str] = None, out: Optional[st
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = None,
-                          sequence_parallel: bool = False) -> nn.Module:
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
     """Shard ``module`` in place over ``tp_mesh`` (a 1-D DeviceMesh) and return it.
 
     ``plan`` (the user's) wins over the module's ``tp_plan()`` and then carries any sequence
-    parallelism itself."""
+    parallelism itself. ``loss_parallel``: a transformers model's LM head keeps vocabulary-sharded logits
+    for a call with labels (``models/hf/vocab_parallel.py``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() == 1:
@@ -48,7 +49,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = Non
     if reads_dict_plan(module):  # transformers' tp_plan is a dict property, read by the adapter
         from .models.hf import apply_tensor_parallel as apply_hf
 
-        return apply_hf(module, tp_mesh, plan)
+        return apply_hf(module, tp_mesh, plan, loss_parallel=loss_parallel)
     if plan is None:
         own = getattr(module, "tp_plan", None)
         if not callable(own):

@@ -94,7 +94,8 @@ class HybridParallelPlugin(Plugin):
                  pp_style: str = "1f1b", num_model_chunks: int = 1, sequence_parallel: bool = False,
                  precision: str = "fp32", activation_checkpointing: Union[bool, str] = False, *,
                  tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1,
-                 cp_size: int = 1, cp_mode: str = "ring", activation_budget: Optional[int] = None):
+                 cp_size: int = 1, cp_mode: str = "ring", activation_budget: Optional[int] = None,
+                 loss_parallel: bool = True):
         from ..autockpt_dist import check_budget
         from ..context_parallel import MODES as CP_MODES
         from ..tp_nd.grid import factor
@@ -150,6 +151,7 @@ class HybridParallelPlugin(Plugin):
         self.tp_plan, self.input_key = tp_plan, input_key
         self.tp_mode, self.tp_depth = tp_mode, tp_depth
         self.cp_size, self.cp_mode = cp_size, cp_mode
+        self.loss_parallel = bool(loss_parallel)
         self.dims: Optional[ParallelDims] = None  # the mesh and its groups, once configured
         self._scaler: Optional[DynamicLossScaler] = None
         self.grads = GradSync(TiedCopies(), None)  # the gradient sync at optimizer.step(), once configured
@@ -235,7 +237,8 @@ class HybridParallelPlugin(Plugin):
         # one overflow vote over every rank (group=None): see HybridParallelOptimizer
         self._scaler = DynamicLossScaler() if self.precision == "fp16" else None
         prepare = functools.partial(prepare_part, dims=dims, grid=grid, tp_plan=self.tp_plan, nd_params=nd_params,
-                                    sequence_parallel=self.sequence_parallel, wrap=ckpt.every and not ckpt.own)
+                                    sequence_parallel=self.sequence_parallel, wrap=ckpt.every and not ckpt.own,
+                                    loss_parallel=self.loss_parallel)
         hp_model = apply_pipeline(model, spec, dims, prepare, autocast_dtype(self.precision), self.input_key,
                                   loss_scale=lambda: self._scaler.scale if self._scaler else 1.0)
         self._ac_vote = ckpt.auto and self.pp_size > 1
@@ -270,6 +273,14 @@ class HybridParallelPlugin(Plugin):
         return ckpt
 
     # ---- the pipeline ---------------------------------------------------------------------
+    def backward(self, loss, optimizer) -> None:
+        """As every plugin's, inside ``loss_parallel()`` where a transformers model's loss was computed on
+        vocabulary-sharded logits (its backward needs the same context)."""
+        from ..models.hf.vocab_parallel import backward_context
+
+        with backward_context():
+            super().backward(loss, optimizer)
+
     def execute_pipeline(self, data_iter: Iterator, model: HybridParallelModule, criterion: Callable,
                          optimizer=None, return_loss: bool = True, return_outputs: bool = False) -> dict:
         """Forward and backward of one batch (``next(data_iter)``; every rank of a pipeline

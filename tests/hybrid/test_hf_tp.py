@@ -63,10 +63,17 @@ def _opt():  # no plan in transformers: the built-in table; reshapes by num_head
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(SEED)
-    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
-                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
-                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                                    pad_token_id=1))
+    model = OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                                     vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
+                                     dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=1))
+    # a key bias adds the same score to every key of a query, so softmax cancels it and its gradient is
+    # rounding noise, which AdamW scales up to full-size steps: whichever order the ranks sum in, the
+    # curves would part on noise. It stays fixed (in the reference too).
+    for name, p in model.named_parameters():
+        if name.endswith("k_proj.bias"):
+            p.requires_grad_(False)
+    return model
 
 
 def _bert():  # an encoder, no plan in transformers: the built-in table (encoder layers)
@@ -133,6 +140,7 @@ def _train(rank, world, name, plugin_name):
     plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
               "tp2_old_names": lambda: HybridParallelPlugin(tp_size=2, tp_plan=OLD_NAMES),
               "tp2_mlp_only": lambda: HybridParallelPlugin(tp_size=2, tp_plan=GPT2_MLP_ONLY),
+              "tp2_gathered": lambda: HybridParallelPlugin(tp_size=2, loss_parallel=False),
               "zero2": lambda: LowLevelZeroPlugin(stage=2),
               "gemini": lambda: GeminiPlugin(placement_policy="cpu", precision="fp32")}[plugin_name]()
     booster = Booster(plugin=plugin)
@@ -152,13 +160,22 @@ def _train(rank, world, name, plugin_name):
                                 and p.to_local().shape != p.shape)
         head = inner.get_output_embeddings()
         out["tied"] = head.weight is inner.get_input_embeddings().weight
+        x = batch(0)[0].contiguous()
+        with torch.no_grad():  # with labels: vocabulary-sharded logits; without: gathered whole
+            trained = model(input_ids=x, labels=x)
+            plain = model(input_ids=x).logits
+        out["logits_with_labels"] = [str(pl) for pl in getattr(trained.logits, "placements", ())]
+        out["loss_is_plain"] = type(trained.loss) is torch.Tensor
+        out["logits_plain"] = type(plain) is torch.Tensor
+        whole = trained.logits.full_tensor() if hasattr(trained.logits, "full_tensor") else trained.logits
+        out["logits_agree"] = torch.allclose(whole, plain, atol=1e-5)
         plugin.close()
     return out
 
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
          ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("bloom", "tp2"), ("gpt2", "tp2_mlp_only"),
-         ("gpt2_odd_vocab", "tp2"),
+         ("gpt2_odd_vocab", "tp2"), ("llama", "tp2_gathered"),
          ("llama", "ddp"), ("llama", "zero2"), ("llama", "gemini")]
 
 
@@ -204,6 +221,22 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "model.layers.1.self_attn.q_proj.bias" in runs[0][("qwen2", "tp2")]["sharded"]
     bloom = runs[0][("bloom", "tp2")]
     assert "transformer.h.1.self_attention.query_key_value.weight" in bloom["sharded"] and bloom["tied"]
+
+
+def test_the_lm_head_and_loss_are_vocabulary_parallel_where_the_plan_gathers_the_head(runs):
+    """With labels, the head's logits stay sharded over the vocabulary (Shard(-1)) and the model's own loss
+    runs on the shards; without labels they come back whole; loss_parallel=False gathers them always. Which
+    models: those whose plan gathers an nn.Linear head (Llama's own plan from 5.21, the tables' OPT, BLOOM)."""
+    own = MODELS["llama"]().tp_plan
+    for r in runs:
+        for case, res in r.items():
+            if not case[1].startswith("tp2"):
+                continue
+            assert res["loss_is_plain"] and res["logits_plain"] and res["logits_agree"], case
+        gathers = "lm_head" in own  # the model's own plan names the head (transformers >= 5.21)
+        assert r[("llama", "tp2")]["logits_with_labels"] == (["S(2)"] if gathers else []), own
+        assert r[("opt", "tp2")]["logits_with_labels"] == ["S(2)"]
+        assert r[("llama", "tp2_gathered")]["logits_with_labels"] == []
 
 
 def _tp2_dp2(rank, world):

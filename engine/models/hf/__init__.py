@@ -93,17 +93,26 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     check_ties(model, plan)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,
+                          loss_parallel: bool = False) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan; tied weights stay one parameter and
-    the built-in table's head counts become one rank's share."""
+    the built-in table's head counts become one rank's share. ``loss_parallel``: an LM head the plan gathers
+    keeps its logits vocabulary-sharded when the model is called with labels (:mod:`.vocab_parallel`)."""
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from . import vocab_parallel
 
     tp = tp_mesh.size()
     if tp == 1:
         return model
     ties = tied_weights(model)  # before: parallelize_module gives each owner its own new parameter
-    styles = torch_plan(model, resolve_plan(model, user_plan, tp)[0])
+    plan = resolve_plan(model, user_plan, tp)[0]
+    styles = torch_plan(model, plan)
+    heads = vocab_parallel.head_names(model, plan) if loss_parallel else []
+    styles.update({name: vocab_parallel.head_style() for name in heads})
     parallelize_module(model, tp_mesh, styles)
+    for name in heads:
+        vocab_parallel.install(model, name)
     for names in ties:
         first = model.get_parameter(names[0])
         for name in names[1:]:

@@ -50,9 +50,10 @@ def nd_grid(dims: ParallelDims, tp_mode: str, sizes: Dict[str, int]):
 
 
 def apply_tp(part: nn.Module, dims: ParallelDims, grid, tp_plan: Optional[dict], sequence_parallel: bool,
-             nd_params: dict) -> nn.Module:
+             nd_params: dict, loss_parallel: bool = False) -> nn.Module:
     """This part's planned modules in their N-d grid form (their specs added to ``nd_params``), or
-    DTensor's 1D tensor parallelism over the tp mesh."""
+    DTensor's 1D tensor parallelism over the tp mesh (``loss_parallel``: a vocabulary-parallel LM head
+    and loss where the model's plan allows, without a pipeline)."""
     if grid is not None:
         from ...tp_nd import convert, resolve_plan
 
@@ -60,7 +61,8 @@ def apply_tp(part: nn.Module, dims: ParallelDims, grid, tp_plan: Optional[dict],
         return part
     from ...tensor_parallel import apply_tensor_parallel
 
-    return apply_tensor_parallel(part, dims.tp_mesh, tp_plan, sequence_parallel)
+    return apply_tensor_parallel(part, dims.tp_mesh, tp_plan, sequence_parallel,
+                                 loss_parallel=loss_parallel and dims.pp == 1)
 
 
 def apply_checkpoint_wrappers(part: nn.Sequential) -> None:
@@ -73,9 +75,9 @@ def apply_checkpoint_wrappers(part: nn.Sequential) -> None:
 
 
 def prepare_part(part: nn.Module, *, dims: ParallelDims, grid, tp_plan, sequence_parallel: bool, wrap: bool,
-                 nd_params: dict) -> nn.Module:
+                 nd_params: dict, loss_parallel: bool = False) -> nn.Module:
     """What every part (the model, or a stage's copy) goes through before it becomes a stage."""
-    part = apply_tp(part, dims, grid, tp_plan, sequence_parallel, nd_params)
+    part = apply_tp(part, dims, grid, tp_plan, sequence_parallel, nd_params, loss_parallel)
     # the ranks whose collectives run inside the part's layers: every "auto" plan is agreed over them
     part._checkpoint_groups = dims.checkpoint_groups
     if wrap:
