@@ -1,14 +1,16 @@
-"""Benchmark: each kernel's dispatched path (``backend=None``) against its baseline.
+"""Benchmark: each kernel against its baseline; on a GPU, the measurements the dispatcher decides by.
 
-On CUDA the dispatched path is Triton: flash attention fwd+bwd vs torch SDPA, RMSNorm fwd+bwd vs
-the unfused torch norm, int8 weight-only linear vs a bf16 linear at decode shapes, fused AdamW
-vs ``torch.optim.AdamW(fused=True)``. On CPU it is the best torch path (SDPA vs the math
-reference, ``aten._weight_int8pack_mm`` vs an fp32 linear, torch's fused AdamW vs the
-default foreach AdamW) — those figures say nothing about Triton. Contenders alternate
+On CUDA "ours" is the Triton kernel (``backend="triton"``): flash attention fwd+bwd vs torch SDPA,
+RMSNorm fwd+bwd vs the unfused torch norm, int8 weight-only linear vs a bf16 linear at decode shapes,
+fused AdamW vs ``torch.optim.AdamW(fused=True)``; ``--record FILE`` writes one record per op for this
+GPU in the form of ``kernels/measured.py`` (``backend=None`` runs Triton only where its ratio is >= 1),
+and the JSON says what ``backend=None`` chose (``kernels.chosen()``). On CPU "ours" is the dispatched
+torch path (SDPA vs the math reference, ``aten._weight_int8pack_mm`` vs an fp32 linear, torch's fused
+AdamW vs the default foreach AdamW): those figures say nothing about Triton. Contenders alternate
 repeat by repeat. Prints one JSON line; each ``speed_ratio`` is baseline median time ÷ ours
 (> 1: ours is faster), with the raw medians in ms.
 
-    python bench/kernels.py [--repeats 15]
+    python bench/kernels.py [--repeats 15] [--record measured.json]
 """
 
 from __future__ import annotations
@@ -51,13 +53,18 @@ def duel(name, ours, base, device, repeats, iters):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--record", metavar="FILE", help="on a GPU: write this device's records for kernels/measured.py")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    if args.record and not cuda:
+        ap.error("--record: the records say whether a Triton kernel beats torch on a GPU; there is no CUDA "
+                 "device here (run it on the GPU, e.g. in scripts/gpu-check.sh's machine)")
     dev = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     out = {"device": torch.cuda.get_device_name(0) if cuda else f"cpu x{torch.get_num_threads()} threads",
-           "dispatched_backend": "triton" if cuda and kernels.triton_available() else "torch"}
+           "ours": "triton" if cuda else "the dispatched torch path"}
     R = args.repeats
+    be = "triton" if cuda else None  # on a GPU, time the kernel itself, whatever the dispatcher would pick
 
     # flash attention fwd+bwd
     if cuda:
@@ -68,7 +75,7 @@ def main() -> None:
     do = torch.randn(B, H, T, D, device=dev, dtype=dt)
 
     def fa_ours():
-        torch.autograd.grad(kernels.flash_attention(q, k, v, causal=True), (q, k, v), do)
+        torch.autograd.grad(kernels.flash_attention(q, k, v, causal=True, backend=be), (q, k, v), do)
 
     if cuda:
         def fa_base():
@@ -87,7 +94,7 @@ def main() -> None:
     w = torch.ones(dim, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(rows, dim, device=dev, dtype=dt)
     out["rms_norm_fwd_bwd"] = {"shape": [rows, dim], "dtype": str(dt), "baseline": "unfused_torch",
-                               **duel("rn", lambda: torch.autograd.grad(kernels.rms_norm(x, w), (x, w), dy),
+                               **duel("rn", lambda: torch.autograd.grad(kernels.rms_norm(x, w, backend=be), (x, w), dy),
                                       lambda: torch.autograd.grad(kernels.rms_norm_reference(x, w), (x, w), dy),
                                       dev, R, 5)}
 
@@ -102,7 +109,7 @@ def main() -> None:
         out[f"int8_linear_decode_M{M}"] = {
             "shape": [M, K, N], "activations": str(adt), "baseline": f"{str(adt).split('.')[-1]}_linear",
             "weight_bytes_ratio": round(wf.numel() * wf.element_size() / (qw.numel() + s.numel() * 4), 3),
-            **duel("i8", lambda: kernels.int8_linear(xa, qw, s), lambda: F.linear(xa, wf), dev, R, 20)}
+            **duel("i8", lambda: kernels.int8_linear(xa, qw, s, backend=be), lambda: F.linear(xa, wf), dev, R, 20)}
 
     # fused AdamW over a ~16M-element (GPU) / 2M (CPU) fp32 chunk in 8 tensors
     n = (2 << 20) if cuda else (1 << 18)
@@ -111,11 +118,38 @@ def main() -> None:
     for p, p2 in zip(ps, qs):
         p.grad = torch.randn_like(p)
         p2.grad = p.grad.clone()
-    ours = kernels.FusedAdamW(ps, lr=1e-3)
+    ours = kernels.FusedAdamW(ps, lr=1e-3, backend=be)
     base = torch.optim.AdamW(qs, lr=1e-3, fused=True) if cuda else torch.optim.AdamW(qs, lr=1e-3)
     out["fused_adamw"] = {"numel": 8 * n, "baseline": "torch_adamw_fused" if cuda else "torch_adamw_foreach",
                           **duel("adam", ours.step, base.step, dev, R, 5)}
+    if cuda:  # what backend=None now runs for each op on this GPU, and why
+        kernels.flash_attention(q, k, v, causal=True)
+        kernels.rms_norm(x, w)
+        kernels.int8_linear(xa, qw, s)
+        kernels.fused_adamw([ps[0].detach()], [ps[0].grad], [torch.zeros_like(ps[0])], [torch.zeros_like(ps[0])],
+                            step=1)
+        out["backend_none_chose"] = {op: list(v) for op, v in kernels.chosen().items()}
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(records(out), f, indent=1)
     print(json.dumps(out))
+
+
+#: bench entry -> (op, shape class) of kernels/measured.py
+RECORDED = {"flash_attention_fwd_bwd": ("flash_attention", "any"), "rms_norm_fwd_bwd": ("rms_norm", "any"),
+            "int8_linear_decode_M1": ("int8_linear", "decode"), "fused_adamw": ("fused_adamw", "any")}
+
+
+def records(out: dict, when: str = "") -> list:
+    """``kernels/measured.py`` records from one run's JSON (``when``: its date and commit)."""
+    if not when:
+        import subprocess
+
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        when = f"{time.strftime('%Y-%m-%d')} {rev}".strip()
+    return [{"op": op, "klass": klass, "device": out["device"], "ratio": out[key]["speed_ratio"],
+             "baseline": out[key]["baseline"], "when": when}
+            for key, (op, klass) in RECORDED.items() if key in out]
 
 
 if __name__ == "__main__":

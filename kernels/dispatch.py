@@ -1,9 +1,10 @@
 """The one dispatch rule every kernel in this package follows.
 
-``backend=None``  → Triton when the tensor lives on CUDA and Triton imports, else the best
-                    plain-torch path for that op (SDPA for attention, ``aten._weight_int8pack_mm``
-                    for int8 on CPU, ...). A shape or dtype the Triton kernel lacks falls back to
-                    the torch path here (documented fallback, never silent wrong numbers).
+``backend=None``  → on CUDA, Triton where it has earned its place (:mod:`.earned`: measured at least
+                    as fast as torch's path for that op on this GPU), else the best plain-torch path
+                    for that op (SDPA for attention, ``aten._weight_int8pack_mm`` for int8 on CPU,
+                    ...). A shape or dtype the Triton kernel lacks falls back to the torch path here
+                    (documented fallback, never silent wrong numbers).
 ``"triton"``      → force the Triton kernel. On CPU tensors this needs ``TRITON_INTERPRET=1``
                     set before the first kernel is built (Triton decides at decoration time).
                     A shape or dtype the kernel lacks is a ``ValueError``.
@@ -47,19 +48,28 @@ def check_backend(op: str, backend: Optional[str]) -> None:
                          "(None picks Triton on CUDA and the best torch path elsewhere)")
 
 
-def choose(op: str, x: torch.Tensor, backend: Optional[str], triton_ok: Optional[str] = None) -> str:
+def choose(op: str, x: torch.Tensor, backend: Optional[str], triton_ok: Optional[str] = None,
+           klass: str = "any") -> str:
     """Resolve ``backend`` to ``"triton"`` or ``"torch"`` for tensor ``x``.
 
     ``triton_ok`` is None when the Triton kernel supports this call, else the reason it does
     not: with ``backend=None`` that means the torch path, with ``backend="triton"`` an error.
+    ``klass`` names the call's shape class for the measurements (``earned.verdict``).
     """
     check_backend(op, backend)
     if backend == "torch":
         return "torch"
     if backend is None:
-        if x.is_cuda and triton_available() and triton_ok is None:
-            return "triton"
-        return "torch"
+        if not x.is_cuda:
+            return "torch"
+        from . import earned
+
+        if not triton_available() or triton_ok is not None:
+            earned.note(op, "torch", "triton is not importable" if triton_ok is None else triton_ok)
+            return "torch"
+        who, why = earned.verdict(op, torch.cuda.get_device_name(x.device), klass)
+        earned.note(op, who, why)
+        return who
     # forced Triton
     if not triton_available():
         raise RuntimeError(f"{op}: backend='triton' but triton is not importable here; "

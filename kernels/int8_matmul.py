@@ -31,6 +31,7 @@ from .dispatch import check_backend, choose, lazy_kernels
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DECODE_ROWS = _cpu.MAX_ROWS
+GEMV_ROWS = 16  # up to this many rows a call is decode-shaped (a GEMV's class in the kernel measurements)
 PACK_K = 32  # in-features the aten int8 kernel handles safely here
 
 
@@ -161,7 +162,8 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scale: torch.Tensor,
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"int8_linear: bias must have shape ({N},), got {tuple(bias.shape)}")
     why = None if x.dtype in DTYPES else f"dtype {x.dtype} (the kernel takes {DTYPES})"
-    which = choose("int8_linear", x, backend, why)
+    rows = x.numel() // max(1, x.shape[-1])
+    which = choose("int8_linear", x, backend, why, klass="decode" if rows <= GEMV_ROWS else "prefill")
     if which == "triton":
         return _Int8Linear.apply(x, weight_int8, scale, bias)
     if backend == "torch":
