@@ -13,10 +13,13 @@ statistics over a slice of the hidden dimension, silently wrong). Roles:
 ``embedding``   ``nn.Embedding`` (token or position ids -> the stream)
 ``rmsnorm``     RMSNorm over the stream's hidden dimension (``weight``; ``eps`` from the module, or
                 the role given as ``("rmsnorm", eps)``)
+``layernorm``   LayerNorm over the stream's hidden dimension (``weight``, ``bias``; ``eps`` likewise)
 ==============  =====================================================================================
 
 Each converted module keeps its parameter names (``weight``/``bias``) and holds this rank's block of
-them (:func:`specs` says which), built by slicing the full tensors the model was created with.
+them (:func:`specs` says which), built by slicing the full tensors the model was created with. A
+subclass of ``nn.Embedding`` keeps its own forward (OPT's learned positions add an offset before the
+lookup): only the lookup it inherits runs on the sharded weight.
 Attention, activations and residual adds run unchanged on the local block: the reference GPT infers
 its heads from the local width, so a (batch piece, head piece) block is a whole attention problem.
 """
@@ -30,23 +33,29 @@ import torch.nn as nn
 
 from .grid import Layout, Spec, check_spec, layouts
 
-ROLES = ("colwise", "rowwise", "head", "embedding", "rmsnorm")
+ROLES = ("colwise", "rowwise", "head", "embedding", "rmsnorm", "layernorm")
+NORMS = ("rmsnorm", "layernorm")
 
 
 # ---- which module is what -----------------------------------------------------------------------
 
 def _role(value) -> Tuple[str, dict]:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "rmsnorm":
-        return "rmsnorm", {"eps": float(value[1])}
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in NORMS:
+        return value[0], {"eps": float(value[1])}
     if isinstance(value, str) and value in ROLES:
         return value, {}
-    raise ValueError(f"tp_nd_plan: role {value!r} is not one of {ROLES} (or ('rmsnorm', eps))")
+    raise ValueError(f"tp_nd_plan: role {value!r} is not one of {ROLES} (or (norm role, eps))")
 
 
-def resolve_plan(model: nn.Module, tp_plan: Optional[dict] = None) -> Dict[str, Tuple[str, dict]]:
-    """``{module name: (role, options)}`` for ``model``; ``ValueError`` naming what is missing."""
+def resolve_plan(model: nn.Module, tp_plan: Optional[dict] = None,
+                 roles: Optional[dict] = None) -> Dict[str, Tuple[str, dict]]:
+    """``{module name: (role, options)}`` for ``model``; ``ValueError`` naming what is missing.
+    ``roles`` (``{module name: role}``) stands for a ``tp_nd_plan()`` the model lacks (the
+    transformers adapter derives it from the model's own 1D plan)."""
     own = getattr(model, "tp_nd_plan", None)
-    if callable(own):
+    if roles is not None:
+        raw = dict(roles)
+    elif callable(own):
         raw = dict(own())
     else:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -106,6 +115,8 @@ def specs(role: str, mode: str) -> Dict[str, Spec]:
     hidden = (stream.hidden,) + stream.batch
     if role == "embedding":
         return {"weight": ((), hidden)}
+    if role == "layernorm":
+        return {"weight": (hidden,), "bias": (hidden,)}
     return {"weight": (hidden,)}
 
 
@@ -123,13 +134,16 @@ def check(model: nn.Module, plan, mode: str, sizes: Dict[str, int], tp_size: int
             if m.max_norm is not None or m.sparse:
                 raise ValueError(f"N-d tensor parallelism: embedding {name!r} uses max_norm/sparse, which the "
                                  "sharded embedding does not implement")
-        if role == "rmsnorm":
-            if getattr(m, "bias", None) is not None or getattr(m, "weight", None) is None or m.weight.dim() != 1:
-                raise ValueError(f"N-d tensor parallelism: {name!r} has role 'rmsnorm' but is not a norm with one "
-                                 "1-D weight and no bias")
+        if role in NORMS:
+            w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+            has_bias = isinstance(b, torch.Tensor)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1 or has_bias != (role == "layernorm") or (
+                    has_bias and b.shape != w.shape):
+                what = "a 1-D weight and bias" if role == "layernorm" else "one 1-D weight and no bias"
+                raise ValueError(f"N-d tensor parallelism: {name!r} has role {role!r} but is not a norm with {what}")
             if "eps" not in opts and _eps(m) is None:
                 raise ValueError(f"N-d tensor parallelism: norm {name!r} has no eps attribute; give its role as "
-                                 "('rmsnorm', eps) in tp_nd_plan()")
+                                 f"({role!r}, eps) in tp_nd_plan()")
         for pname, spec in specs(role, mode).items():
             p = getattr(m, pname, None)
             if isinstance(p, torch.Tensor):
@@ -152,7 +166,7 @@ def convert(model: nn.Module, grid, plan) -> Dict[str, Tuple[Spec, Tuple[int, ..
     from .layers_2d import Linear2D
     from .layers_2p5d import Linear2p5D
     from .layers_3d import Linear3D
-    from .layers_common import Embedding, RMSNorm, VocabShard
+    from .layers_common import Embedding, LayerNorm, RMSNorm, VocabShard, adopt_embedding
 
     mode = grid.mode
     stream, inner = layouts(mode)
@@ -178,8 +192,13 @@ def convert(model: nn.Module, grid, plan) -> Dict[str, Tuple[Spec, Tuple[int, ..
                 V = old.out_features
                 new.vocab = VocabShard(grid.group((lout.hidden,)), grid.coords[lout.hidden] * (V // grid.q), V,
                                        grid.group(lout.batch))
+        elif role == "embedding" and type(old) is not nn.Embedding:
+            new = adopt_embedding(old, blocks["weight"], grid, stream)
         elif role == "embedding":
             new = Embedding(blocks["weight"], grid, stream, old.padding_idx)
+        elif role == "layernorm":
+            new = LayerNorm(blocks["weight"], blocks["bias"], opts.get("eps", _eps(old)), old.weight.shape[0], grid,
+                            stream)
         else:
             new = RMSNorm(blocks["weight"], opts.get("eps", _eps(old)), old.weight.shape[0], grid, stream)
         new.train(old.training)
