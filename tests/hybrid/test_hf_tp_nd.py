@@ -1,8 +1,8 @@
 """2D / 2.5D / 3D tensor parallelism for transformers models, and the plain loop under every mode.
 
-Tiny random Llama (grouped-query attention), Qwen2 (q/k/v biases) and OPT (LayerNorm with bias, learned
-positions with an offset, heads reshaped by ``num_heads``) take their 2D/2.5D/3D roles from their own 1D
-plan and train with the plain HF loop (``loss = model(input_ids=x, labels=x).loss;
+Tiny random Llama (grouped-query attention), Qwen2 (q/k/v biases), OPT (LayerNorm with bias, learned
+positions with an offset, heads reshaped by ``num_heads``) and GPT-2 (``Conv1D`` weights stored (in, out),
+``c_attn`` packing q | k | v) take their 2D/2.5D/3D roles from their own 1D plan and train with the plain HF loop (``loss = model(input_ids=x, labels=x).loss;
 booster.backward(loss, optimizer)``), every rank handed the whole batch: loss and gradient norm follow
 the single-process fp32 curve within 1e-4 relative over 5 AdamW steps, under 2D and 2.5D (depth 1) on
 four ranks and 3D on eight. ``execute_pipeline`` with the model's own loss does the same under 2D, and the
@@ -54,12 +54,13 @@ def _opt(**kw):  # the built-in table; LayerNorm with bias; its own head (a tied
     return OPTForCausalLM(OPTConfig(**{**cfg, **kw}))
 
 
-def _gpt2():
+def _gpt2(**kw):  # the built-in table: Conv1D weights (in, out), c_attn packing q | k | v; its own head
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(SEED)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0))
+    cfg = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    return GPT2LMHeadModel(GPT2Config(**{**cfg, **kw}))
 
 
 def _gpt():
@@ -69,7 +70,7 @@ def _gpt():
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
 
 
-MODELS = {"llama": _llama, "qwen2": _qwen2, "opt": _opt, "gpt": _gpt}
+MODELS = {"llama": _llama, "qwen2": _qwen2, "opt": _opt, "gpt2": _gpt2, "gpt": _gpt}
 
 
 def _loop(model, opt, booster, hf=True):
@@ -131,8 +132,8 @@ def _train(name, mode, depth=1, loop=_loop):
     return {"losses": losses, "norms": norms, "whole_equals_plain": same, "kinds": kinds}
 
 
-FOUR = [(n, m) for m in ("2d", "2.5d") for n in ("llama", "qwen2", "opt")] + [("gpt", "2d")]
-EIGHT = [("llama", "3d"), ("qwen2", "3d"), ("opt", "3d")]
+FOUR = [(n, m) for m in ("2d", "2.5d") for n in ("llama", "qwen2", "opt", "gpt2")] + [("gpt", "2d")]
+EIGHT = [("llama", "3d"), ("qwen2", "3d"), ("opt", "3d"), ("gpt2", "3d")]
 
 
 def _four(rank, world):
@@ -180,6 +181,7 @@ def test_the_layers_became_grid_layers(four):
     assert {"Linear2D", "LayerNorm", "Embedding", "NdOPTLearnedPositionalEmbedding"} <= set(kinds), kinds
     assert "Linear" not in kinds  # every nn.Linear, the head too, is a grid layer
     assert {"Linear2p5D", "RMSNorm"} <= set(four[0][("llama", "2.5d")]["kinds"])
+    assert "Conv1D" not in four[0][("gpt2", "2d")]["kinds"]  # stored (in, out) in its blocks: transposed
 
 
 # ---- refused before any process group exists ---------------------------------------------------------
@@ -200,10 +202,15 @@ def test_heads_that_do_not_divide_over_the_grid_side_name_the_sizes_that_work():
 
 
 def test_what_the_layouts_cannot_run_is_named():
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*Conv1D.*tp_mode='1d'"):
-        _configure(_gpt2(), tp_size=4, tp_mode="2d")
     with pytest.raises(ValueError, match=r"one tied parameter.*untie"):
         _configure(_opt(tie_word_embeddings=True), tp_size=4, tp_mode="2d")
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*one tied parameter"):
+        _configure(_gpt2(tie_word_embeddings=True), tp_size=4, tp_mode="2d")
+    from transformers import BloomConfig, BloomForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
+    with pytest.raises(ValueError, match=r"BloomForCausalLM.*ALiBi.*tp_mode='1d'"):
+        _configure(bloom, tp_size=4, tp_mode="2d")
     with pytest.raises(ValueError, match=r"pipeline stages.*pp_size=1"):
         _configure(_llama(), tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=2)
     from transformers import Qwen3Config, Qwen3ForCausalLM

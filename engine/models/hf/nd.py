@@ -6,9 +6,10 @@ the 1D adapter reads (:func:`.plan.read_plan`: ``model.tp_plan``, ``config.base_
 :mod:`.tables`): a column style is ``colwise``, a row style ``rowwise``, the output embeddings the
 ``head``, every ``nn.Embedding`` an ``embedding``, and each norm over the hidden size a ``rmsnorm``
 (weight, no bias) or ``layernorm`` (weight and bias), after checking on a small input that the module
-computes that formula (a norm of another kind, Gemma's ``(1 + weight)``, would be silently wrong). Anything
-else that holds parameters is an error naming it, as is what the layouts cannot run yet: ``Conv1D``
-weights and packed projections (GPT-2 and kin), ALiBi (BLOOM), per-head norms (Qwen3's ``q_norm``).
+computes that formula (a norm of another kind, Gemma's ``(1 + weight)``, would be silently wrong). A
+``Conv1D`` (GPT-2 and kin: weight ``(in, out)``) is a linear role with ``transposed``, a packed style
+(GPT-2's ``c_attn``: q | k | v) one with ``parts``. Anything else that holds parameters is an error naming
+it, as is what the layouts cannot run yet: ALiBi (BLOOM), per-head norms (Qwen3's ``q_norm``).
 
 Attention runs unchanged on a rank's heads: transformers reshapes by ``-1`` heads (or by the table's
 ``per_rank`` attributes, divided here by the grid side ``q``), so the checks ask that heads and key/value
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -76,39 +77,42 @@ def _norm_role(name: str, mod: nn.Module, hidden: Optional[int], mode: str) -> O
     return role
 
 
-def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, str]:
+def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, Union[str, tuple]]:
     """``{module name: role}`` for :func:`...tp_nd.resolve_plan` from the model's 1D ``plan`` (patterns to
     style names); a ``ValueError`` naming the first module or style these layouts cannot run."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if TABLES.get(model_type, {}).get("alibi"):
         raise _refuse(f"{type(model).__name__} adds an ALiBi bias per head", mode)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
-    roles: Dict[str, str] = {}
+    roles: Dict[str, Union[str, tuple]] = {}
     for pattern, name, mod in _matches(plan, model):
         entry = plan[pattern]
         if not isinstance(entry, (str, tuple)):
             raise _refuse(f"tp_plan entry {pattern!r} is a torch ParallelStyle (give transformers' style names)", mode)
         check_name(entry, pattern)
-        style, _ = _parse(entry)
+        style, opts = _parse(entry)
         if style in WHOLE:
             continue
         if style == "replicated_with_grad_allreduce":
             raise _refuse(f"{name!r} ({type(mod).__name__}) is a per-head norm kept whole on every rank", mode)
-        if is_conv1d(mod) or style == "packed_colwise":
-            raise _refuse(f"{name!r} is a {type(mod).__name__} with style {style!r} (Conv1D weights or packed "
-                          "projections, as GPT-2's)", mode)
+        conv = is_conv1d(mod)
         if isinstance(mod, nn.Embedding):
             roles[name] = "embedding"
-        elif not isinstance(mod, nn.Linear):
+            continue
+        if not (conv or isinstance(mod, nn.Linear)):
             raise _refuse(f"{name!r} is a {type(mod).__name__} with style {style!r}", mode)
-        elif style in HEAD and mod is head:
-            roles[name] = "head"
-        elif style in COLUMN:
-            roles[name] = "colwise"
+        if style in HEAD and mod is head and not conv:
+            role = "head"
+        elif style in COLUMN or style == "packed_colwise":
+            role = "colwise"
         elif style in ROW:
-            roles[name] = "rowwise"
+            role = "rowwise"
         else:
-            raise _refuse(f"{name!r} has style {style!r}", mode)
+            raise _refuse(f"{name!r} ({type(mod).__name__}) has style {style!r}", mode)
+        options = {"transposed": True} if conv else {}
+        if style == "packed_colwise":
+            options["parts"] = int(opts.get("parts", 2))
+        roles[name] = (role, options) if options else role
     hidden = _hidden(model)
     for name, mod in model.named_modules():
         if name in roles or not any(True for _ in mod.parameters(recurse=False)):
@@ -118,7 +122,7 @@ def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, str]:
         elif mod is head and isinstance(mod, nn.Linear):
             roles[name] = "head"
         elif is_conv1d(mod):
-            raise _refuse(f"{name!r} is a Conv1D (weight (in, out), as GPT-2's)", mode)
+            raise _refuse(f"{name!r} is a Conv1D that the model's tp plan gives no style", mode)
         else:
             role = _norm_role(name, mod, hidden, mode)
             if role is None:
@@ -147,7 +151,8 @@ def check_heads(model: nn.Module, q: int, mode: str, tp: int) -> None:
 def divide_per_rank(model: nn.Module, roles: Dict[str, str], q: int) -> None:
     """The table's head-count attributes hold one rank's share (``1 / q``) on modules whose children
     became N-d layers."""
-    parents = {name.rpartition(".")[0] for name, role in roles.items() if role in ("colwise", "rowwise")}
+    parents = {name.rpartition(".")[0] for name, role in roles.items()
+               if (role[0] if isinstance(role, tuple) else role) in ("colwise", "rowwise")}
     mods = dict(model.named_modules())
     for pattern, attrs in per_rank_attributes(model).items():
         for name in [n for n in parents if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]:
