@@ -2,12 +2,13 @@
 
 Tiny random Llama (grouped-query attention), Qwen2 (q/k/v biases), OPT (LayerNorm with bias, learned
 positions with an offset, heads reshaped by ``num_heads``) and GPT-2 (``Conv1D`` weights stored (in, out),
-``c_attn`` packing q | k | v) take their 2D/2.5D/3D roles from their own 1D plan and train with the plain HF loop (``loss = model(input_ids=x, labels=x).loss;
-booster.backward(loss, optimizer)``), every rank handed the whole batch: loss and gradient norm follow
-the single-process fp32 curve within 1e-4 relative over 5 AdamW steps, under 2D and 2.5D (depth 1) on
-four ranks and 3D on eight. ``execute_pipeline`` with the model's own loss does the same under 2D, and the
-reference GPT's plain loop (``logits, loss = model(x, y)``) too. Families and inputs the layouts cannot
-run are refused before any process group exists, naming the reason and the sizes that work.
+``c_attn`` packing q | k | v) take their 2D/2.5D/3D roles from their own 1D plan and train with the plain
+HF loop (``loss = model(input_ids=x, labels=x).loss; booster.backward(loss, optimizer)``), every rank
+handed the whole batch: loss and gradient norm follow the single-process fp32 curve within 1e-4 relative
+over 5 AdamW steps, under 2D and 2.5D (depth 1) on four ranks and 3D on eight. ``execute_pipeline`` with
+the model's own loss does the same under 2D, and the reference GPT's plain loop
+(``logits, loss = model(x, y)``) too. Families and inputs the layouts cannot run are refused before any
+process group exists, naming the reason and the sizes that work.
 """
 
 from __future__ import annotations
