@@ -84,6 +84,9 @@ def forward(inner: torch.nn.Module, grid, args: tuple, kwargs: Dict[str, Any], i
     labels = kwargs.pop("labels", None)
     out = inner(*args, **kwargs)
     if getattr(out, "logits", None) is None:
+        if labels is not None:
+            raise ValueError(f"tp_mode={grid.mode!r}: {type(inner).__name__} returned no .logits to compute its "
+                             "loss on (return_dict=False?); call it with return_dict=True (the default)")
         return out
     logits = whole_logits(inner, out.logits)
     out["logits"] = logits
