@@ -287,8 +287,10 @@ class GPT(nn.Module):
             return h, None  # a middle pipeline stage hands hidden states on
         logits = self.lm_head(h)
         loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        if targets is not None:  # vocab-parallel on an N-d head's logits block, F.cross_entropy on whole logits
+            from ..tp_nd.layers_common import cross_entropy
+
+            loss = cross_entropy(logits, targets, ignore_index=-1)
         return logits, loss
 
     # ---- the model contract (protocol.py): what the engine asks of a model -------------------

@@ -83,8 +83,9 @@ class NdTensorParallelContract(Protocol):
         """Roles for 2D/2.5D/3D tensor parallelism (``HybridParallelPlugin(tp_mode=...)``) of this
         module or a pipeline stage of it: module name -> ``"colwise"`` (``nn.Linear`` from the
         residual stream into a sharded width), ``"rowwise"`` (back to the stream), ``"head"`` (the
-        LM head: vocab-parallel logits), ``"embedding"`` (``nn.Embedding``) or ``"rmsnorm"`` (or
-        ``("rmsnorm", eps)``); every parameter must belong to a named module. Default: the
+        LM head: vocab-parallel logits), ``"embedding"`` (``nn.Embedding``), ``"rmsnorm"`` (or
+        ``("rmsnorm", eps)``) or ``"layernorm"`` (weight and bias; likewise); every parameter must
+        belong to a named module. Default: the
         ``Colwise``/``RowwiseParallel`` entries of ``tp_plan()`` plus every ``nn.Embedding``, and
         an error naming any parameter left without a role (``engine/tp_nd/apply.py``)."""
 

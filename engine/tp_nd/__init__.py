@@ -5,7 +5,7 @@ on torch.distributed collectives. ``HybridParallelPlugin(tp_size=, tp_mode="2d" 
 ==================  ==================================================================================
 ``grid.py``         axes of each mode, this rank's coordinates, the process groups, block layouts
 ``counter.py``      every collective on the grid's groups, through ``comm`` (counted, timed); 1D's DTensor bytes
-``layers_common``   layout-generic layers: parameter pieces, RMSNorm, Embedding, vocab-parallel loss
+``layers_common``   layout-generic layers: parameter pieces, RMSNorm, LayerNorm, Embedding, vocab-parallel loss
 ``layers_2d.py``    SUMMA (forward and backward), ``Linear2D``
 ``layers_2p5d.py``  ``Linear2p5D``: SUMMA per depth layer, weights sliced over the depth
 ``layers_3d.py``    ``Linear3D``: all-gather / reduce-scatter on three axes

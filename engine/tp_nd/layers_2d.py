@@ -5,7 +5,8 @@ and column groups (:mod:`.counter`). By hand: the SUMMA loops, forward and backw
 
 Rank ``(i, j)`` (``row``, ``col``) holds the activation block ``X[i, j]``: batch rows ``i`` (of
 ``q``), features ``j`` (of ``q``); and the weight block ``W[i, j]``: input features ``i``, output
-features ``j`` (an ``nn.Linear`` weight ``(out, in)`` holds ``weight[out_j, in_i]``). Then
+features ``j`` (an ``nn.Linear`` weight ``(out, in)`` holds ``weight[out_j, in_i]``; a weight stored
+``(in, out)``, transformers' ``Conv1D``, the same block transposed). Then
 
 * forward ``Y[i, j] = sum_k X[i, k] W[k, j]``: at step ``k`` the row group broadcasts ``X[i, k]``
   from column ``k`` and the column group ``W[k, j]`` from row ``k``;
@@ -95,15 +96,22 @@ class Linear2D(nn.Module):
     ``bias`` (optional) its piece ``(out / (q * nb),)`` of the output columns, gathered over the
     batch group. The output is in the same layout as the input (2D has one)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], grid, layout):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], grid, layout, transposed: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.grid, self.batch_group = grid, grid.group(layout.batch)
+        self.transposed = transposed  # weight stored (in, out), as transformers' Conv1D holds it
         self.vocab = None  # a layers_common.VocabShard when this is the LM head (marks its logits)
 
-    def block_weight(self) -> torch.Tensor:
+    def stored_block(self) -> torch.Tensor:
+        """This rank's weight block in its stored orientation."""
         return self.weight
+
+    def block_weight(self) -> torch.Tensor:
+        """The block in ``nn.Linear`` orientation ``(out / q, in / q)``."""
+        w = self.stored_block()
+        return w.t() if self.transposed else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .layers_common import gather_piece, mark_logits

@@ -28,9 +28,9 @@ class Linear2p5D(Linear2D):
     """An ``nn.Linear`` on the 2.5D grid: ``weight`` is this rank's ``(out / (q d), in / q)`` slice
     of its depth layer's block; the output is in the input's layout."""
 
-    def __init__(self, weight, bias, grid, layout):
-        super().__init__(weight, bias, grid, layout)
+    def __init__(self, weight, bias, grid, layout, transposed: bool = False):
+        super().__init__(weight, bias, grid, layout, transposed)
         self.depth_group = grid.group(("dep",))
 
-    def block_weight(self) -> torch.Tensor:
-        return gather_piece(self.weight, self.depth_group, 0, "depth.weight")
+    def stored_block(self) -> torch.Tensor:  # slices of the output rows: dimension 1 when stored (in, out)
+        return gather_piece(self.weight, self.depth_group, 1 if self.transposed else 0, "depth.weight")

@@ -63,12 +63,14 @@ class _Linear3D(torch.autograd.Function):
 class Linear3D(nn.Module):
     """An ``nn.Linear`` on the 3D grid with input axis ``in_axis`` and output axis ``out_axis``:
     ``weight`` ``(out / q^2, in / q)``, ``bias`` (optional) its ``(out / q^3,)`` piece of the
-    output features, gathered over the output layout's batch group."""
+    output features, gathered over the output layout's batch group (``transposed``: the weight
+    stored ``(in / q, out / q^2)``)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], grid, in_axis: str, out_axis: str,
-                 out_layout):
+                 out_layout, transposed: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight)
+        self.transposed = transposed  # weight stored (in, out), as transformers' Conv1D holds it
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.ga, self.gc, self.gx = grid.group((in_axis,)), grid.group((out_axis,)), grid.group(("x",))
         self.batch_group = grid.group(out_layout.batch)
@@ -77,7 +79,8 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .layers_common import gather_piece, mark_logits
 
-        y = _Linear3D.apply(x, self.weight, self.ga, self.gc, self.gx)
+        w = self.weight.t() if self.transposed else self.weight
+        y = _Linear3D.apply(x, w, self.ga, self.gc, self.gx)
         if self.bias is not None:
             y = y + gather_piece(self.bias, self.batch_group, 0, "linear.bias")
         return y if self.vocab is None else mark_logits(y, self.vocab)

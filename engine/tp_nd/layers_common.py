@@ -8,6 +8,8 @@ Built on torch: ``autograd.Function`` and the counted ``torch.distributed`` coll
   every element has one owner in the grid (no replicas to keep in step, a norm counts it once).
 * :class:`RMSNorm`: statistics (the sum of squares over the hidden dimension) all-reduced over the
   layout's hidden group; the weight's ``h / q`` slice gathered from its pieces.
+* :class:`LayerNorm`: the same, with the mean and the variance (two all-reduces); weight and bias
+  pieces gathered alike.
 * :class:`Embedding`: the lookup of this rank's batch rows into the ``h / q`` columns of its hidden
   slice (weight ``(V, h / tp)`` pieces gathered over the batch group).
 * :func:`cross_entropy`: vocab-parallel cross-entropy (Megatron's): the max, the sum of
@@ -80,6 +82,48 @@ class RMSNorm(nn.Module):
         xf = x.float()
         ss = all_reduce(xf.pow(2).sum(-1, keepdim=True), self.hidden_group, "norm.stats")
         return (xf * torch.rsqrt(ss / self.hidden + self.eps)).type_as(x) * w
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over a hidden dimension cut across ``layout.hidden``: ``weight`` and ``bias`` are
+    this rank's pieces ``(h / tp,)``; the mean, then the variance around it, are sums over the
+    hidden group (two passes, as ``F.layer_norm`` computes them)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float, hidden: int, grid, layout):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
+        self.eps, self.hidden = eps, hidden
+        self.hidden_group = grid.group((layout.hidden,))
+        self.batch_group = grid.group(layout.batch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = gather_piece(self.weight, self.batch_group, 0, "norm.weight")
+        b = gather_piece(self.bias, self.batch_group, 0, "norm.bias")
+        xf = x.float()
+        mean = all_reduce(xf.sum(-1, keepdim=True), self.hidden_group, "norm.stats") / self.hidden
+        xc = xf - mean
+        var = all_reduce(xc.pow(2).sum(-1, keepdim=True), self.hidden_group, "norm.stats") / self.hidden
+        return (xc * torch.rsqrt(var + self.eps)).type_as(x) * w + b
+
+
+class _Lookup(nn.Embedding):
+    """``nn.Embedding``'s lookup on this rank's hidden slice: placed after a subclass in the MRO of
+    :func:`adopt_embedding`'s class, so the subclass's own forward calls it as ``super().forward``."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        w = gather_piece(self.weight, self._nd_batch_group, 1, "embedding.weight")
+        return F.embedding(idx, w, self.padding_idx)
+
+
+def adopt_embedding(old: nn.Embedding, weight: torch.Tensor, grid, layout) -> nn.Embedding:
+    """A subclass of ``nn.Embedding`` (its forward computes the ids, then calls the lookup) turned,
+    in place, into one whose lookup is :class:`_Lookup`'s on ``weight`` (the ``(V, h / tp)`` piece)."""
+    if old.max_norm is not None or old.sparse:
+        raise ValueError(f"N-d tensor parallelism: {type(old).__name__} uses max_norm/sparse")
+    old.__class__ = type(f"Nd{type(old).__name__}", (type(old), _Lookup), {})
+    old.weight = nn.Parameter(weight)
+    old._nd_batch_group = grid.group(layout.batch)
+    return old
 
 
 class Embedding(nn.Module):
@@ -172,9 +216,10 @@ class _GatherVocab(torch.autograd.Function):
         return grad.narrow(-1, ctx.g.rank * ctx.n, ctx.n).contiguous(), None
 
 
-def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
-    """Whole-vocab logits of this rank's rows (for a criterion written for whole logits)."""
-    shard = vocab_shard_of(logits)
+def gather_vocab(logits: torch.Tensor, shard: Optional[VocabShard] = None) -> torch.Tensor:
+    """Whole-vocab logits of this rank's rows (for a criterion written for whole logits); ``shard``:
+    the head's, where the logits may have lost their mark (a model that post-processes them)."""
+    shard = shard if shard is not None else vocab_shard_of(logits)
     if shard is None or shard.group.pg is None:
         return logits
     return _GatherVocab.apply(logits, shard.group)

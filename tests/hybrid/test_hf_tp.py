@@ -316,9 +316,7 @@ def test_tied_weights_sharded_differently_are_refused():
                                                 "lm_head": "colwise_gather_output"})
 
 
-def test_modes_not_run_yet_are_refused():  # (pipelines run now: test_hf_pp.py)
-    with pytest.raises(ValueError, match=r"tp_mode='2d'.*1D tensor parallelism only"):
-        _configure(_llama(), tp_size=4, tp_mode="2d")
+def test_modes_not_run_yet_are_refused():  # (pipelines: test_hf_pp.py; 2D/2.5D/3D: test_hf_tp_nd.py)
     with pytest.raises(ValueError, match=r"sequence_parallel=True.*not run for transformers models"):
         _configure(_llama(), tp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"cp_size=2.*no enable_context_parallel"):

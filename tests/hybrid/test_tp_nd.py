@@ -230,8 +230,12 @@ def _eight(rank, world):
     try:
         model(b["idx"])
         out["direct_call"] = None
-    except RuntimeError as e:
+    except ValueError as e:
         out["direct_call"] = str(e)
+    # the plain loop's call on the whole batch: the loss of the batch, as execute_pipeline reports it
+    full = _batch()
+    out["direct_loss"] = model(full["idx"], full["targets"])[1].item()
+    out["pipeline_loss"] = booster.execute_pipeline(iter([full]), model, lm_loss, None)["loss"].item()
     return out
 
 
@@ -394,10 +398,11 @@ def test_2d_checkpoints_load_into_a_plain_model_and_a_1d_run_and_back(four):
     assert second < first  # the second step moved (with momentum), so the check above can fail
 
 
-def test_bad_batch_and_direct_call_rejected(eight):
+def test_bad_batch_rejected_and_the_direct_call_reports_the_batch_loss(eight):
     for r in eight:
         assert "batch['idx'] has 6 rows" in r["bad_batch"] and "multiple of 4" in r["bad_batch"], r["bad_batch"]
-        assert "execute_pipeline" in r["direct_call"]
+        assert "argument 0 has 6 rows" in r["direct_call"] and "multiple of 4" in r["direct_call"], r["direct_call"]
+        assert abs(r["direct_loss"] - r["pipeline_loss"]) <= 1e-6 * r["pipeline_loss"], r
 
 
 # ---- one process: errors before any process group --------------------------------------------------

@@ -9,8 +9,8 @@ and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates int
 per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
 ``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
-recomputes decoder layers). 1D tensor parallelism, pipelines and activation checkpointing are covered so far
-(docs/hf.md).
+recomputes decoder layers, :mod:`.nd` reads 2D/2.5D/3D roles from the 1D plan). Tensor parallelism (1D, and
+2D/2.5D/3D for ``nn.Linear`` families), pipelines and activation checkpointing are covered so far (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .plan import (
 )
 from .tables import TABLES
 
-__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "num_layers",
+__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "nd_plan", "num_layers",
            "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
 
 
@@ -67,14 +67,15 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> Tuple[
 
 
 def check_tensor_parallel(model: nn.Module, plugin) -> None:
-    """Everything 1D tensor parallelism needs of an HF model, before any process group exists: a mode
-    and options it runs, a plan whose every style is known, heads that divide, ties sharded alike."""
+    """Everything tensor parallelism needs of an HF model, before any process group exists: a mode
+    and options it runs, a plan whose every style is known, heads that divide, ties sharded alike
+    (under 2D/2.5D/3D: a role for every parameter, blocks that cut evenly, no ties)."""
     tp = plugin.tp_size
     if tp == 1:
         return
     if plugin.tp_mode != "1d":
-        raise ValueError(f"HybridParallelPlugin(tp_mode={plugin.tp_mode!r}): transformers models run 1D tensor "
-                         "parallelism only so far; use tp_mode='1d'")
+        _check_nd(model, plugin)
+        return
     if plugin.sequence_parallel:
         raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
                          "set sequence_parallel=False")
@@ -91,6 +92,33 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
                          f"(names are module paths, '*' one part of them, e.g. {names})")
     check_heads(model, tp)
     check_ties(model, plan)
+
+
+def _check_nd(model: nn.Module, plugin) -> None:
+    from ...tp_nd import apply as nd_apply
+    from .nd import check_heads as check_nd_heads
+    from .nd import nd_roles
+
+    mode, tp, grid = plugin.tp_mode, plugin.tp_size, plugin.tp_grid
+    if plugin.pp_size > 1:
+        raise ValueError(f"HybridParallelPlugin(tp_mode={mode!r}, pp_size={plugin.pp_size}): pipeline stages of a "
+                         "transformers model under 2D/2.5D/3D tensor parallelism are not run yet; use pp_size=1 or "
+                         "tp_mode='1d'")
+    plan, source = resolve_plan(model, plugin.tp_plan, tp)
+    try:
+        roles = nd_roles(model, plan, mode)
+        check_nd_heads(model, grid.get("row", grid.get("y")), mode, tp)
+        nd_plan = nd_apply.resolve_plan(model, roles=roles)
+        nd_apply.check(model, nd_plan, mode, grid, tp)
+    except ValueError as exc:
+        raise ValueError(f"{type(model).__name__} (plan: {source}): {exc}") from None
+
+
+def nd_plan(model: nn.Module, user_plan: Optional[dict], mode: str) -> dict:
+    """The ``{module name: role}`` of a (checked) model under ``tp_mode`` 2d/2.5d/3d."""
+    from .nd import nd_roles
+
+    return nd_roles(model, resolve_plan(model, user_plan, 0)[0], mode)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,

@@ -6,7 +6,8 @@ Batches are Hugging Face dicts (``{"input_ids": x, "labels": y}``); the first st
 ``batch["labels"]`` (``model.loss_function``: the shifted LM loss of a causal LM, the masked-LM loss of
 BERT), computed when first read. ``criterion=None`` means ``outputs.loss``. A microbatch's loss is the mean
 over its tokens and the step's the mean over microbatches, which equals the unsplit batch's mean when
-every microbatch counts as many label tokens (no ``-100`` padding spread unevenly).
+every microbatch counts as many label tokens (no ``-100`` padding spread unevenly). Under 2D/2.5D/3D
+the logits are first gathered to the whole vocabulary of the rank's rows (:func:`.nd.whole_logits`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def check_batch(batch: dict) -> None:
 def pipeline_criterion(last: nn.Module, criterion: Optional[Callable]) -> Callable:
     """``criterion`` (or the model's own loss) in the engine's ``(output, microbatch) -> loss`` form,
     ``last`` the module holding the head (its ``loss_function`` and config)."""
+    from .nd import whole_logits
+
     def run(output, mb: dict) -> torch.Tensor:
         logits = getattr(output, "logits", output)  # pp_size == 1 hands back the model's own output
+        logits = whole_logits(last, logits)  # 2D/2.5D/3D: the vocabulary of this rank's rows
         outputs = StageOutputs(logits, mb, last)
         return outputs.loss if criterion is None else criterion(outputs, mb)
     return run

@@ -55,9 +55,15 @@ def apply_tp(part: nn.Module, dims: ParallelDims, grid, tp_plan: Optional[dict],
     DTensor's 1D tensor parallelism over the tp mesh (``loss_parallel``: a vocabulary-parallel LM head
     and loss where the model's plan allows, without a pipeline)."""
     if grid is not None:
+        from ...models import hf
         from ...tp_nd import convert, resolve_plan
 
-        nd_params.update(convert(part, grid, resolve_plan(part, tp_plan)))
+        roles = hf.nd_plan(part, tp_plan, grid.mode) if hf.reads_dict_plan(part) else None
+        nd_params.update(convert(part, grid, resolve_plan(part, tp_plan, roles=roles)))
+        if roles is not None:  # the table's head counts: one rank's share of the grid side
+            from ...models.hf.nd import divide_per_rank
+
+            divide_per_rank(part, roles, grid.q)
         return part
     from ...tensor_parallel import apply_tensor_parallel
 

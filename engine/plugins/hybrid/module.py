@@ -2,7 +2,8 @@
 
 This rank's pipeline stage modules (each a ``StageModule`` whose ``inner`` keeps the unsplit model's
 parameter names) and the ``PipelineRuntime`` that drives them; a direct forward without a pipeline
-cuts the batch for context parallelism and runs under the precision's autocast.
+cuts the batch for context parallelism or the 2D/2.5D/3D grid (:mod:`.nd_call`) and runs under the
+precision's autocast.
 """
 
 from __future__ import annotations
@@ -38,11 +39,6 @@ class HybridParallelModule(nn.Module):
         self.cp = None  # (group, mode) under context parallelism (set by configure)
 
     def forward(self, *args, **kwargs):
-        if self.nd is not None:
-            raise RuntimeError(f"HybridParallelPlugin(tp_mode={self.nd.grid.mode!r}): each rank holds a piece of the "
-                               "batch and of the vocabulary; "
-                               "call booster.execute_pipeline(data_iter, model, criterion, optimizer), "
-                               "which cuts every batch and hands the criterion this rank's rows")
         if self._plugin_pp > 1:
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
@@ -54,13 +50,24 @@ class HybridParallelModule(nn.Module):
             r, n = dist.get_rank(group), dist.get_world_size(group)
             cut = lambda a: shard_sequence(a, r, n, mode) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a  # noqa: E731
             args, kwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-        self.count(args, kwargs)
         stage = self.stage_modules[0]
+        run = stage.inner
+        if self.nd is not None:  # 2D/2.5D/3D: this rank's piece of the batch, the loss the batch mean
+            from ...models.hf import reads_dict_plan
+            from . import nd_call
+
+            hf = reads_dict_plan(stage.inner)
+            self.count(args, kwargs)  # the whole batch's tokens, as execute_pipeline counts them
+            args, kwargs = nd_call.cut_call(self.nd.grid, args, kwargs, self.runtime.input_key, hf)
+            grid, key = self.nd.grid, self.runtime.input_key
+            run = lambda *a, **k: nd_call.forward(stage.inner, grid, a, k, key, hf)  # noqa: E731
+        else:
+            self.count(args, kwargs)
         if stage.autocast_dtype is None:
-            return stage.inner(*args, **kwargs)
+            return run(*args, **kwargs)
         # the whole output (GPT's (logits, loss) too), under the precision's autocast
         with torch.autocast(device_type=self.device.type, dtype=stage.autocast_dtype):
-            return stage.inner(*args, **kwargs)
+            return run(*args, **kwargs)
 
     def count(self, args, kwargs) -> None:
         """Count a forward's (or a pipeline batch's) tokens for this step's StepMetrics."""
