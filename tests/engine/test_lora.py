@@ -1,5 +1,6 @@
 """``Booster.enable_lora`` / ``save_lora_as_pretrained`` (engine/lora.py) with real peft on a tiny random
-Llama: under DDP, ZeRO-1/2, Gemini and hybrid tp=2 on 2 real ranks (and our GPT under pp=2), LoRA
+Llama: under DDP, ZeRO-1/2, Gemini, hybrid tp=2 and pp=2 on 2 real ranks and tp=2 x pp=2 on 4 (and our GPT
+under pp=2), LoRA
 training follows single-process PEFT training (fp32, 5 steps), only adapters are in the optimizer
 state, the frozen base weights stay bit-for-bit, and the saved adapter loads with
 ``peft.PeftModel.from_pretrained`` to the same logits. Bad arguments fail before any process group."""

@@ -5,8 +5,10 @@ Tiny random models built from configs (no hub), fp32, eval mode. Two runs of rea
 check (one per world size): on 2 ranks each family is boosted under tp2, DDP, ZeRO-2 and Gemini, saved
 with ``booster.save_model(shard=True)`` in files small enough to make several, and a model with other
 random weights is loaded from a sharded ``save_pretrained`` directory; on 4 ranks the same for tp2 x dp2,
-and a model built on the meta device, boosted, then loaded. The test process reads the saved
-directories with ``AutoModelFor*.from_pretrained`` and compares logits with the plain model's.
+and a model built on the meta device, boosted, then loaded. Pipelines (4-layer models): pp2 and interleaved
+on 2 ranks, tp2 x pp2 on 4, each trained two steps, saved, and loaded into; and load errors that only one
+stage can see, which every rank must raise alike. The test process reads the saved directories with
+``AutoModelFor*.from_pretrained`` and compares logits with the plain (or trained pipeline's) model's.
 """
 
 from __future__ import annotations
@@ -176,6 +178,20 @@ def _pp_save_and_load(root, hf_dirs, layouts, families):
     return out
 
 
+def _pp_lazy(layout, hf_dir):
+    """The lazy path under a pipeline: each stage allocates its own (shards of) tensors, then the load."""
+    from colossal_lab.engine.lazy import is_lazy, lazy_init
+
+    with lazy_init():
+        model = _build("llama", OTHER, PP_LAYERS)
+    assert is_lazy(model)
+    plugin, booster, model, opt = _pp_boosted(layout, model)
+    booster.load_model(model, hf_dir)
+    logits = _pp_logits(booster, model, opt)
+    plugin.close()
+    return logits
+
+
 def _pp_errors(hf_dirs, bad_shape):
     """Loads that must fail on every rank alike under pp2: a checkpoint of a 2-layer config (the second
     stage's layers are missing, the first stage's are there) and one whose last layer has another shape
@@ -207,6 +223,7 @@ def _world2(rank, world, root, hf_dirs, bad, single):
     errors = _errors(rank, world, bad)
     pp = _pp_save_and_load(root, hf_dirs, ("pp2", "interleaved"), PP_FAMILIES)
     pp_errors = _pp_errors(hf_dirs, bad["bad_shape"])
+    pp["lazy", "pp2"] = {"loaded": _pp_lazy("pp2", hf_dirs["pp-llama"])}
     return ((out, single_logits, lazy, errors) if rank == 0 else None), pp, pp_errors
 
 
@@ -215,6 +232,7 @@ def _world4(rank, world, root, hf_dirs):
     out = _save_and_load(rank, world, root, hf_dirs, ("tp2",), ("llama", "gpt2"))
     lazy = _lazy("tp2", hf_dirs["llama"])  # every rank: boosting and loading are collectives
     pp = _pp_save_and_load(root, hf_dirs, ("tp2_pp2",), ("llama", "gpt2"))
+    pp["lazy", "tp2_pp2"] = {"loaded": _pp_lazy("tp2_pp2", hf_dirs["pp-llama"])}
     return ((out, lazy) if rank == 0 else None), pp
 
 
@@ -409,6 +427,11 @@ def test_pipeline_checkpoint_loads_in_transformers(run2, run4, layout, family):
 def test_save_pretrained_loads_into_pipeline(run2, run4, plain, layout, family):
     case, _ = _pp_case(run2, run4, layout, family)
     _close(case["loaded"], plain[f"pp-{family}"])
+
+
+def test_meta_model_boosted_then_loaded_into_pipeline(run2, run4, plain):
+    _close(run2[5]["lazy", "pp2"]["loaded"], plain["pp-llama"])
+    _close(run4[3]["lazy", "tp2_pp2"]["loaded"], plain["pp-llama"])
 
 
 def test_pipeline_files_match_save_pretrained(run2, run4, hf_dirs):
