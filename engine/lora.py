@@ -132,23 +132,27 @@ def prepare_boost(model: nn.Module, optimizer: Optional[Optimizer], plugin) -> n
     (a plugin with ``tp_size > 1`` and no ``tp_plan=`` of the user's) the base model's plan written
     for the LoRA layers (``lora_tp.lora_tp_plan``), stored as the model's ``tp_plan``; under a
     pipeline (``pp_size > 1``) the base model itself, adapters injected in its layers, since the
-    pipeline splits a model by its own contract (``num_layers``, ``pipeline_stage``)."""
+    pipeline splits a model by its own contract (``num_layers``, ``pipeline_stage``). Both together: the
+    base model, carrying the LoRA plan in its own module names, which every stage copy keeps."""
     if not getattr(model, LORA_MARK, False):
         return model
     trim_optimizer(model, optimizer)
-    if getattr(plugin, "pp_size", 1) > 1 and getattr(plugin, "tp_size", 1) > 1:
-        raise ValueError(f"boost: a LoRA model under HybridParallelPlugin(tp_size={plugin.tp_size}, "
-                         f"pp_size={plugin.pp_size}) is not supported yet; use tp_size=1 or pp_size=1")
-    if getattr(plugin, "pp_size", 1) > 1:
-        base = model.get_base_model()
-        setattr(base, PEFT_REF, weakref.ref(model))
-        return base
+    pipelined = getattr(plugin, "pp_size", 1) > 1
+    plan = None
     if getattr(plugin, "tp_size", 1) > 1 and getattr(plugin, "tp_plan", None) is None:
         from .lora_tp import lora_tp_plan
 
-        plan = lora_tp_plan(model)
+        plan = lora_tp_plan(model, base_names=pipelined)
+    if pipelined:
+        base = model.get_base_model()
+        setattr(base, PEFT_REF, weakref.ref(model))
         if plan is not None:
-            model.tp_plan = plan  # an instance attribute: read before peft forwards to the base model
+            # what transformers' tp_plan property returns (and plan.read_plan reads next), without its
+            # setter's validation, which differs between releases
+            base._tp_plan = plan
+        return base
+    if plan is not None:
+        model.tp_plan = plan  # an instance attribute: read before peft forwards to the base model
     return model
 
 

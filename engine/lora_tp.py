@@ -43,10 +43,11 @@ def _is_lora_linear(module: nn.Module) -> bool:
         getattr(module, "lora_A", None), nn.ModuleDict)
 
 
-def lora_tp_plan(peft_model: nn.Module) -> Optional[Dict[str, object]]:
-    """The base model's plan in ``peft_model``'s module names, with every LoRA-wrapped Linear split
-    into its base layer and its adapters (None when the base model has no plan). A LoRA layer whose
-    base style has no adapter rule (an embedding, packed weights) raises ``ValueError`` naming it."""
+def lora_tp_plan(peft_model: nn.Module, base_names: bool = False) -> Optional[Dict[str, object]]:
+    """The base model's plan in ``peft_model``'s module names (``base_names=True``: in the base model's
+    own, for a pipeline, which splits the base model), with every LoRA-wrapped Linear split into its
+    base layer and its adapters (None when the base model has no plan). A LoRA layer whose base style
+    has no adapter rule (an embedding, packed weights) raises ``ValueError`` naming it."""
     from .models.hf.plan import read_plan
 
     base = peft_model.get_base_model()
@@ -61,7 +62,7 @@ def lora_tp_plan(peft_model: nn.Module) -> Optional[Dict[str, object]]:
         for name, mod in names:
             if name.count(".") != depth or not fnmatch.fnmatchcase(name, pattern):
                 continue
-            full = f"{prefix}.{name}"
+            full = name if base_names else f"{prefix}.{name}"
             if not _is_lora_layer(mod):
                 out[full] = entry
                 continue

@@ -26,6 +26,7 @@ from .. import comm
 from .atomic import atomic_dir, recover
 from .hf_files import HFReader, ShardWriter, plan_files
 from .hf_layout import check_shapes, tied_aliases
+from .hf_stages import StagesView, save_stages
 
 HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -34,17 +35,18 @@ def _writer() -> bool:
     return not comm.initialized() or dist.get_rank() == 0
 
 
-def _write_configs(hf, directory: Path) -> None:
+def _write_configs(hf, directory: Path) -> List[str]:
     """transformers' own writers: what ``from_pretrained`` reads back. The config records the class
-    (``architectures``) as ``save_pretrained`` does."""
+    (``architectures``) as ``save_pretrained`` does. Returns the files written."""
     config = getattr(hf, "config", None)
     if config is None:
-        return
+        return []
     config.architectures = [type(hf).__name__]
     config.save_pretrained(str(directory))
     gen = getattr(hf, "generation_config", None)
     if gen is not None and getattr(hf, "can_generate", lambda: False)():
         gen.save_pretrained(str(directory))
+    return [f for f in HF_CONFIG_FILES if (directory / f).exists()]
 
 
 def save_hf(view, path, size_per_shard: float = 1024, shard: bool = True) -> Optional[List[str]]:
@@ -56,6 +58,11 @@ def save_hf(view, path, size_per_shard: float = 1024, shard: bool = True) -> Opt
                          "(config.json + safetensors), which from_pretrained loads; pass a directory path")
     if size_per_shard <= 0:
         raise ValueError(f"save_model(size_per_shard={size_per_shard}): must be a positive number of MB")
+    if isinstance(view, StagesView):  # a pipeline: each stage writes its own files (hf_stages.py)
+        if not shard:
+            raise ValueError("save_model(shard=False) under pp_size > 1: each pipeline stage writes its own "
+                             "files, so the checkpoint cannot be one file; pass shard=True")
+        return save_stages(view, path, size_per_shard, _write_configs)
     aliases = tied_aliases(view.hf)
     entries = [(n, s, d) for n, s, d in view.entries() if n not in aliases]
     sizes = [(n, _numel(s) * d.itemsize) for n, s, d in entries]
@@ -68,8 +75,7 @@ def save_hf(view, path, size_per_shard: float = 1024, shard: bool = True) -> Opt
             writer.add(name, t)
         files = writer.finish()
         if _writer():
-            _write_configs(view.hf, tmp)
-            files += [f for f in HF_CONFIG_FILES if (tmp / f).exists()]
+            files += _write_configs(view.hf, tmp)
     return files if _writer() else None
 
 
@@ -80,10 +86,15 @@ def _numel(shape) -> int:
     return n
 
 
+def _aliases(view) -> Dict[str, str]:
+    """Tied names of the whole model (a pipeline's view knows every stage's names)."""
+    return view.aliases() if hasattr(view, "aliases") else tied_aliases(view.hf)
+
+
 def resolve_sources(view, reader: HFReader, path, strict: bool = True) -> Dict[str, str]:
-    """``{model name: name in the files}``: each name as saved, or a tied alias read from its partner;
-    missing and unexpected names raise (``strict``) naming them."""
-    aliases = tied_aliases(view.hf)
+    """``{model name: name in the files}`` for this rank's tensors: each name as saved, or a tied alias read
+    from its partner; missing (this rank's) and unexpected (the whole model's) names raise (``strict``)."""
+    aliases = _aliases(view)
     partners: Dict[str, List[str]] = {}
     for a, s in aliases.items():
         partners.setdefault(a, []).append(s)
@@ -96,7 +107,7 @@ def resolve_sources(view, reader: HFReader, path, strict: bool = True) -> Dict[s
             missing.append(n)
         else:
             source[n] = found
-    known = {n for n, _, _ in view.entries()} | set(aliases)
+    known = set(view.all_names() if hasattr(view, "all_names") else (n for n, _, _ in view.entries())) | set(aliases)
     unexpected = sorted(have - known)
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_model({str(path)!r}): the checkpoint does not match {type(view.hf).__name__}: "
@@ -106,19 +117,49 @@ def resolve_sources(view, reader: HFReader, path, strict: bool = True) -> Dict[s
 
 
 def load_hf(view, path, strict: bool = True) -> HFReader:
-    """Load an HF checkpoint into ``view``'s model, each rank reading only its own part. Every rank
-    checks the files itself (the same files, so the same verdict) before anything is copied."""
+    """Load an HF checkpoint into ``view``'s model, each rank reading only its own part. Each rank checks
+    its own tensors against the file headers and its plan of reads against its shards; then the ranks
+    agree (one all-gather), so a problem any rank found is raised by every rank before anything is
+    copied (the ranks of a pipeline check different tensors)."""
     if _writer():
         recover(path)  # a swap a crash interrupted (atomic.py)
     if comm.initialized():
         comm.barrier()
-    reader = HFReader(path)
-    source = resolve_sources(view, reader, path, strict)
-    check_shapes(reader, source, view.entries(), path)
+    reader = source = error = None
+    try:
+        reader = HFReader(path)
+        source = resolve_sources(view, reader, path, strict)
+        check_shapes(reader, source, view.entries(), path)
+        bad = view.check_reads(source) if hasattr(view, "check_reads") else []
+        if bad:
+            raise RuntimeError(f"load_model({str(path)!r}): this loader cannot read the shards of this layout: "
+                               + "; ".join(bad[:6]))
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        error = exc
+    agree(error)
     view.load(reader, source, set())
     if comm.initialized():
         comm.barrier()
     return reader
+
+
+_KINDS = {k.__name__: k for k in (FileNotFoundError, ValueError, RuntimeError, KeyError)}
+
+
+def agree(error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank found a problem: the distinct messages, in rank order, as one error
+    of the first one's type (one all-gather; nothing when no process group runs)."""
+    if not comm.initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    found = [None] * dist.get_world_size()
+    comm.all_gather_object(found, None if error is None else (type(error).__name__, str(error)))
+    found = [f for f in found if f is not None]
+    if not found:
+        return
+    text = " | ".join(dict.fromkeys(m for _, m in found))
+    raise _KINDS.get(found[0][0], RuntimeError)(text) from error
 
 
 def hf_module(model):

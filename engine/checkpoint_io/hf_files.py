@@ -128,10 +128,10 @@ class ShardWriter:
     """Takes tensors in plan order and writes each file as soon as its last tensor arrived, so at
     most one file's tensors are held. ``write=False`` (a rank that does not write) only checks order."""
 
-    def __init__(self, directory: Optional[Path], plan: List[List[str]], write: bool):
+    def __init__(self, directory: Optional[Path], plan: List[List[str]], write: bool,
+                 names: Optional[List[str]] = None):
         self.dir, self.plan, self.write = directory, plan, write
-        n = len(plan)
-        self.names = [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        self.names = list(names) if names is not None else file_names(len(plan))
         self._file, self._held, self.total_size, self.total_params = 0, {}, 0, 0
         self.peak_held = 0  # bytes held at most (the bound the docs state)
 
@@ -153,14 +153,26 @@ class ShardWriter:
             self._held = {}
             self._file += 1
 
-    def finish(self) -> List[str]:
+    def finish_files(self) -> None:
         if self._file != len(self.plan):
             raise RuntimeError(f"save_model: {len(self.plan) - self._file} file(s) never completed")
+
+    def finish(self) -> List[str]:
+        self.finish_files()
         if self.write and len(self.plan) > 1:
-            weight_map = {n: self.names[i] for i, names in enumerate(self.plan) for n in names}
-            index = {"metadata": {"total_parameters": self.total_params, "total_size": self.total_size},
-                     "weight_map": weight_map}
-            (self.dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_index(self.dir, self.plan, self.names, self.total_size, self.total_params)
             return self.names + [INDEX]
         return list(self.names)
+
+
+def file_names(n: int) -> List[str]:
+    """transformers' names for ``n`` files: ``model.safetensors``, or ``model-0000i-of-0000N.safetensors``."""
+    return [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_index(directory: Path, plan: List[List[str]], names: List[str], total_size: int, total_params: int) -> None:
+    """``model.safetensors.index.json`` as ``save_pretrained`` writes it, for files ``names`` holding ``plan``."""
+    weight_map = {n: names[i] for i, file in enumerate(plan) for n in file}
+    index = {"metadata": {"total_parameters": total_params, "total_size": total_size}, "weight_map": weight_map}
+    (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 

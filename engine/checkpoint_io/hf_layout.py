@@ -13,7 +13,7 @@ chunked: GPT-2's packed q|k|v) give this rank, so no rank reads another rank's b
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,17 +23,20 @@ from .hf_files import HFReader, Runs
 _CKPT_INFIX = "_checkpoint_wrapped_module."
 
 
-def tied_aliases(hf: nn.Module) -> Dict[str, str]:
+def tied_aliases(hf: nn.Module, names: Optional[Set[str]] = None) -> Dict[str, str]:
     """``{alias: name written}`` of tied tensors: transformers 5's ``all_tied_weights_keys`` (target ->
     source: what ``save_pretrained`` leaves out and ``from_pretrained`` re-ties), plus any parameter
-    registered under several names (later names -> the first), as transformers < 5 dedupes them."""
+    registered under several names (later names -> the first), as transformers < 5 dedupes them.
+    ``names``: the tensor names of the whole model where ``hf`` holds only part of it (a pipeline stage:
+    the embedding on the first, its tied head on the last); by default ``hf``'s own."""
     aliases = dict(getattr(hf, "all_tied_weights_keys", None) or {})
     seen: Dict[int, str] = {}
     for n, p in hf.named_parameters(remove_duplicate=False):
         first = seen.setdefault(id(p), n)
         if first != n and n not in aliases:
             aliases[n] = first
-    names = set(hf.state_dict(keep_vars=True))
+    if names is None:
+        names = {n.replace(_CKPT_INFIX, "") for n in hf.state_dict(keep_vars=True)}
     return {a: s for a, s in aliases.items() if a in names and s in names and a != s}
 
 
@@ -93,6 +96,19 @@ class ModuleView:
             if n in keep:  # every rank walks the same names: full_tensor() is a collective
                 yield n, (t.full_tensor() if _is_dtensor(t) else t).detach()
 
+    def check_reads(self, source: Dict[str, str]) -> List[str]:
+        """This rank's plan of reads against its own shards, before any byte is read: for each DTensor, the
+        box its placements give this rank must have the local shard's shape (else a placement this loader
+        does not know). Returns the problems found (``hf.load_hf`` makes every rank agree on them)."""
+        bad = []
+        for n, t in self.tensors.items():
+            if n in source and _is_dtensor(t):
+                want = tuple(sum(b - a for a, b in r) for r in local_runs(t))
+                if want != tuple(t.to_local().shape):
+                    bad.append(f"{n}: this rank's shard has shape {tuple(t.to_local().shape)}, its placements "
+                               f"{tuple(t.placements)} give a slice of shape {want}")
+        return bad
+
     @torch.no_grad()
     def load(self, reader: HFReader, source: Dict[str, str], done: Set[int]) -> None:
         """Fill each tensor (once per storage: ties) from ``source[name]`` in the files."""
@@ -105,7 +121,7 @@ class ModuleView:
                 data = reader.read_runs(source[n], local_runs(t))
             else:
                 local, data = t, reader.read(source[n])
-            if tuple(data.shape) != tuple(local.shape):
+            if tuple(data.shape) != tuple(local.shape):  # check_reads ruled this out on every rank first
                 raise RuntimeError(f"load_model: {n!r}: this rank's part has shape {tuple(local.shape)} but "
                                    f"{tuple(data.shape)} was read for it; the layout is not one this loader knows")
             local.copy_(data.to(dtype=local.dtype))
@@ -113,9 +129,10 @@ class ModuleView:
 
 def check_shapes(reader: HFReader, source: Dict[str, str], entries: Sequence[Tuple[str, tuple, torch.dtype]],
                  path) -> None:
-    """Every tensor's shape in the files against the model's (before any rank copies anything)."""
+    """Every tensor's shape in the files (their headers: nothing is read) against the model's."""
     bad = [(n, reader.shape(source[n]), s) for n, s, _ in entries if n in source and reader.shape(source[n]) != s]
     if bad:
         raise RuntimeError(f"load_model({str(path)!r}): shapes differ from the model's: "
-                           + "; ".join(f"{n}: file {f}, model {m}" for n, f, m in bad[:6])
+                           + "; ".join(f"{n}: expected {m} (the model), found {f} (the file)" for n, f, m in bad[:6])
+                           + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
                            + " (was the checkpoint saved from this model's configuration?)")

@@ -49,16 +49,17 @@ def _names(model) -> Dict[int, List[str]]:
 
 
 def _hf_view(model):
-    """A view of the transformers model a hybrid model runs (``checkpoint_io/hf_layout.py``), or None."""
+    """A view of the transformers model a hybrid model runs (``checkpoint_io/hf_layout.py``; under a
+    pipeline, of every stage: ``checkpoint_io/hf_stages.py``, a collective), or None."""
     from ..checkpoint_io.hf_layout import ModuleView
+    from ..checkpoint_io.hf_stages import StagesView
     from ..models.hf import is_hf_model
 
     inners = [m.inner for m in getattr(model, "stage_modules", [])]
     if not inners or not is_hf_model(inners[0]):
         return None
     if len(inners) > 1 or getattr(model, "_plugin_pp", 1) > 1:
-        raise NotImplementedError("save_model/load_model of a transformers model under pp_size > 1: its "
-                                  "stages are not read or written in transformers' layout yet; use pp_size=1")
+        return StagesView(inners)
     return ModuleView(inners[0])
 
 

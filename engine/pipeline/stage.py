@@ -88,12 +88,16 @@ def build_stages(model: nn.Module, stage_ids: List[int], num_stages: int, group,
     (tensor parallelism is applied there, so the stage sees sharded parameters)."""
     from torch.distributed.pipelining import PipelineStage
 
+    from ..models.hf.empty import needs_empty, to_empty_for_load
+
     modules, stages = [], []
     for s in stage_ids:
         part = split_stage(model, s, num_stages)
         if prepare is not None:
             part = prepare(part) or part
-        mod = StageModule(part, autocast_dtype).to(device)
+        mod = StageModule(part, autocast_dtype)
+        # a transformers model built on meta: storage for this stage's (shards of) tensors only, for load_model
+        mod = to_empty_for_load(mod, device) if needs_empty(mod) else mod.to(device)
         modules.append(mod)
         stages.append(PipelineStage(mod, s, num_stages, device, group=group))
     return modules, stages

@@ -1,5 +1,6 @@
 """``Booster.enable_lora`` / ``save_lora_as_pretrained`` (engine/lora.py) with real peft on a tiny random
-Llama: under DDP, ZeRO-1/2, Gemini and hybrid tp=2 on 2 real ranks (and our GPT under pp=2), LoRA
+Llama: under DDP, ZeRO-1/2, Gemini, hybrid tp=2 and pp=2 on 2 real ranks and tp=2 x pp=2 on 4 (and our GPT
+under pp=2), LoRA
 training follows single-process PEFT training (fp32, 5 steps), only adapters are in the optimizer
 state, the frozen base weights stay bit-for-bit, and the saved adapter loads with
 ``peft.PeftModel.from_pretrained`` to the same logits. Bad arguments fail before any process group."""
@@ -219,16 +220,71 @@ def train_pp(rank, world, out_dir):
     return dict(losses=losses, state=held, trained=trained, changed=changed)
 
 
+# ---- the Llama under pp=2 and tp=2 x pp=2 (the pipeline splits the base model, adapters in its layers) ---
+HF_PP = {"hf_pp2": dict(pp_size=2, num_microbatches=2), "tp2_pp2": dict(tp_size=2, pp_size=2, num_microbatches=2)}
+
+
+def train_hf_pp(rank, world, name, out_dir):
+    """One pipelined run of the LoRA Llama through execute_pipeline (the model's own loss), the whole batch
+    (no data parallelism): losses on the last stage, the adapters' placements, the trained adapters, the
+    saved adapter, the trained logits (eval) on the last stage."""
+    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    base = tiny_llama()
+    frozen = {n: p.detach().clone() for n, p in base.named_parameters()}
+    plugin = HybridParallelPlugin(precision="fp32", **HF_PP[name])
+    booster = Booster(plugin=plugin, mixed_precision="fp32")
+    torch.manual_seed(1)
+    model = booster.enable_lora(base, lora_config=lora_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    gm, gopt, *_ = booster.boost(model, opt)
+    losses = []
+    for x in batches():
+        out = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), gm, None, gopt)
+        gopt.step()
+        gopt.zero_grad()
+        losses.append(None if out.get("loss") is None else float(out["loss"]))
+    names = {id(p): n for n, p in gm.named_model_parameters()}
+    held = sorted("base_model.model." + names.get(id(p), "?") for p in gopt.state)
+    placements = {"base_model.model." + n: str(getattr(p, "placements", "whole"))
+                  for n, p in gm.named_model_parameters()}
+    trained = full_trainable_state(gm, find_peft_model(gm))
+    booster.save_lora_as_pretrained(gm, out_dir)
+    full = gm.full_state_dict()
+    changed = sorted(n for n, t in frozen.items()
+                     if not torch.equal(t, full[n if n in full else n.replace(".weight", ".base_layer.weight")]))
+    gm.eval()
+    x = batches()[0]
+    logits = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), gm, None, gopt,
+                                      return_outputs=True)["outputs"]
+    if logits is not None:
+        logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).detach().cpu()
+    plugin.close()
+    return dict(losses=losses, state=held, trained=trained, changed=changed, placements=placements, logits=logits)
+
+
 def rank_fn(rank, world, root):
     out = {name: train_one(rank, world, name, f"{root}/{name}") for name in PLUGINS}
     out["pp2"] = train_pp(rank, world, f"{root}/pp2")
+    out["hf_pp2"] = train_hf_pp(rank, world, "hf_pp2", f"{root}/hf_pp2")
     return out
+
+
+def rank_fn4(rank, world, root):
+    return {"tp2_pp2": train_hf_pp(rank, world, "tp2_pp2", f"{root}/tp2_pp2")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     return root, run_distributed(rank_fn, 2, str(root), timeout=600), reference()
+
+
+@pytest.fixture(scope="module")
+def runs4(runs):
+    root = runs[0]
+    return root, run_distributed(rank_fn4, 4, str(root), timeout=600), runs[2]
 
 
 def _close(a, b):
@@ -379,11 +435,51 @@ def test_tp_refuses_lora_on_a_module_without_an_adapter_rule():
         lora_tp_plan(model)
 
 
-def test_tp_and_pp_together_refused_before_any_work():
-    from colossal_lab.engine.plugins import HybridParallelPlugin
+def _hf_pp_ranks(runs, runs4, name):
+    return (runs4 if name == "tp2_pp2" else runs)[1]
 
-    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=2, num_microbatches=2, precision="fp32"),
-                      mixed_precision="fp32")
-    model = booster.enable_lora(tiny_llama(), lora_config=lora_config())
-    with pytest.raises(ValueError, match=r"tp_size=2, pp_size=2.*not supported"):
-        booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+@pytest.mark.parametrize("name", list(HF_PP))
+def test_pipelined_llama_follows_single_process_peft(runs, runs4, name):
+    """pp=2 and tp=2 x pp=2: the last stage's losses and the adapters gathered from every stage equal
+    single-process peft within 1e-4 relative; the stages' optimizers together hold exactly the adapters;
+    the base weights are unchanged bit for bit."""
+    _, _, (ref_losses, ref_adapters) = runs
+    ranks = _hf_pp_ranks(runs, runs4, name)
+    last = ranks[-1][name]  # the last stage (tp2 x pp2: ranks 2 and 3) reports the loss
+    assert _close(last["losses"], ref_losses), (name, last["losses"], ref_losses)
+    for r in ranks:
+        trained = r[name]["trained"]
+        assert set(trained) == set(ref_adapters), name
+        for n, t in ref_adapters.items():
+            assert _close(trained[n], t), (name, n, (trained[n] - t).abs().max())
+    held = set().union(*(r[name]["state"] for r in ranks))
+    assert held == set(ref_adapters), (name, sorted(held ^ set(ref_adapters))[:4])
+    assert all(r[name]["changed"] == [] for r in ranks), name
+
+
+@pytest.mark.parametrize("name", list(HF_PP))
+def test_pipelined_llama_adapter_loads_in_peft(runs, runs4, name):
+    root = runs[0]
+    ranks = _hf_pp_ranks(runs, runs4, name)
+    trained_logits = ranks[-1][name]["logits"]
+    assert trained_logits is not None and trained_logits.shape == (BATCH, SEQ, VOCAB)
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), str(root / name)).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=batches()[0]).logits
+    assert torch.allclose(logits, trained_logits, rtol=RTOL, atol=1e-5), (logits - trained_logits).abs().max()
+
+
+def test_tp2_pp2_shards_adapters_like_their_base_layer(runs4):
+    """Each stage's adapters are sharded as under tp=2 alone: the first stage's layer 0, the last's layer 1."""
+    _, ranks, _ = runs4
+    for rank, layer_index in ((0, 0), (2, 1)):
+        got = ranks[rank]["tp2_pp2"]["placements"]
+        assert not any(f"layers.{1 - layer_index}." in n for n in got)  # the other stage's layer is not here
+        for layer in ("self_attn.q_proj", "mlp.down_proj"):
+            pre = f"base_model.model.model.layers.{layer_index}.{layer}"
+            base, a, b = (got[f"{pre}.{k}.weight"] for k in ("base_layer", "lora_A.default", "lora_B.default"))
+            if layer.startswith("mlp"):
+                assert (base, a, b) == ("(Shard(dim=1),)", "(Shard(dim=1),)", "whole"), layer
+            else:
+                assert (base, a, b) == ("(Shard(dim=0),)", "whole", "(Shard(dim=0),)"), layer
