@@ -1,13 +1,17 @@
-"""transformers decoders under HybridParallelPlugin(cp_size=2) (ring and Ulysses) with the plain HF loop.
+"""transformers models under HybridParallelPlugin(cp_size=2) (ring and Ulysses) and (tp_size=2,
+sequence_parallel=True), with the plain HF loop.
 
-Tiny random Llama, Qwen2 and Mistral (grouped-query attention, rotary positions, q/k/v biases) in fp32,
-trained 5 AdamW steps with ``loss = model(**batch).loss; booster.backward(loss, optimizer)``, follow the
-single-process loss and gradient-norm curves within 1e-4 relative: each rank holds a shard of every
-sequence (zig-zag for the ring), the model's own rotary embedding takes the shard's global positions,
-and its loss the labels shifted on the whole sequence. Bad input is refused with an error naming the fix:
-at configure (before any process group) Ulysses heads that do not divide, a non-causal encoder (BERT),
-attention dropout, pipelines; at the forward (before any collective) a length that does not cut, a
-padding mask, a sliding window shorter than the sequence, and ``execute_pipeline``.
+Tiny random models in fp32, trained 5 AdamW steps with ``loss = model(**batch).loss;
+booster.backward(loss, optimizer)``, follow the single-process loss and gradient-norm curves within 1e-4
+relative. Context parallelism (Llama, Qwen2, Mistral: grouped-query attention, rotary positions, q/k/v
+biases, a sliding window longer than the sequence): each rank holds a shard of every sequence (zig-zag
+for the ring), the model's own rotary embedding takes the shard's global positions, and its loss the
+labels shifted on the whole sequence. Sequence parallelism (the same three, plus OPT's bare fc1/fc2 and
+flattened tokens and GPT-2's Conv1D styles and reshape after the layers): every norm of the decoder
+layers runs on half the tokens. Bad input is refused with an error naming the fix: at configure (before
+any process group) Ulysses heads that do not divide, a non-causal encoder (BERT), attention dropout,
+pipelines with either; at the forward (before the collectives of the layer it reaches) a length that
+does not cut, a padding mask, a sliding window shorter than the sequence, and ``execute_pipeline``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,26 @@ def _bert():
                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
 
 
-MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral}
+def _gpt2():  # Conv1D weights (the adapter's own styles), learned positions
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _opt():  # bare fc1/fc2 linears in the decoder layer, a final LayerNorm
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(SEED)
+    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
+                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=1))
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2, "opt": _opt}
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -116,6 +139,8 @@ def _boost(name, **plugin_kw):
 def _train(name, mode):
     from colossal_lab.engine import context_parallel as cp
 
+    if mode == "sp":
+        return _train_sp(name)
     plugin, booster, model, opt = _boost(name, cp_size=2, cp_mode=mode)
     cp.COMM.reset()
     losses, norms = _loop(model, opt, booster)
@@ -123,6 +148,27 @@ def _train(name, mode):
            "impl": model.stage_modules[0].inner.config._attn_implementation}
     plugin.close()
     return out
+
+
+def _tokens(t):  # (B, T, C), or (B*T, C) where a layer flattened them
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() // t.shape[-1]
+
+
+def _train_sp(name):
+    """tp2 with sequence parallelism; records how many tokens each norm of the decoder layers saw."""
+    from colossal_lab.engine.models.hf.pipeline import layout
+    from colossal_lab.engine.models.hf.sequence import is_norm
+
+    plugin, booster, model, opt = _boost(name, tp_size=2, sequence_parallel=True)
+    inner = model.stage_modules[0].inner
+    seen, layers = {}, layout(inner).layers + "."
+    for n, m in inner.named_modules():
+        if is_norm(m) and n.startswith(layers):
+            m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, _tokens(a[0])) and None)
+    losses, norms = _loop(model, opt, booster)
+    plugin.close()
+    return {"losses": losses, "norms": norms, "norm_tokens": seen}
 
 
 def _error(fn) -> str:
@@ -148,10 +194,14 @@ def _refusals_at_forward():
     plugin, booster, model, opt = _boost(lambda: _mistral(sliding_window=8), cp_size=2, cp_mode="ulysses")
     out["window"] = _error(lambda: model(input_ids=x, labels=x))
     plugin.close()
+    plugin, booster, model, opt = _boost("llama", tp_size=2, sequence_parallel=True)
+    out["sp_length"] = _error(lambda: model(input_ids=x[:, :15], labels=x[:, :15]))
+    plugin.close()
     return out
 
 
-CASES = [("llama", "ring"), ("llama", "ulysses"), ("qwen2", "ring"), ("qwen2", "ulysses"), ("mistral", "ring")]
+CASES = [("llama", "ring"), ("llama", "ulysses"), ("qwen2", "ring"), ("qwen2", "ulysses"), ("mistral", "ring"),
+         ("llama", "sp"), ("qwen2", "sp"), ("mistral", "sp"), ("opt", "sp"), ("gpt2", "sp")]
 
 
 def _all(rank, world):
@@ -172,6 +222,10 @@ def test_hf_decoder_under_cp_follows_its_single_process_curve(runs, case):
         got = r[case]
         assert got["losses"] == pytest.approx(ref, rel=1e-4), (case, got["losses"], ref)
         assert got["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, got["norms"], ref_norms)
+        if case[1] == "sp":  # every norm between the regions ran on this rank's half of the sequence
+            seen = got["norm_tokens"]
+            assert len(seen) == 4 and set(seen.values()) == {ROWS * T // 2}, seen
+            continue
         assert got["impl"].startswith("colossal_lab_cp_" + case[1])  # transformers dispatched to ours
         assert got["cp_bytes"] > 0  # and it talked over the cp group
     assert ref[-1] < ref[0]
@@ -186,6 +240,7 @@ def test_bad_input_at_the_forward_is_refused(runs):
         assert "attention_mask" in got["padding"] and "padding" in got["padding"]
         assert "execute_pipeline" in got["pipeline"] and "model(**batch)" in got["pipeline"]
         assert "sliding_window=8" in got["window"]
+        assert "sequence_parallel=True" in got["sp_length"] and "15 tokens" in got["sp_length"], got["sp_length"]
         assert got["still_runs"] > 0
     # a shard's loss: the two ranks' differ (unequal shards of the sum), their mean is the batch's
     assert runs[0]["refused"]["still_runs"] != runs[1]["refused"]["still_runs"]
@@ -210,3 +265,5 @@ def test_bad_layouts_are_refused_before_any_group():
     assert "config.attention_dropout=0.1" in msg, msg
     msg = _configure_error(_llama(), cp_size=2, pp_size=2, num_microbatches=2)
     assert "pp_size=2" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(_llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
+    assert "sequence_parallel=True" in msg and "pp_size=1" in msg, msg

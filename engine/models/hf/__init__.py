@@ -76,8 +76,7 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"HybridParallelPlugin(tp_mode={plugin.tp_mode!r}): transformers models run 1D tensor "
                          "parallelism only so far; use tp_mode='1d'")
     if plugin.sequence_parallel:
-        raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
-                         "set sequence_parallel=False")
+        check_sequence_parallel(model, plugin)
     plan, source = resolve_plan(model, plugin.tp_plan, tp)
     try:
         torch_plan(model, plan)  # every style translated: an unknown one, or one on a parameter, raises here
@@ -93,9 +92,27 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     check_ties(model, plan)
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan; tied weights stay one parameter and
-    the built-in table's head counts become one rank's share."""
+def check_sequence_parallel(model: nn.Module, plugin) -> None:
+    """Sequence parallelism cuts the residual stream of the model's layer list: it needs that list (the
+    pipeline layout) and one stage holding every layer."""
+    from .pipeline import layout
+
+    where = f"HybridParallelPlugin(sequence_parallel=True, tp_size={plugin.tp_size})"
+    if plugin.pp_size > 1:
+        raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages would hand on "
+                         "sequence shards; use pp_size=1 or sequence_parallel=False")
+    if layout(model) is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "
+                         "config.base_model_pp_plan naming its layer list, which sequence parallelism cuts "
+                         "between; set sequence_parallel=False")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan (and, with ``sequence_parallel``, the
+    residual stream between its regions along the sequence: :mod:`.sequence`); tied weights stay one
+    parameter and the built-in table's head counts become one rank's share."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
@@ -103,7 +120,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
         return model
     ties = tied_weights(model)  # before: parallelize_module gives each owner its own new parameter
     styles = torch_plan(model, resolve_plan(model, user_plan, tp)[0])
+    parents = {name.rpartition(".")[0] for name in styles}
+    hooks = []
+    if sequence_parallel:
+        from .sequence import register, sequence_parallel_plan
+
+        hooks = sequence_parallel_plan(model, styles, tp_mesh)
+        register(hooks, "pre")
     parallelize_module(model, tp_mesh, styles)
+    if hooks:
+        register(hooks, "post")
     for names in ties:
         first = model.get_parameter(names[0])
         for name in names[1:]:
@@ -112,7 +138,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
                 raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
                                  f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
-    parents = {name.rpartition(".")[0] for name in styles}
     _per_rank(model, parents, tp)
     alibi = _prefixed(model, dict.fromkeys(TABLES.get(getattr(model.config, "model_type", None), {}).get("alibi", ())))
     if alibi:  # ALiBi attentions whose heads the plan cut: each its rank's slice of the bias
