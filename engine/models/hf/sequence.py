@@ -51,9 +51,12 @@ def _seq_dim(x: torch.Tensor) -> int:
     return 1 if x.dim() >= 3 else 0
 
 
-def _move(x, mesh, to_whole: bool, what: str):
+def _move(x, mesh, to_whole: bool, what: str, keep: bool = False):
     """``x`` (a local tensor) between this rank's shard of the tokens and the whole of them, over ``mesh``,
-    through DTensor (whose autograd gives the backward: a cut for a gather, a gather for a cut)."""
+    through DTensor (whose autograd gives the backward: a cut for a gather, a gather for a cut). ``keep``
+    hands a gathered ``x`` on as the replicated DTensor: column-parallel layers take it as it is, and
+    their partial input gradients meet at the gather, whose backward is then one reduce-scatter (a local
+    tensor would have each layer's input all-reduce its gradient, as plain tp does)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(x, torch.Tensor):
@@ -66,22 +69,23 @@ def _move(x, mesh, to_whole: bool, what: str):
                          f"{x.shape[dim]} tokens, which does not cut into {n} equal shards; use a length "
                          f"divisible by tp_size={n}")
     src, dst = (Shard(dim), Replicate()) if to_whole else (Replicate(), Shard(dim))
-    return DTensor.from_local(x, mesh, (src,), run_check=False).redistribute(mesh, (dst,)).to_local()
+    moved = DTensor.from_local(x, mesh, (src,), run_check=False).redistribute(mesh, (dst,))
+    return moved if keep and to_whole else moved.to_local()
 
 
 class _OnInput:
     """Forward pre-hook: the module's hidden states (first positional argument, or ``hidden_states=``)
     gathered whole (``to_whole``) or cut to this rank's shard."""
 
-    def __init__(self, mesh, to_whole: bool, name: str):
-        self.mesh, self.to_whole, self.name = mesh, to_whole, name
+    def __init__(self, mesh, to_whole: bool, name: str, keep: bool = False):
+        self.mesh, self.to_whole, self.name, self.keep = mesh, to_whole, name, keep
 
     def __call__(self, module, args, kwargs):
+        move = lambda x: _move(x, self.mesh, self.to_whole, self.name, self.keep)  # noqa: E731
         if args:
-            return (_move(args[0], self.mesh, self.to_whole, self.name),) + tuple(args[1:]), kwargs
+            return (move(args[0]),) + tuple(args[1:]), kwargs
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": _move(kwargs["hidden_states"], self.mesh, self.to_whole,
-                                                           self.name)}
+            return args, {**kwargs, "hidden_states": move(kwargs["hidden_states"])}
         return args, kwargs
 
 
@@ -106,10 +110,25 @@ def _rowwise_to_shard(style):
     return out
 
 
+def _all_torch_styles(region: nn.Module, name: str, styles: Dict[str, object]) -> bool:
+    """Whether every module of ``region`` holding parameters of its own runs torch's column / row style
+    (or is a norm, fed by them): then only those layers read the gathered hidden states, and they take a
+    DTensor; any other layer might meet it beside a plain tensor, so the region gets a local one."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
+    for sub, mod in region.named_modules(prefix=name):
+        if any(True for _ in mod.parameters(recurse=False)) and not is_norm(mod) and \
+                not isinstance(styles.get(sub), (ColwiseParallel, RowwiseParallel, ReplicatedGradSum)):
+            return False
+    return True
+
+
 def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh) -> List[tuple]:
     """Rewrite ``styles`` (module name -> torch style, before ``parallelize_module``) for sequence
     parallelism and return the hooks to register: ``[(module, "pre" | "post", hook)]``."""
-    from torch.distributed.tensor.parallel import RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from .grad_sum import ReplicatedGradSum
     from .pipeline import _layout_or_raise
@@ -129,9 +148,9 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
             elif own is not None and "Rowwise" in type(own).__name__:  # closes a region a sibling opened
                 hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
             elif own is not None:  # opens a region (a bare column-parallel layer): whole sequence in
-                hooks.append((child, "pre", _OnInput(tp_mesh, True, name)))
+                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, isinstance(own, ColwiseParallel))))
             elif any(True for _ in child.parameters()):  # a region: whole sequence in
-                hooks.append((child, "pre", _OnInput(tp_mesh, True, name)))
+                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _all_torch_styles(child, name, styles))))
                 closers = [n for n, s in styles.items() if n.startswith(name + ".") and isinstance(s, RowwiseParallel)]
                 for n in closers:
                     styles[n] = _rowwise_to_shard(styles[n])
