@@ -9,8 +9,9 @@ and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates int
 per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
 ``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
-recomputes decoder layers). 1D tensor parallelism, pipelines and activation checkpointing are covered so far
-(docs/hf.md).
+recomputes decoder layers, :mod:`.sequence` cuts the residual stream for sequence parallelism, :mod:`.context`
+runs ring / Ulysses attention through transformers' attention registry). 1D tensor and sequence parallelism,
+context parallelism, pipelines and activation checkpointing are covered so far (docs/hf.md).
 """
 
 from __future__ import annotations
