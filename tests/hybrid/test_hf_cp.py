@@ -6,7 +6,8 @@ booster.backward(loss, optimizer)``, follow the single-process loss and gradient
 relative. Context parallelism (Llama, Qwen2, Mistral: grouped-query attention, rotary positions, q/k/v
 biases, a sliding window longer than the sequence): each rank holds a shard of every sequence (zig-zag
 for the ring), the model's own rotary embedding takes the shard's global positions, and its loss the
-labels shifted on the whole sequence. Sequence parallelism (the same three, plus OPT's bare fc1/fc2 and
+labels shifted on the whole sequence; ring and Ulysses also with tp_size=2 (cp2 x tp2 on 4 ranks).
+Sequence parallelism (the same three, plus OPT's bare fc1/fc2 and
 flattened tokens and GPT-2's Conv1D styles and reshape after the layers): every norm of the decoder
 layers runs on half the tokens. Bad input is refused with an error naming the fix: at configure (before
 any process group) Ulysses heads that do not divide, a non-causal encoder (BERT), attention dropout,
@@ -136,12 +137,12 @@ def _boost(name, **plugin_kw):
     return plugin, booster, model, opt
 
 
-def _train(name, mode):
+def _train(name, mode, **extra):
     from colossal_lab.engine import context_parallel as cp
 
     if mode == "sp":
         return _train_sp(name)
-    plugin, booster, model, opt = _boost(name, cp_size=2, cp_mode=mode)
+    plugin, booster, model, opt = _boost(name, cp_size=2, cp_mode=mode, **extra)
     cp.COMM.reset()
     losses, norms = _loop(model, opt, booster)
     out = {"losses": losses, "norms": norms, "cp_bytes": cp.COMM.total,
@@ -213,6 +214,28 @@ def _all(rank, world):
 @pytest.fixture(scope="module")
 def runs():
     return run_distributed(_all, 2, timeout=500)
+
+
+TP_CASES = [("llama", "ring"), ("llama", "ulysses")]  # with tp_size=2: cp2 x tp2 on 4 ranks
+
+
+def _all_tp(rank, world):
+    return {case: _train(*case, tp_size=2) for case in TP_CASES}
+
+
+@pytest.fixture(scope="module")
+def runs_tp():
+    return run_distributed(_all_tp, 4, timeout=500)
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=["-".join(c) for c in TP_CASES])
+def test_cp_composes_with_tensor_parallelism(runs_tp, case):
+    """Each tp rank's attention holds half the heads (Ulysses cuts those again over cp)."""
+    ref, ref_norms = _reference(case[0])
+    for r in runs_tp:
+        assert r[case]["losses"] == pytest.approx(ref, rel=1e-4), (case, r[case]["losses"], ref)
+        assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, r[case]["norms"], ref_norms)
+        assert r[case]["cp_bytes"] > 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
