@@ -42,6 +42,12 @@ _NAMES = itertools.count()
 _DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
 
 
+def _var_keyword(model: nn.Module) -> Optional[str]:
+    """The name of ``model.forward``'s ``**kwargs`` (None without one)."""
+    return next((p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
 def _where(plugin) -> str:
     return f"HybridParallelPlugin(cp_size={plugin.cp_size}, cp_mode={plugin.cp_mode!r})"
 
@@ -73,7 +79,7 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
     if plugin.pp_size > 1:
         raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages do not carry "
                          "the shard's position_ids and shifted labels yet; use pp_size=1 with cp_size>1")
-    if "kwargs" not in inspect.signature(model.forward).parameters:
+    if _var_keyword(model) is None:
         raise ValueError(f"{where}: {name}.forward takes no **kwargs, so the shard's shift_labels and "
                          "num_items_in_batch cannot reach its loss; set cp_size=1")
     heads, _ = head_counts(model)
@@ -139,9 +145,9 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
 
     r, n = dist.get_rank(group), dist.get_world_size(group)
     where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
-    bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
-    kw = {k: v for k, v in bound.arguments.items() if k != "kwargs"}
-    kw.update(bound.arguments.get("kwargs", {}))
+    bound, var = inspect.signature(model.forward).bind_partial(*args, **kwargs), _var_keyword(model)
+    kw = {k: v for k, v in bound.arguments.items() if k != var}
+    kw.update(bound.arguments.get(var, {}))
     ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
     if ids is None:
         raise ValueError(f"{where}: the forward needs input_ids (or inputs_embeds) to cut into sequence shards")
