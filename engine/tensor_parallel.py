@@ -49,7 +49,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, plan: Optional[dict] = Non
     if reads_dict_plan(module):  # transformers' tp_plan is a dict property, read by the adapter
         from .models.hf import apply_tensor_parallel as apply_hf
 
-        return apply_hf(module, tp_mesh, plan, loss_parallel=loss_parallel)
+        return apply_hf(module, tp_mesh, plan, sequence_parallel, loss_parallel=loss_parallel)
     if plan is None:
         own = getattr(module, "tp_plan", None)
         if not callable(own):

@@ -303,6 +303,10 @@ class HybridParallelPlugin(Plugin):
                                  f"is not a multiple of microbatch_size={self.microbatch_size}")
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
+        if self._hf and model.cp is not None:
+            raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}): execute_pipeline does not carry a "
+                             "transformers model's shard positions and shifted labels yet; call the model directly "
+                             "(loss = model(**batch).loss; booster.backward(loss, optimizer))")
         if self._hf:  # outputs.logits / outputs.loss for the criterion (docs/hf.md)
             hf.check_batch(batch)
             criterion = hf.pipeline_criterion(model.stage_modules[-1].inner, criterion)

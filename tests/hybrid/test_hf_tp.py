@@ -317,10 +317,11 @@ def test_tied_weights_sharded_differently_are_refused():
 
 
 def test_modes_not_run_yet_are_refused():  # (pipelines: test_hf_pp.py; 2D/2.5D/3D: test_hf_tp_nd.py)
-    with pytest.raises(ValueError, match=r"sequence_parallel=True.*not run for transformers models"):
-        _configure(_llama(), tp_size=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"cp_size=2.*no enable_context_parallel"):
-        _configure(_llama(), cp_size=2)
+    # sequence and context parallelism run now (test_hf_cp.py); what they cannot do is refused there
+    with pytest.raises(ValueError, match=r"sequence_parallel=True.*pp_size=2.*sequence shards"):
+        _configure(_llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"cp_size=2.*not causal"):
+        _configure(_bert(), cp_size=2)
 
 
 def test_the_engine_imports_no_transformers_for_its_own_models():

@@ -9,8 +9,11 @@ and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates int
 per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
 ``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
-recomputes decoder layers, :mod:`.nd` reads 2D/2.5D/3D roles from the 1D plan). Tensor parallelism (1D, and
-2D/2.5D/3D for ``nn.Linear`` families), pipelines and activation checkpointing are covered so far (docs/hf.md).
+recomputes decoder layers, :mod:`.nd` reads 2D/2.5D/3D roles from the 1D plan, :mod:`.sequence` cuts the
+residual stream for sequence parallelism, :mod:`.context` runs ring / Ulysses attention through transformers'
+attention registry, :mod:`.vocab_parallel` keeps the LM head's logits vocabulary-sharded for the loss). Tensor
+parallelism (1D, and 2D/2.5D/3D for ``nn.Linear`` families), sequence and context parallelism, pipelines and
+activation checkpointing are covered so far (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -77,8 +80,7 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         _check_nd(model, plugin)
         return
     if plugin.sequence_parallel:
-        raise ValueError("HybridParallelPlugin(sequence_parallel=True): not run for transformers models yet; "
-                         "set sequence_parallel=False")
+        check_sequence_parallel(model, plugin)
     plan, source = resolve_plan(model, plugin.tp_plan, tp)
     try:
         torch_plan(model, plan)  # every style translated: an unknown one, or one on a parameter, raises here
@@ -121,11 +123,29 @@ def nd_plan(model: nn.Module, user_plan: Optional[dict], mode: str) -> dict:
     return nd_roles(model, resolve_plan(model, user_plan, 0)[0], mode)
 
 
+def check_sequence_parallel(model: nn.Module, plugin) -> None:
+    """Sequence parallelism cuts the residual stream of the model's layer list: it needs that list (the
+    pipeline layout) and one stage holding every layer."""
+    from .pipeline import layout
+
+    where = f"HybridParallelPlugin(sequence_parallel=True, tp_size={plugin.tp_size})"
+    if plugin.pp_size > 1:
+        raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages would hand on "
+                         "sequence shards; use pp_size=1 or sequence_parallel=False")
+    if layout(model) is None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "
+                         "config.base_model_pp_plan naming its layer list, which sequence parallelism cuts "
+                         "between; set sequence_parallel=False")
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,
-                          loss_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan; tied weights stay one parameter and
-    the built-in table's head counts become one rank's share. ``loss_parallel``: an LM head the plan gathers
-    keeps its logits vocabulary-sharded when the model is called with labels (:mod:`.vocab_parallel`)."""
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` (1-D) with its plan (and, with ``sequence_parallel``, the
+    residual stream between its regions along the sequence: :mod:`.sequence`); tied weights stay one
+    parameter and the built-in table's head counts become one rank's share. ``loss_parallel``: an LM head the
+    plan gathers keeps its logits vocabulary-sharded when the model is called with labels
+    (:mod:`.vocab_parallel`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from . import vocab_parallel
@@ -138,7 +158,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
     styles = torch_plan(model, plan)
     heads = vocab_parallel.head_names(model, plan) if loss_parallel else []
     styles.update({name: vocab_parallel.head_style() for name in heads})
+    parents = {name.rpartition(".")[0] for name in styles}
+    hooks = []
+    if sequence_parallel:
+        from .sequence import register, sequence_parallel_plan
+
+        hooks = sequence_parallel_plan(model, styles, tp_mesh)
+        register(hooks, "pre")
     parallelize_module(model, tp_mesh, styles)
+    if hooks:
+        register(hooks, "post")
     for name in heads:
         vocab_parallel.install(model, name)
     for names in ties:
@@ -149,7 +178,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
                 raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
                                  f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
-    parents = {name.rpartition(".")[0] for name in styles}
     _per_rank(model, parents, tp)
     alibi = _prefixed(model, dict.fromkeys(TABLES.get(getattr(model.config, "model_type", None), {}).get("alibi", ())))
     if alibi:  # ALiBi attentions whose heads the plan cut: each its rank's slice of the bias

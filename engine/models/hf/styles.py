@@ -35,7 +35,8 @@ SUPPORTED = {
     "embedding_colwise": "nn.Embedding, hidden dim sharded, slices gathered",
     "packed_colwise": "as colwise on a weight packing equal parts (parts=k; transformers' default 2)",
     "replicate": "kept whole on every rank (nothing to do)",
-    "sequence_parallel": "a norm between layers: kept whole (no sequence parallelism for these models yet)",
+    "sequence_parallel": "a norm between layers: kept whole (sequence_parallel=True cuts every such norm's "
+                         "tokens, whatever the plan says: sequence.py)",
     "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
 }
 NOT_YET = {

@@ -61,7 +61,8 @@ def install(model: nn.Module, name: str) -> None:
     state = {"sharded": False, "ctx": None}
 
     def enter(module, args, kwargs):
-        if kwargs.get("labels") is not None and state["ctx"] is None:
+        labelled = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None  # (cp: shifted)
+        if labelled and state["ctx"] is None:
             state["ctx"] = loss_parallel()
             state["ctx"].__enter__()
             state["sharded"] = True

@@ -36,7 +36,10 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims, mode: str) -> N
     """Every attention of ``model`` over the cp group (before the stages copy it)."""
     if dims.cp > 1:
         from ...context_parallel import apply_context_parallel as enable
+        from ...models.hf import is_hf_model
 
+        if is_hf_model(model):  # its attention function swapped through transformers' registry
+            from ...models.hf.context import enable_context_parallel as enable
         enable(model, dims.cp_group, mode)
 
 

@@ -83,6 +83,13 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
     if plugin.cp_size == 1:
         return
     cp, tp = plugin.cp_size, plugin.tp_size
+    from ...models.hf import is_hf_model
+
+    if is_hf_model(model):  # through transformers' attention registry (models/hf/context.py)
+        from ...models.hf.context import check_context_parallel as check_hf
+
+        check_hf(model, plugin)
+        return
     if not callable(getattr(model, "enable_context_parallel", None)):
         raise ValueError(f"HybridParallelPlugin(cp_size={cp}): {type(model).__name__} has no "
                          "enable_context_parallel(group, mode) (the model contract); implement it or set cp_size=1")

@@ -43,14 +43,18 @@ class HybridParallelModule(nn.Module):
             raise RuntimeError("HybridParallelPlugin(pp_size>1): the model is split across ranks; "
                                "call booster.execute_pipeline(data_iter, model, criterion, optimizer)")
         args, kwargs = to_device((args, kwargs), self.device)
-        if self.cp is not None:  # context parallel: every (B, T, ...) argument cut to this rank's shard of T
+        stage = self.stage_modules[0]
+        if self.cp is not None and getattr(stage.inner, "_colossal_cp", None) is not None:
+            from ...models.hf.context import shard_inputs  # a transformers model: positions, shifted labels
+
+            args, kwargs = (), shard_inputs(stage.inner, args, kwargs, *self.cp)
+        elif self.cp is not None:  # context parallel: every (B, T, ...) argument cut to this rank's shard of T
             from ...context_parallel import shard_sequence
 
             group, mode = self.cp
             r, n = dist.get_rank(group), dist.get_world_size(group)
             cut = lambda a: shard_sequence(a, r, n, mode) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a  # noqa: E731
             args, kwargs = tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
-        stage = self.stage_modules[0]
         run = stage.inner
         if self.nd is not None:  # 2D/2.5D/3D: this rank's piece of the batch, the loss the batch mean
             from ...models.hf import reads_dict_plan

@@ -1,0 +1,182 @@
+"""Context parallelism (ring / Ulysses) for a transformers decoder, through its attention-function registry.
+
+Each of the ``cp`` ranks holds a shard of every sequence (zig-zag for the ring, contiguous for Ulysses,
+:mod:`...context_parallel`); only attention needs the whole sequence. transformers dispatches every
+attention of a model that declares ``_supports_attention_backend`` through ``AttentionInterface`` by
+``config._attn_implementation``: :func:`enable_context_parallel` registers one attention function per
+handle there (a closure over the :class:`ContextParallel` handle) and points the model at it with
+``model.set_attn_implementation``, so the model's own projections, rotary embedding, norms and head run
+unchanged on the shard. What the model must see of the shard, :func:`shard_inputs` gives it before the
+forward (a direct call of the boosted model):
+
+* ``position_ids``: the shard's *global* positions, so the model's own rotary tables (or learned
+  position embeddings) take the right angles;
+* ``shift_labels``: the labels shifted on the whole sequence, then sharded (``ForCausalLMLoss`` would
+  otherwise shift inside the shard, pairing each chunk's last token with the wrong target), and
+  ``num_items_in_batch``: the global count of target tokens divided by ``cp``, so a rank's loss is its
+  share of the batch sum and the mean over the cp group (how the plugin averages gradients) is the
+  batch mean even when the ranks hold unequal numbers of targets (the last position has none);
+* no ``attention_mask``: the attention function is causal by itself (zig-zag shards make a mask built
+  from the local length wrong), and transformers builds no mask for an implementation absent from
+  its mask registry; a padding mask (zeros) is refused.
+
+Refused before any work, naming the option: a model outside the registry, non-causal attention
+(encoders), attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
+sequence, pipelines (pp_size > 1), a cache (generation), and Ulysses heads that do not divide over
+tp_size * cp_size. transformers is imported only inside the functions that need it (an HF model exists).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .plan import head_counts
+
+_NAMES = itertools.count()
+_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def _var_keyword(model: nn.Module) -> Optional[str]:
+    """The name of ``model.forward``'s ``**kwargs`` (None without one)."""
+    return next((p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+def _where(plugin) -> str:
+    return f"HybridParallelPlugin(cp_size={plugin.cp_size}, cp_mode={plugin.cp_mode!r})"
+
+
+def check_context_parallel(model: nn.Module, plugin) -> None:
+    """Everything ring / Ulysses attention needs of an HF model, before any process group exists."""
+    where, cp, tp = _where(plugin), plugin.cp_size, plugin.tp_size
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(f"{where}: {name} does not dispatch its attention through transformers' "
+                         "AttentionInterface (_supports_attention_backend is False), which is how context "
+                         "parallelism reaches its attention; set cp_size=1")
+    cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"{where}: {name} is an encoder-decoder model; context parallelism runs decoder-only "
+                         "(causal) models; set cp_size=1")
+    non_causal = sorted({type(m).__name__ for m in model.modules() if getattr(m, "is_causal", None) is False})
+    if non_causal:
+        raise ValueError(f"{where}: {name}'s attention is not causal ({non_causal} have is_causal=False, e.g. an "
+                         "encoder such as BERT); the ring and Ulysses here run causal decoder attention only; "
+                         "set cp_size=1")
+    for key in _DROPOUT:
+        if float(getattr(cfg, key, 0.0) or 0.0) > 0:
+            raise ValueError(f"{where}: config.{key}={getattr(cfg, key)} (attention dropout) is not applied by "
+                             f"ring / Ulysses attention; set config.{key}=0.0 or cp_size=1")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"{where}: config.attn_logit_softcapping={cfg.attn_logit_softcapping} is not applied by "
+                         "ring / Ulysses attention; set it to None or cp_size=1")
+    if plugin.pp_size > 1:
+        raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages do not carry "
+                         "the shard's position_ids and shifted labels yet; use pp_size=1 with cp_size>1")
+    if _var_keyword(model) is None:
+        raise ValueError(f"{where}: {name}.forward takes no **kwargs, so the shard's shift_labels and "
+                         "num_items_in_batch cannot reach its loss; set cp_size=1")
+    heads, _ = head_counts(model)
+    if plugin.cp_mode == "ulysses" and heads is not None and heads % (tp * cp):
+        ok = [n for n in range(1, heads + 1) if heads % (tp * n) == 0]
+        raise ValueError(f"{where}, tp_size={tp}: Ulysses gives each rank whole attention heads, but {name} has "
+                         f"{heads} heads and tp_size * cp_size = {tp * cp} does not divide them; use cp_size in "
+                         f"{ok} or cp_mode='ring'")
+
+
+def _refuse(handle, what: str) -> None:
+    raise ValueError(f"HybridParallelPlugin(cp_size={handle.size}, cp_mode={handle.mode!r}): {what}")
+
+
+def _attention_function(handle):
+    """transformers' attention contract: ``(module, query (B, H, T/cp, D), key/value (B, H_kv, T/cp, D),
+    attention_mask, scaling=, dropout=, sliding_window=, softcap=, **kwargs) -> ((B, T/cp, H, D), None)``,
+    computed over the whole sequence by ``handle`` (ring or Ulysses over the cp group)."""
+    def attention(module, query, key, value, attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
+                  sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
+        whole = query.shape[2] * handle.size
+        if softcap is not None:
+            _refuse(handle, f"softcap={softcap} (logit soft-capping) is not applied by ring / Ulysses attention")
+        if dropout:
+            _refuse(handle, f"attention dropout={dropout} is not applied by ring / Ulysses attention; set the "
+                            "config's attention dropout to 0.0")
+        if kwargs.get("s_aux") is not None:
+            _refuse(handle, "attention sinks (s_aux) are not applied by ring / Ulysses attention")
+        if sliding_window is not None and sliding_window < whole:
+            _refuse(handle, f"sliding_window={sliding_window} is shorter than the sequence ({whole} tokens) and is "
+                            "not applied by ring / Ulysses attention; use sequences of at most sliding_window tokens")
+        causal = kwargs.get("is_causal")
+        if not (getattr(module, "is_causal", True) if causal is None else causal):
+            _refuse(handle, f"{type(module).__name__} is not causal; ring / Ulysses here run causal attention only")
+        if key.shape[1] != query.shape[1]:  # grouped-query attention: every query head its key/value head
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        out = handle(query, key, value, causal=True, scale=scaling)  # (B, H, T/cp, D)
+        return out.transpose(1, 2), None
+    return attention
+
+
+def enable_context_parallel(model: nn.Module, group, mode: str) -> nn.Module:
+    """Route every attention of ``model`` through ring / Ulysses over ``group``: one function registered in
+    transformers' ``AttentionInterface`` (a name of its own per call) and set as the model's implementation."""
+    from transformers import AttentionInterface
+
+    from ...context_parallel import ContextParallel
+
+    handle = ContextParallel(group, mode)
+    name = f"colossal_lab_cp_{mode}_{next(_NAMES)}"
+    AttentionInterface.register(name, _attention_function(handle))
+    model.set_attn_implementation(name)
+    model._colossal_cp = handle  # a deep copy shares it (ContextParallel.__deepcopy__)
+    return model
+
+
+def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) -> dict:
+    """The keyword arguments of a direct forward on this rank's shard (see the module docstring): every
+    ``(B, T, ...)`` input cut along T, global ``position_ids``, shifted and sharded labels; ``ValueError``
+    (before any communication) for a padding mask, a cache, or a length that does not cut."""
+    from ...context_parallel import _check_len, positions, shard_sequence
+
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
+    bound, var = inspect.signature(model.forward).bind_partial(*args, **kwargs), _var_keyword(model)
+    kw = {k: v for k, v in bound.arguments.items() if k != var}
+    kw.update(bound.arguments.get(var, {}))
+    ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
+    if ids is None:
+        raise ValueError(f"{where}: the forward needs input_ids (or inputs_embeds) to cut into sequence shards")
+    B, T = ids.shape[:2]
+    try:
+        _check_len(T, n, mode, where)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    mask = kw.pop("attention_mask", None)
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise ValueError(f"{where}: attention_mask masks padding, which ring / Ulysses attention does not apply "
+                         "(each rank attends causally over the whole sequence); pack sequences without padding")
+    if kw.get("past_key_values") is not None:
+        raise ValueError(f"{where}: past_key_values (a cache, generation) is not run under context parallelism; "
+                         "generate with the plain model")
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kw["use_cache"] = False
+    labels = kw.get("labels")
+    if labels is not None:
+        shifted = kw.get("shift_labels")
+        if shifted is None:  # what ForCausalLMLoss does, on the whole sequence
+            shifted = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+        count = kw.get("num_items_in_batch")
+        count = (shifted != -100).sum().item() if count is None else count
+        kw["shift_labels"], kw["num_items_in_batch"] = shifted, count / n
+    pos = kw.pop("position_ids", None)  # the user's (B or 1, T) positions, or 0..T-1
+    for k, v in list(kw.items()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (B, T):
+            kw[k] = shard_sequence(v, r, n, mode, dim=1).contiguous()  # (HF views labels flat)
+    kw["position_ids"] = (positions(T, r, n, mode, device=ids.device).unsqueeze(0) if pos is None
+                          else shard_sequence(pos, r, n, mode, dim=pos.dim() - 1))
+    return kw

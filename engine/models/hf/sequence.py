@@ -1,0 +1,172 @@
+"""Megatron-style sequence parallelism for a transformers model under 1D tensor parallelism.
+
+Between the tensor-parallel regions of every decoder layer the residual stream is cut along the sequence
+(each of the tp ranks holds ``T/tp`` of the tokens), so the norms, dropouts and residual adds run on a
+shard instead of on the whole sequence on every rank. The layout is derived from the model itself, not
+from its class: the layer list from its pipeline layout (``base_model_pp_plan`` or the built-in table,
+:mod:`.pipeline`), the regions from its translated tensor-parallel plan, the norms by type (a norm
+class holding only 1-D parameters). For each direct child of a decoder layer:
+
+* a norm runs on the shard, its weight whole, its gradient summed over tp (:mod:`.grad_sum`: each rank's
+  covers its tokens only); a plain hook, not DTensor's ``SequenceParallel``, as some layers flatten the
+  tokens to ``(B*T, C)`` first (OPT), where a ``Shard(1)`` would name the wrong dimension;
+* a region holding parameters (attention, MLP) gathers the whole sequence on entry; its output is cut
+  back to the shard by the plan's own row-parallel layers inside it (``RowwiseParallel(output_layouts=
+  Shard(1))``: a reduce-scatter where plain tp all-reduces), or, where it has none (a region the plan
+  leaves whole, ``Conv1D``'s row style), by cutting its whole output;
+* a bare column-parallel layer (OPT's ``fc1``) gathers on entry, a bare row-parallel one (``fc2``) cuts
+  its output; parameter-free children (dropouts, activations) run on what they are handed.
+
+The embedding output stays whole, so the base model's code before the layers (position ids, rotary
+tables, the causal mask) sees the whole sequence; the first layer cuts it, the last gathers its output
+whole again, so the code after the layers (final norm, GPT-2's reshape, the head) does too. Tokens lie
+along dim 1 of a ``(B, T, C)`` tensor and dim 0 of a flattened one (a per-token region gathers and
+cuts such rows alike). Built on DTensor's ``redistribute`` (its autograd gives each move its backward:
+a cut for a gather, a gather for a cut) and torch's ``RowwiseParallel``; written here only the hooks
+and the walk that places them. A length tp does not divide is refused at the first layer, before that
+layer's collectives; pipelines are refused with ``sequence_parallel=True`` (a stage would hand on a shard).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A per-token normalisation: ``nn.LayerNorm``/``nn.RMSNorm`` or a class named ``...Norm`` holding only
+    1-D parameters (transformers' ``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...)."""
+    if isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))):
+        return True
+    params = list(module.parameters())
+    return type(module).__name__.lower().endswith("norm") and bool(params) and all(p.dim() == 1 for p in params)
+
+
+def _seq_dim(x: torch.Tensor) -> int:
+    """Where the tokens of a shard lie: ``(B, T, C)`` along 1; a layer that flattened them to ``(B*T, C)``
+    (OPT's feed-forward) along 0, whose rows a per-token region gathers and cuts back alike."""
+    return 1 if x.dim() >= 3 else 0
+
+
+def _move(x, mesh, to_whole: bool, what: str, keep: bool = False):
+    """``x`` (a local tensor) between this rank's shard of the tokens and the whole of them, over ``mesh``,
+    through DTensor (whose autograd gives the backward: a cut for a gather, a gather for a cut). ``keep``
+    hands a gathered ``x`` on as the replicated DTensor: column-parallel layers take it as it is, and
+    their partial input gradients meet at the gather, whose backward is then one reduce-scatter (a local
+    tensor would have each layer's input all-reduce its gradient, as plain tp does)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    dim, n = _seq_dim(x), mesh.size()
+    if not to_whole and x.shape[dim] % n:
+        raise ValueError(f"HybridParallelPlugin(sequence_parallel=True, tp_size={n}): {what} has a sequence of "
+                         f"{x.shape[dim]} tokens, which does not cut into {n} equal shards; use a length "
+                         f"divisible by tp_size={n}")
+    src, dst = (Shard(dim), Replicate()) if to_whole else (Replicate(), Shard(dim))
+    moved = DTensor.from_local(x, mesh, (src,), run_check=False).redistribute(mesh, (dst,))
+    return moved if keep and to_whole else moved.to_local()
+
+
+class _OnInput:
+    """Forward pre-hook: the module's hidden states (first positional argument, or ``hidden_states=``)
+    gathered whole (``to_whole``) or cut to this rank's shard."""
+
+    def __init__(self, mesh, to_whole: bool, name: str, keep: bool = False):
+        self.mesh, self.to_whole, self.name, self.keep = mesh, to_whole, name, keep
+
+    def __call__(self, module, args, kwargs):
+        move = lambda x: _move(x, self.mesh, self.to_whole, self.name, self.keep)  # noqa: E731
+        if args:
+            return (move(args[0]),) + tuple(args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": move(kwargs["hidden_states"])}
+        return args, kwargs
+
+
+class _OnOutput:
+    """Forward hook: the module's output (or the first element of a tuple output) cut from whole to this
+    rank's shard of the tokens, or (``to_whole``) gathered whole."""
+
+    def __init__(self, mesh, to_whole: bool, name: str):
+        self.mesh, self.to_whole, self.name = mesh, to_whole, name
+
+    def __call__(self, module, args, output):
+        if isinstance(output, tuple):
+            return (_move(output[0], self.mesh, self.to_whole, self.name),) + output[1:]
+        return _move(output, self.mesh, self.to_whole, self.name)
+
+
+def _rowwise_to_shard(style):
+    from torch.distributed.tensor import Shard
+
+    out = copy.copy(style)
+    out.output_layouts = (Shard(1),)
+    return out
+
+
+def _all_torch_styles(region: nn.Module, name: str, styles: Dict[str, object]) -> bool:
+    """Whether every module of ``region`` holding parameters of its own runs torch's column / row style
+    (or is a norm, fed by them): then only those layers read the gathered hidden states, and they take a
+    DTensor; any other layer might meet it beside a plain tensor, so the region gets a local one."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
+    for sub, mod in region.named_modules(prefix=name):
+        if any(True for _ in mod.parameters(recurse=False)) and not is_norm(mod) and \
+                not isinstance(styles.get(sub), (ColwiseParallel, RowwiseParallel, ReplicatedGradSum)):
+            return False
+    return True
+
+
+def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh) -> List[tuple]:
+    """Rewrite ``styles`` (module name -> torch style, before ``parallelize_module``) for sequence
+    parallelism and return the hooks to register: ``[(module, "pre" | "post", hook)]``."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+    from .pipeline import _layout_or_raise
+
+    lay = _layout_or_raise(model)
+    hooks: List[tuple] = []
+    layers = list(model.get_submodule(lay.layers).named_children())
+    for i, (idx, layer) in enumerate(layers):
+        prefix = f"{lay.layers}.{idx}"
+        if i == 0:  # the whole embedding output, cut to this rank's shard
+            hooks.append((layer, "pre", _OnInput(tp_mesh, False, f"{prefix}'s input")))
+        for child_name, child in layer.named_children():
+            name = f"{prefix}.{child_name}"
+            own = styles.get(name)
+            if is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
+                styles[name] = ReplicatedGradSum()
+            elif own is not None and "Rowwise" in type(own).__name__:  # closes a region a sibling opened
+                hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
+            elif own is not None:  # opens a region (a bare column-parallel layer): whole sequence in
+                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, isinstance(own, ColwiseParallel))))
+            elif any(True for _ in child.parameters()):  # a region: whole sequence in
+                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _all_torch_styles(child, name, styles))))
+                closers = [n for n, s in styles.items() if n.startswith(name + ".") and isinstance(s, RowwiseParallel)]
+                for n in closers:
+                    styles[n] = _rowwise_to_shard(styles[n])
+                if not closers:  # left whole by the plan, or closed by another style: cut its whole output
+                    hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
+    if layers:  # the base model's code after the layers (final norm, reshapes) sees the whole sequence
+        hooks.append((layers[-1][1], "post", _OnOutput(tp_mesh, True, f"{lay.layers}.{layers[-1][0]}'s output")))
+    return hooks
+
+
+def register(hooks: List[tuple], kind: str) -> None:
+    """Register the hooks of one ``kind`` that :func:`sequence_parallel_plan` returned: the ``"pre"`` ones
+    before ``parallelize_module`` (they run ahead of a style's own input preparation on the same module),
+    the ``"post"`` ones after it (they cut what a style's own output preparation hands back)."""
+    for module, k, hook in hooks:
+        if k == kind == "pre":
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+        elif k == kind == "post":
+            module.register_forward_hook(hook)

@@ -1,0 +1,292 @@
+"""transformers models under HybridParallelPlugin(cp_size=2) (ring and Ulysses) and (tp_size=2,
+sequence_parallel=True), with the plain HF loop.
+
+Tiny random models in fp32, trained 5 AdamW steps with ``loss = model(**batch).loss;
+booster.backward(loss, optimizer)``, follow the single-process loss and gradient-norm curves within 1e-4
+relative. Context parallelism (Llama, Qwen2, Mistral: grouped-query attention, rotary positions, q/k/v
+biases, a sliding window longer than the sequence): each rank holds a shard of every sequence (zig-zag
+for the ring), the model's own rotary embedding takes the shard's global positions, and its loss the
+labels shifted on the whole sequence; ring and Ulysses also with tp_size=2 (cp2 x tp2 on 4 ranks).
+Sequence parallelism (the same three, plus OPT's bare fc1/fc2 and
+flattened tokens and GPT-2's Conv1D styles and reshape after the layers): every norm of the decoder
+layers runs on half the tokens. Bad input is refused with an error naming the fix: at configure (before
+any process group) Ulysses heads that do not divide, a non-causal encoder (BERT), attention dropout,
+pipelines with either; at the forward (before the collectives of the layer it reaches) a length that
+does not cut, a padding mask, a sliding window shorter than the sequence, and ``execute_pipeline``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from support.dist import run_distributed  # noqa: E402
+from support.engine import param_groups  # noqa: E402
+
+STEPS, LR, SEED, CLIP = 5, 1e-2, 11, 0.5
+ROWS, T = 2, 16  # T divides 2 * cp (the ring's zig-zag chunks)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
+
+
+def _qwen2():  # q/k/v biases
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(SEED)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
+
+
+def _mistral(sliding_window=4096):  # a sliding window (longer than the sequence: nothing to apply)
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(SEED)
+    return MistralForCausalLM(MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+                                            sliding_window=sliding_window))
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(SEED)
+    return BertForMaskedLM(BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _gpt2():  # Conv1D weights (the adapter's own styles), learned positions
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _opt():  # bare fc1/fc2 linears in the decoder layer, a final LayerNorm
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(SEED)
+    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
+                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=1))
+
+
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2, "opt": _opt}
+
+
+def _batch(step: int) -> torch.Tensor:
+    """A learnable stream (each token an affine function of the one before), the same on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    cols = [torch.randint(0, 256, (ROWS, 1), generator=g)]
+    for _ in range(T - 1):
+        cols.append((cols[-1] * 5 + 3) % 256)
+    return torch.cat(cols, 1)
+
+
+def _loop(model, opt, booster):
+    """The plain HF loop; the losses (a rank's loss is its share: the mean over ranks is the batch's)
+    and the gradient norms before clipping."""
+    losses, norms = [], []
+    for s in range(STEPS):
+        x = _batch(s)
+        loss = model(input_ids=x, labels=x, attention_mask=torch.ones_like(x)).loss
+        if booster:
+            booster.backward(loss, opt)
+            norm = booster.clip_grad_by_norm(opt, CLIP)
+        else:
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        if booster:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    return losses, norms
+
+
+def _reference(name):
+    model = MODELS[name]()
+    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None)
+
+
+def _boost(name, **plugin_kw):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(**plugin_kw)
+    booster = Booster(plugin=plugin)
+    model = MODELS[name]() if isinstance(name, str) else name()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    model, opt, *_ = booster.boost(model, opt)
+    return plugin, booster, model, opt
+
+
+def _train(name, mode, **extra):
+    from colossal_lab.engine import context_parallel as cp
+
+    if mode == "sp":
+        return _train_sp(name)
+    plugin, booster, model, opt = _boost(name, cp_size=2, cp_mode=mode, **extra)
+    cp.COMM.reset()
+    losses, norms = _loop(model, opt, booster)
+    out = {"losses": losses, "norms": norms, "cp_bytes": cp.COMM.total,
+           "impl": model.stage_modules[0].inner.config._attn_implementation}
+    plugin.close()
+    return out
+
+
+def _tokens(t):  # (B, T, C), or (B*T, C) where a layer flattened them
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() // t.shape[-1]
+
+
+def _train_sp(name):
+    """tp2 with sequence parallelism; records how many tokens each norm of the decoder layers saw."""
+    from colossal_lab.engine.models.hf.pipeline import layout
+    from colossal_lab.engine.models.hf.sequence import is_norm
+
+    plugin, booster, model, opt = _boost(name, tp_size=2, sequence_parallel=True)
+    inner = model.stage_modules[0].inner
+    seen, layers = {}, layout(inner).layers + "."
+    for n, m in inner.named_modules():
+        if is_norm(m) and n.startswith(layers):
+            m.register_forward_pre_hook(lambda mod, a, n=n: seen.setdefault(n, _tokens(a[0])) and None)
+    losses, norms = _loop(model, opt, booster)
+    plugin.close()
+    return {"losses": losses, "norms": norms, "norm_tokens": seen}
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _refusals_at_forward():
+    """Bad input at the forward of a boosted model: each refused before any collective, on every rank alike."""
+    out = {}
+    x = _batch(0)
+    plugin, booster, model, opt = _boost("llama", cp_size=2, cp_mode="ring")
+    out["odd_length"] = _error(lambda: model(input_ids=x[:, :14], labels=x[:, :14]))
+    mask = torch.ones_like(x)
+    mask[0, -3:] = 0
+    out["padding"] = _error(lambda: model(input_ids=x, attention_mask=mask, labels=x))
+    out["pipeline"] = _error(lambda: booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt))
+    out["still_runs"] = model(x, labels=x).loss.item()  # positional input_ids too, after the refusals
+    plugin.close()
+    plugin, booster, model, opt = _boost(lambda: _mistral(sliding_window=8), cp_size=2, cp_mode="ulysses")
+    out["window"] = _error(lambda: model(input_ids=x, labels=x))
+    plugin.close()
+    plugin, booster, model, opt = _boost("llama", tp_size=2, sequence_parallel=True)
+    out["sp_length"] = _error(lambda: model(input_ids=x[:, :15], labels=x[:, :15]))
+    plugin.close()
+    return out
+
+
+CASES = [("llama", "ring"), ("llama", "ulysses"), ("qwen2", "ring"), ("qwen2", "ulysses"), ("mistral", "ring"),
+         ("llama", "sp"), ("qwen2", "sp"), ("mistral", "sp"), ("opt", "sp"), ("gpt2", "sp")]
+
+
+def _all(rank, world):
+    out = {case: _train(*case) for case in CASES}
+    out["refused"] = _refusals_at_forward()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all, 2, timeout=500)
+
+
+TP_CASES = [("llama", "ring"), ("llama", "ulysses")]  # with tp_size=2: cp2 x tp2 on 4 ranks
+
+
+def _all_tp(rank, world):
+    return {case: _train(*case, tp_size=2) for case in TP_CASES}
+
+
+@pytest.fixture(scope="module")
+def runs_tp():
+    return run_distributed(_all_tp, 4, timeout=500)
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=["-".join(c) for c in TP_CASES])
+def test_cp_composes_with_tensor_parallelism(runs_tp, case):
+    """Each tp rank's attention holds half the heads (Ulysses cuts those again over cp)."""
+    ref, ref_norms = _reference(case[0])
+    for r in runs_tp:
+        assert r[case]["losses"] == pytest.approx(ref, rel=1e-4), (case, r[case]["losses"], ref)
+        assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, r[case]["norms"], ref_norms)
+        assert r[case]["cp_bytes"] > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_hf_decoder_under_cp_follows_its_single_process_curve(runs, case):
+    ref, ref_norms = _reference(case[0])
+    for r in runs:
+        got = r[case]
+        assert got["losses"] == pytest.approx(ref, rel=1e-4), (case, got["losses"], ref)
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, got["norms"], ref_norms)
+        if case[1] == "sp":  # every norm between the regions ran on this rank's half of the sequence
+            seen = got["norm_tokens"]
+            assert len(seen) == 4 and set(seen.values()) == {ROWS * T // 2}, seen
+            continue
+        assert got["impl"].startswith("colossal_lab_cp_" + case[1])  # transformers dispatched to ours
+        assert got["cp_bytes"] > 0  # and it talked over the cp group
+    assert ref[-1] < ref[0]
+    assert min(ref_norms) > CLIP  # the clip acted on every step, so a wrong norm would move the curve
+
+
+def test_bad_input_at_the_forward_is_refused(runs):
+    for r in runs:
+        got = r["refused"]
+        assert "16 equal" not in got["odd_length"] and "14 tokens" in got["odd_length"], got["odd_length"]
+        assert "divisible by 4" in got["odd_length"]
+        assert "attention_mask" in got["padding"] and "padding" in got["padding"]
+        assert "execute_pipeline" in got["pipeline"] and "model(**batch)" in got["pipeline"]
+        assert "sliding_window=8" in got["window"]
+        assert "sequence_parallel=True" in got["sp_length"] and "15 tokens" in got["sp_length"], got["sp_length"]
+        assert got["still_runs"] > 0
+    # a shard's loss: the two ranks' differ (unequal shards of the sum), their mean is the batch's
+    assert runs[0]["refused"]["still_runs"] != runs[1]["refused"]["still_runs"]
+
+
+def _configure_error(model, **kw) -> str:
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    with pytest.raises(ValueError) as exc:
+        HybridParallelPlugin(**kw).configure(model, torch.optim.AdamW(model.parameters()))
+    assert not dist.is_initialized()  # refused before any process group exists
+    return str(exc.value)
+
+
+def test_bad_layouts_are_refused_before_any_group():
+    msg = _configure_error(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), cp_size=4,
+                           cp_mode="ulysses")
+    assert "6 heads" in msg and "cp_mode='ring'" in msg and "[1, 2, 3, 6]" in msg, msg
+    msg = _configure_error(_bert(), cp_size=2)
+    assert "not causal" in msg and "BERT" in msg, msg
+    msg = _configure_error(_llama(attention_dropout=0.1), cp_size=2)
+    assert "config.attention_dropout=0.1" in msg, msg
+    msg = _configure_error(_llama(), cp_size=2, pp_size=2, num_microbatches=2)
+    assert "pp_size=2" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(_llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
+    assert "sequence_parallel=True" in msg and "pp_size=1" in msg, msg
