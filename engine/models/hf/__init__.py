@@ -9,8 +9,8 @@ and module types by attribute (:mod:`.plan` reads, :mod:`.styles` translates int
 per-head norms whose gradients are partial, :mod:`.tables`
 holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages from the model's
 ``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
-recomputes decoder layers). 1D tensor parallelism, pipelines and activation checkpointing are covered so far
-(docs/hf.md).
+recomputes decoder layers, :mod:`.export` writes our reference GPT as a Llama checkpoint). 1D tensor
+parallelism, pipelines and activation checkpointing are covered so far (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
+from .export import export_llama
 from .loss import check_batch, pipeline_criterion
 from .pipeline import num_layers, pipeline_stage
 from .plan import (
@@ -34,7 +35,7 @@ from .plan import (
 )
 from .tables import TABLES
 
-__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "num_layers",
+__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "export_llama", "is_hf_model", "num_layers",
            "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
 
 
