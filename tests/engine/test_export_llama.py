@@ -74,6 +74,17 @@ def test_from_a_sharded_checkpoint_directory(tmp_path):
     assert type(auto).__name__ == "LlamaForCausalLM"
 
 
+def test_rewrites_the_directory_whole(tmp_path):
+    """A second export replaces the directory: no file of an earlier checkpoint (an index) is left."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text("{}")
+    model = gpt()
+    export_llama(model, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    ours, theirs, _ = logits_both(model, tmp_path / "hf")
+    assert (ours - theirs).abs().max().item() < ATOL
+
+
 def test_rotary_permutation_is_needed(tmp_path):
     """Without the q/k row permutation the logits differ: the two rotary conventions are really different."""
     model = gpt()

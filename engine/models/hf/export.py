@@ -104,7 +104,8 @@ def export_llama(source: Union[GPT, Mapping[str, torch.Tensor], str, os.PathLike
 
     ``source`` is a ``GPT`` (its own config is used), a state dict, or a checkpoint directory as
     ``booster.save_model(model, dir, shard=True)`` writes it (one file or shards with an index); the last
-    two need ``cfg``, the ``GPTConfig`` it was trained with. Returns ``out_dir``;
+    two need ``cfg``, the ``GPTConfig`` it was trained with. ``out_dir`` is replaced whole (written under a
+    temporary name, then renamed). Returns ``out_dir``;
     ``transformers.LlamaForCausalLM.from_pretrained(out_dir)`` then gives the GPT's logits.
     """
     if isinstance(source, GPT):
@@ -126,13 +127,14 @@ def export_llama(source: Union[GPT, Mapping[str, torch.Tensor], str, os.PathLike
                         "trained with, e.g. cfg=GPTConfig.preset('small')")
     from safetensors.torch import save_file
 
+    from ...checkpoint_io.atomic import atomic_dir
+
     tensors = llama_state_dict(state, cfg)
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    llama_config(cfg, dtype).save_pretrained(out)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    config = llama_config(cfg, tensors["model.embed_tokens.weight"].dtype)
+    with atomic_dir(out_dir) as tmp:  # out_dir becomes exactly these two files, or stays as it was
+        config.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return Path(out_dir)
 
 
 __all__ = ["export_llama", "interleaved_to_halves", "llama_config", "llama_state_dict"]
