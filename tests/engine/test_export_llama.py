@@ -105,6 +105,9 @@ def test_bad_input_is_refused_before_writing(tmp_path):
     with pytest.raises(ValueError, match="tie_embeddings|missing"):
         export_llama(model.state_dict(), tmp_path / "b", cfg=GPTConfig(vocab_size=96, block_size=32, n_layer=3,
                                                                        n_head=4, n_embd=32))
+    with pytest.raises(ValueError, match="shapes differ"):
+        export_llama(model.state_dict(), tmp_path / "b", cfg=GPTConfig(vocab_size=128, block_size=32, n_layer=2,
+                                                                       n_head=4, n_embd=32))
     with pytest.raises(TypeError, match="source="):
         export_llama(42, tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -63,6 +63,12 @@ def llama_state_dict(state: Mapping[str, torch.Tensor], cfg: GPTConfig) -> Dict[
         raise ValueError(f"export_llama: the state does not match GPTConfig(n_layer={cfg.n_layer}, "
                          f"tie_embeddings={cfg.tie_embeddings}): missing {missing}, unexpected {extra}; pass the "
                          "config the checkpoint was trained with")
+    wrong = [f"{n} {tuple(state[n].shape)} (expected {shape})" for n, shape in _gpt_shapes(cfg).items()
+             if tuple(state[n].shape) != shape]
+    if wrong:
+        raise ValueError(f"export_llama: shapes differ from GPTConfig(vocab_size={cfg.vocab_size}, "
+                         f"n_embd={cfg.n_embd}, mlp_hidden={cfg.mlp_hidden}): {wrong[:3]}; pass the config the "
+                         "checkpoint was trained with")
     out = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = state["lm_head.weight"]
@@ -77,10 +83,19 @@ def llama_state_dict(state: Mapping[str, torch.Tensor], cfg: GPTConfig) -> Dict[
 
 def _gpt_names(cfg: GPTConfig):
     """The parameter names of ``GPT(cfg)``'s state dict (without building the model)."""
-    names = ["tok_emb.weight", "norm.weight"] + [f"blocks.{i}.{k}" for i in range(cfg.n_layer) for k in _BLOCK]
+    return list(_gpt_shapes(cfg))
+
+
+def _gpt_shapes(cfg: GPTConfig) -> Dict[str, tuple]:
+    """``GPT(cfg)``'s parameter shapes by name (the tied head named once, as ``tok_emb.weight``)."""
+    E, H, V = cfg.n_embd, cfg.hidden, cfg.vocab_size
+    block = {"attn_norm.weight": (E,), "mlp_norm.weight": (E,), "mlp.w1.weight": (H, E), "mlp.w3.weight": (H, E),
+             "mlp.w2.weight": (E, H), **{f"attn.{w}.weight": (E, E) for w in ("wq", "wk", "wv", "wo")}}
+    shapes = {"tok_emb.weight": (V, E), "norm.weight": (E,)}
+    shapes.update({f"blocks.{i}.{k}": block[k] for i in range(cfg.n_layer) for k in _BLOCK})
     if not cfg.tie_embeddings:
-        names.append("lm_head.weight")
-    return names
+        shapes["lm_head.weight"] = (V, E)
+    return shapes
 
 
 def llama_config(cfg: GPTConfig, dtype: torch.dtype = torch.float32):
