@@ -22,7 +22,7 @@ ARTIFACTS = ROOT / "artifacts" / "tutorials"
 TINY = {
     "01_training": dict(preset="tiny", steps=30, corpus_bytes=200_000, device_memory_limit=1 << 20,
                         chunk_size_mb=0.125),
-    "02_fine_tuning": dict(preset="tiny", steps=30),
+    "02_fine_tuning": dict(preset="tiny", steps=30, bert_steps=15, bert_batch_size=8, bert_seq_len=32),
     "03_quantized_inference": dict(preset="tiny"),
     "04_pipeline_timelines": dict(preset="tiny"),
     "05_parallelism_zoo": dict(steps=2),

@@ -11,7 +11,8 @@ holds plans for families that ship none, :mod:`.pipeline` cuts pipeline stages f
 ``base_model_pp_plan``, :mod:`.loss` is the criterion contract of ``execute_pipeline``, :mod:`.checkpointing`
 recomputes decoder layers, :mod:`.nd` reads 2D/2.5D/3D roles from the 1D plan, :mod:`.sequence` cuts the
 residual stream for sequence parallelism, :mod:`.context` runs ring / Ulysses attention through transformers'
-attention registry, :mod:`.vocab_parallel` keeps the LM head's logits vocabulary-sharded for the loss). Tensor
+attention registry, :mod:`.vocab_parallel` keeps the LM head's logits vocabulary-sharded for the loss,
+:mod:`.export` writes our reference GPT as a Llama checkpoint). Tensor
 parallelism (1D, and 2D/2.5D/3D for ``nn.Linear`` families), sequence and context parallelism, pipelines and
 activation checkpointing are covered so far (docs/hf.md).
 """
@@ -23,6 +24,7 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
+from .export import export_llama
 from .loss import check_batch, pipeline_criterion
 from .pipeline import num_layers, pipeline_stage
 from .plan import (
@@ -37,7 +39,8 @@ from .plan import (
 )
 from .tables import TABLES
 
-__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "is_hf_model", "nd_plan", "num_layers",
+__all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "export_llama", "is_hf_model",
+           "nd_plan", "num_layers",
            "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
 
 
