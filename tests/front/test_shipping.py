@@ -17,8 +17,10 @@ IPython = pytest.importorskip("IPython")
 
 import colossal_lab as cl  # noqa: E402  (after the importorskips)
 
-#: the module's ``cluster`` (tests/conftest.py), launched as test_cluster.py's
-CLUSTER_ARGS = dict(timeout=60, failure_grace=1.0, interrupt_grace=3.0)
+#: the module's ``cluster`` (tests/conftest.py). Both ranks of ``fails`` raise on their own: a long
+#: ``failure_grace`` lets the slower one finish formatting its traceback: interrupted inside it, a rank
+#: sends a traceback without the cell's lines, or none (seen with a 0 s grace). The wait ends when both are done.
+CLUSTER_ARGS = dict(timeout=60, failure_grace=30.0, interrupt_grace=3.0)
 
 CELLS = [
     # cell 1: top-level imports, one under an alias, and a constant
