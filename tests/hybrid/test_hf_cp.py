@@ -23,68 +23,17 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import param_groups  # noqa: E402
 
-STEPS, LR, SEED, CLIP = 5, 1e-2, 11, 0.5
+STEPS, LR, CLIP = 5, 1e-2, 0.5
 ROWS, T = 2, 16  # T divides 2 * cp (the ring's zig-zag chunks)
 
 
-def _llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
-    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
-
-
-def _qwen2():  # q/k/v biases
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(SEED)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
-
-
-def _mistral(sliding_window=4096):  # a sliding window (longer than the sequence: nothing to apply)
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(SEED)
-    return MistralForCausalLM(MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                            intermediate_size=128, num_hidden_layers=2, vocab_size=256,
-                                            sliding_window=sliding_window))
-
-
-def _bert():
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(SEED)
-    return BertForMaskedLM(BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-
-
-def _gpt2():  # Conv1D weights (the adapter's own styles), learned positions
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(SEED)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0))
-
-
-def _opt():  # bare fc1/fc2 linears in the decoder layer, a final LayerNorm
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(SEED)
-    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
-                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
-                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                                    pad_token_id=1))
-
-
-MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2, "opt": _opt}
+# q/k/v biases (Qwen2), a sliding window (Mistral), Conv1D weights and learned positions (GPT-2), bare
+# fc1/fc2 linears in the decoder layer and a final LayerNorm (OPT)
+MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "mistral": hf.mistral, "gpt2": hf.gpt2, "opt": hf.opt}
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -192,7 +141,7 @@ def _refusals_at_forward():
     out["pipeline"] = _error(lambda: booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt))
     out["still_runs"] = model(x, labels=x).loss.item()  # positional input_ids too, after the refusals
     plugin.close()
-    plugin, booster, model, opt = _boost(lambda: _mistral(sliding_window=8), cp_size=2, cp_mode="ulysses")
+    plugin, booster, model, opt = _boost(lambda: hf.mistral(sliding_window=8), cp_size=2, cp_mode="ulysses")
     out["window"] = _error(lambda: model(input_ids=x, labels=x))
     plugin.close()
     plugin, booster, model, opt = _boost("llama", tp_size=2, sequence_parallel=True)
@@ -279,14 +228,14 @@ def _configure_error(model, **kw) -> str:
 
 
 def test_bad_layouts_are_refused_before_any_group():
-    msg = _configure_error(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), cp_size=4,
+    msg = _configure_error(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), cp_size=4,
                            cp_mode="ulysses")
     assert "6 heads" in msg and "cp_mode='ring'" in msg and "[1, 2, 3, 6]" in msg, msg
-    msg = _configure_error(_bert(), cp_size=2)
+    msg = _configure_error(hf.bert(), cp_size=2)
     assert "not causal" in msg and "BERT" in msg, msg
-    msg = _configure_error(_llama(attention_dropout=0.1), cp_size=2)
+    msg = _configure_error(hf.llama(attention_dropout=0.1), cp_size=2)
     assert "config.attention_dropout=0.1" in msg, msg
-    msg = _configure_error(_llama(), cp_size=2, pp_size=2, num_microbatches=2)
+    msg = _configure_error(hf.llama(), cp_size=2, pp_size=2, num_microbatches=2)
     assert "pp_size=2" in msg and "pp_size=1" in msg, msg
-    msg = _configure_error(_llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
+    msg = _configure_error(hf.llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
     assert "sequence_parallel=True" in msg and "pp_size=1" in msg, msg

@@ -12,12 +12,15 @@ refused before any process group exists, and no name of the model contract is an
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import batch, param_groups  # noqa: E402
 
@@ -26,55 +29,13 @@ LR = 1e-2
 SEED = 11
 CLIP = 0.5  # below every gradient norm here, so clipping acts at every step
 LAYERS = 4  # two stages of two, or four (interleaved: two chunks per rank)
-DROP = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def _llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-               num_hidden_layers=LAYERS, vocab_size=256, max_position_embeddings=64)
-    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
-
-
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(SEED)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, num_hidden_layers=LAYERS, vocab_size=256))
-
-
-def _gpt2():  # no pp plan in transformers: the built-in table; learned positions; tied head
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(SEED)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=LAYERS, vocab_size=256, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, **DROP))
-
-
-def _opt():  # the built-in table; positions from the attention mask; tied head
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(SEED)
-    return OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=LAYERS,
-                                    vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
-                                    dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                                    pad_token_id=1))
-
-
-def _bert():  # an encoder: the embeddings block on the first stage, the MLM head on the last
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(SEED)
-    return BertForMaskedLM(BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                      num_hidden_layers=LAYERS, vocab_size=256, max_position_embeddings=64,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-
-
-MODELS = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2, "opt": _opt, "bert": _bert,
-          "llama_tied": lambda: _llama(tie_word_embeddings=True)}
+# no pp plan in transformers for GPT-2, OPT, BERT: the built-in tables; learned positions (GPT-2), positions
+# from the attention mask (OPT), tied heads; BERT: the embeddings block on the first stage, the MLM head on the last
+MODELS = {name: functools.partial(getattr(hf, name), layers=LAYERS)
+          for name in ("llama", "qwen2", "gpt2", "opt", "bert")}
+MODELS["llama_tied"] = functools.partial(hf.llama, layers=LAYERS, tie_word_embeddings=True)
 
 
 def _x(step):
@@ -323,9 +284,9 @@ def _configure(model, **kw):
 def test_layers_that_do_not_split_name_the_stage_counts_that_work():
     with pytest.raises(ValueError, match=r"4 layers cannot be split evenly into pp_size \* num_model_chunks = 3 "
                                          r"stages; choose pp_size \* num_model_chunks in \[1, 2, 4\]"):
-        _configure(_llama(), pp_size=3, num_microbatches=3)
+        _configure(hf.llama(layers=LAYERS), pp_size=3, num_microbatches=3)
     with pytest.raises(ValueError, match=r"= 8 stages; choose .* in \[1, 2, 4\]"):
-        _configure(_gpt2(), pp_size=4, num_microbatches=8, pp_style="interleaved", num_model_chunks=2)
+        _configure(hf.gpt2(layers=LAYERS), pp_size=4, num_microbatches=8, pp_style="interleaved", num_model_chunks=2)
 
 
 def test_a_family_without_a_pipeline_layout_is_refused():
@@ -341,7 +302,7 @@ def test_bad_checkpoint_layers_and_padded_batches_are_refused():
     from colossal_lab.engine.models.hf.checkpointing import enable_activation_checkpointing
 
     with pytest.raises(ValueError, match=r"'0.mlp' is not a layer index in \[0, 4\)"):
-        enable_activation_checkpointing(_llama(), layers=["0.mlp"])
+        enable_activation_checkpointing(hf.llama(layers=LAYERS), layers=["0.mlp"])
     with pytest.raises(ValueError, match=r"attention_mask.*padding.*pp_size=1"):
         check_batch({"input_ids": _x(0), "attention_mask": torch.zeros(8, 32)})
 
@@ -373,4 +334,4 @@ def test_no_contract_name_is_an_attribute_of_module_or_pretrained_model_but_tp_p
 def test_a_dict_tp_plan_is_read_as_transformers_plan():
     from colossal_lab.engine.models.hf import reads_dict_plan
 
-    assert reads_dict_plan(_llama()) and isinstance(_llama().tp_plan, dict)
+    assert reads_dict_plan(hf.llama(layers=LAYERS)) and isinstance(hf.llama(layers=LAYERS).tp_plan, dict)

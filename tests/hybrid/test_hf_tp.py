@@ -16,86 +16,22 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import batch, global_mean, param_groups  # noqa: E402
 
 STEPS = 5
 LR = 1e-2
-SEED = 11
 CLIP = 0.5  # below every model's gradient norm here, so clipping acts at every step
 
 
-def _llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
+# Llama, Qwen2, Qwen3 by their own plans (grouped-query attention, q/k/v biases, per-head norms); GPT-2,
+# OPT, BERT, BLOOM by the adapter's built-in tables (Conv1D weights, a packed q|k|v, heads reshaped by
+# num_heads, tied heads, ALiBi); an odd vocabulary (GPT-2's real 50257 is odd too: uneven vocab shards)
+MODELS = {"llama": hf.llama, "gpt2": hf.gpt2, "llama_tied": lambda: hf.llama(tie_word_embeddings=True),
+          "qwen2": hf.qwen2, "qwen3": hf.qwen3, "opt": lambda: hf.opt(fixed_key_bias=True), "bert": hf.bert,
+          "bloom": hf.bloom, "gpt2_odd_vocab": lambda: hf.gpt2(vocab_size=257)}
 
-    torch.manual_seed(SEED)
-    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
-    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
-
-
-def _gpt2(vocab_size=256):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(SEED)
-    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_head=4, n_layer=2, vocab_size=vocab_size, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0))
-
-
-def _qwen2():  # a plan of its own, biases on q/k/v
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(SEED)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
-
-
-def _qwen3():  # per-head q_norm/k_norm: replicated_with_grad_allreduce
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(SEED)
-    return Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
-
-
-def _opt():  # no plan in transformers: the built-in table; reshapes by num_heads; tied head
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(SEED)
-    model = OPTForCausalLM(OPTConfig(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
-                                     vocab_size=256, word_embed_proj_dim=64, max_position_embeddings=64,
-                                     dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
-                                     pad_token_id=1))
-    # a key bias adds the same score to every key of a query, so softmax cancels it and its gradient is
-    # rounding noise, which AdamW scales up to full-size steps: whichever order the ranks sum in, the
-    # curves would part on noise. It stays fixed (in the reference too).
-    for name, p in model.named_parameters():
-        if name.endswith("k_proj.bias"):
-            p.requires_grad_(False)
-    return model
-
-
-def _bert():  # an encoder, no plan in transformers: the built-in table (encoder layers)
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(SEED)
-    return BertForMaskedLM(BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=64,
-                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-
-
-def _bloom():  # no plan in transformers: the built-in table; packed per-head q|k|v, ALiBi, tied head
-    from transformers import BloomConfig, BloomForCausalLM
-
-    torch.manual_seed(SEED)
-    return BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256,
-                                        hidden_dropout=0.0, attention_dropout=0.0))
-
-
-MODELS = {"llama": _llama, "gpt2": _gpt2, "llama_tied": lambda: _llama(tie_word_embeddings=True),
-          "qwen2": _qwen2, "qwen3": _qwen3, "opt": _opt, "bert": _bert, "bloom": _bloom,
-          "gpt2_odd_vocab": lambda: _gpt2(vocab_size=257)}  # GPT-2's real 50257 is odd too: uneven vocab shards
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
 GPT2_MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
@@ -246,7 +182,7 @@ def _tp2_dp2(rank, world):
 
     plugin = HybridParallelPlugin(tp_size=2)
     booster = Booster(plugin=plugin)
-    model = _llama()
+    model = hf.llama()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
     assert plugin.dp_size == 2
@@ -273,16 +209,16 @@ def _configure(model, **kw):
 
 def test_heads_that_do_not_divide_name_the_sizes_that_work():
     with pytest.raises(ValueError, match=r"4 attention heads and 2 key/value heads.*tp_size in \[1, 2\]"):
-        _configure(_llama(), tp_size=4)
+        _configure(hf.llama(), tp_size=4)
     with pytest.raises(ValueError, match=r"6 attention heads and 6 key/value heads.*\[1, 2, 3, 6\]"):
-        _configure(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), tp_size=4)
+        _configure(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), tp_size=4)
 
 
 def test_unknown_and_unsupported_styles_are_named():
     with pytest.raises(ValueError, match=r"'colwise_sideways'.*known styles: \[.*'colwise_gather_output'"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "colwise_sideways"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "colwise_sideways"})
     with pytest.raises(ValueError, match=r"plan \(tp_plan=\).*'moe_tp_experts'.*does not run yet"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "moe_tp_experts"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "moe_tp_experts"})
     from transformers import MixtralConfig, MixtralForCausalLM
 
     moe = MixtralForCausalLM(MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -293,13 +229,13 @@ def test_unknown_and_unsupported_styles_are_named():
 
 def test_a_user_plan_naming_no_module_or_the_wrong_kind_is_refused():
     with pytest.raises(ValueError, match=r"\['model.layer.\*.mlp.up_proj'\] name no module"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layer.*.mlp.up_proj": "colwise"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layer.*.mlp.up_proj": "colwise"})
     with pytest.raises(ValueError, match=r"'model.layers.\*.mlp.up_proj.weight'.*names a parameter"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
     with pytest.raises(ValueError, match=r"'colwise' shards nn.Linear, nn.Embedding or Conv1D weights, not a LlamaMLP"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "colwise"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layers.*.mlp": "colwise"})
     with pytest.raises(ValueError, match=r"'embedding_rowwise' is for nn.Embedding, not Linear"):
-        _configure(_llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "embedding_rowwise"})
+        _configure(hf.llama(), tp_size=2, tp_plan={"model.layers.*.mlp.up_proj": "embedding_rowwise"})
 
 
 def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
@@ -312,16 +248,16 @@ def test_a_model_without_a_plan_is_told_to_pass_tp_plan():
 
 def test_tied_weights_sharded_differently_are_refused():
     with pytest.raises(ValueError, match=r"one tied weight"):
-        _configure(_gpt2(), tp_size=2, tp_plan={"transformer.wte": "embedding_colwise",
+        _configure(hf.gpt2(), tp_size=2, tp_plan={"transformer.wte": "embedding_colwise",
                                                 "lm_head": "colwise_gather_output"})
 
 
 def test_modes_not_run_yet_are_refused():  # (pipelines: test_hf_pp.py; 2D/2.5D/3D: test_hf_tp_nd.py)
     # sequence and context parallelism run now (test_hf_cp.py); what they cannot do is refused there
     with pytest.raises(ValueError, match=r"sequence_parallel=True.*pp_size=2.*sequence shards"):
-        _configure(_llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
+        _configure(hf.llama(), tp_size=2, sequence_parallel=True, pp_size=2, num_microbatches=2)
     with pytest.raises(ValueError, match=r"cp_size=2.*not causal"):
-        _configure(_bert(), cp_size=2)
+        _configure(hf.bert(), cp_size=2)
 
 
 def test_the_engine_imports_no_transformers_for_its_own_models():

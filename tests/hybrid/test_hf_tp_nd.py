@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import batch, param_groups  # noqa: E402
 
@@ -28,40 +29,12 @@ SEED = 11
 CLIP = 0.5  # below every gradient norm here: the clip acts at every step, so a wrong norm moves the curve
 
 
-def _llama(**kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-               num_hidden_layers=2, vocab_size=256, max_position_embeddings=64)
-    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
-
-
-def _qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(SEED)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        intermediate_size=128, num_hidden_layers=2, vocab_size=256))
-
-
 def _opt(**kw):  # the built-in table; LayerNorm with bias; its own head (a tied one is refused below)
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = dict(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2, vocab_size=256,
-               word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
-               bos_token_id=0, eos_token_id=0, pad_token_id=1, tie_word_embeddings=False)
-    return OPTForCausalLM(OPTConfig(**{**cfg, **kw}))
+    return hf.opt(**{"tie_word_embeddings": False, **kw})
 
 
 def _gpt2(**kw):  # the built-in table: Conv1D weights (in, out), c_attn packing q | k | v; its own head
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(SEED)
-    cfg = dict(n_embd=64, n_head=4, n_layer=2, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-               attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    return GPT2LMHeadModel(GPT2Config(**{**cfg, **kw}))
+    return hf.gpt2(**{"tie_word_embeddings": False, **kw})
 
 
 def _gpt():
@@ -71,7 +44,7 @@ def _gpt():
     return GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64))
 
 
-MODELS = {"llama": _llama, "qwen2": _qwen2, "opt": _opt, "gpt2": _gpt2, "gpt": _gpt}
+MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "opt": _opt, "gpt2": _gpt2, "gpt": _gpt}
 
 
 def _loop(model, opt, booster, hf=True):
@@ -197,9 +170,9 @@ def _configure(model, **kw):
 def test_heads_that_do_not_divide_over_the_grid_side_name_the_sizes_that_work():
     with pytest.raises(ValueError, match=r"6 attention heads and 6 key/value heads.*q=4.*grid side in "
                                          r"\[1, 2, 3, 6\] \(tp_size in \[1, 4, 9, 36\]"):
-        _configure(_llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), tp_size=16, tp_mode="2d")
+        _configure(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=96), tp_size=16, tp_mode="2d")
     with pytest.raises(ValueError, match=r"4 attention heads and 2 key/value heads.*q=4"):
-        _configure(_llama(hidden_size=128), tp_size=64, tp_mode="3d")
+        _configure(hf.llama(hidden_size=128), tp_size=64, tp_mode="3d")
 
 
 def test_what_the_layouts_cannot_run_is_named():
@@ -213,7 +186,7 @@ def test_what_the_layouts_cannot_run_is_named():
     with pytest.raises(ValueError, match=r"BloomForCausalLM.*ALiBi.*tp_mode='1d'"):
         _configure(bloom, tp_size=4, tp_mode="2d")
     with pytest.raises(ValueError, match=r"pipeline stages.*pp_size=1"):
-        _configure(_llama(), tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=2)
+        _configure(hf.llama(), tp_size=4, tp_mode="2d", pp_size=2, num_microbatches=2)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     qwen3 = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -230,4 +203,4 @@ def test_what_the_layouts_cannot_run_is_named():
 
 def test_blocks_that_do_not_cut_evenly_are_refused():
     with pytest.raises(ValueError, match=r"lm_head.weight has size 257.*multiple of 2"):
-        _configure(_llama(vocab_size=257), tp_size=4, tp_mode="2d")
+        _configure(hf.llama(vocab_size=257), tp_size=4, tp_mode="2d")

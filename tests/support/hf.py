@@ -1,0 +1,95 @@
+"""Tiny transformers models for the tests, one builder per family.
+
+Every builder seeds torch with ``seed`` and then builds the model from a small random config
+(hidden 64, 4 heads, 2 key/value heads where the family has them, MLP 128, vocabulary 256, 64
+positions, dropout off), in fp32. ``layers`` sets the depth; any other keyword overrides a
+config field (``vocab_size=257``, ``tie_word_embeddings=True`` ...). transformers is imported
+inside each builder, so ``support`` imports without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEED = 11
+
+
+def llama(layers: int = 2, seed: int = SEED, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=256, max_position_embeddings=64)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **kw}))
+
+
+def qwen2(layers: int = 2, seed: int = SEED, **kw):  # a plan of its own, biases on q/k/v
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=256)
+    return Qwen2ForCausalLM(Qwen2Config(**{**cfg, **kw}))
+
+
+def qwen3(layers: int = 2, seed: int = SEED, **kw):  # per-head q_norm / k_norm
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=256)
+    return Qwen3ForCausalLM(Qwen3Config(**{**cfg, **kw}))
+
+
+def mistral(layers: int = 2, seed: int = SEED, sliding_window: int = 4096, **kw):
+    """A sliding window (by default longer than any test's sequence: nothing to apply)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=256, sliding_window=sliding_window)
+    return MistralForCausalLM(MistralConfig(**{**cfg, **kw}))
+
+
+def gpt2(layers: int = 2, seed: int = SEED, **kw):  # Conv1D weights, a packed q|k|v, learned positions
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = dict(n_embd=64, n_head=4, n_layer=layers, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+               embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(GPT2Config(**{**cfg, **kw}))
+
+
+def opt(layers: int = 2, seed: int = SEED, fixed_key_bias: bool = False, **kw):
+    """``fixed_key_bias``: the key projection's bias does not train. It adds the same score to every
+    key of a query, so softmax cancels it and its gradient is rounding noise, which AdamW scales up
+    to full-size steps: summed over ranks in another order, the curves would part on noise."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=layers, vocab_size=256,
+               word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    model = OPTForCausalLM(OPTConfig(**{**cfg, **kw}))
+    if fixed_key_bias:
+        for name, p in model.named_parameters():
+            if name.endswith("k_proj.bias"):
+                p.requires_grad_(False)
+    return model
+
+
+def bert(layers: int = 2, seed: int = SEED, **kw):  # an encoder with a masked-LM head
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=layers,
+               vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(BertConfig(**{**cfg, **kw}))
+
+
+def bloom(layers: int = 2, seed: int = SEED, **kw):  # packed per-head q|k|v, ALiBi, a tied head
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=64, n_head=4, n_layer=layers, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0)
+    return BloomForCausalLM(BloomConfig(**{**cfg, **kw}))
