@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
-from support.engine import batch, global_mean, param_groups  # noqa: E402
+from support.engine import assert_follows, batch, global_mean, param_groups  # noqa: E402
 
 STEPS = 5
 LR = 1e-2
@@ -128,9 +128,7 @@ def runs():
 def test_hf_model_follows_its_single_process_curve(runs, case):
     ref, ref_norms = _reference(case[0])
     for r in runs:
-        got = r[case]["losses"]
-        assert got == pytest.approx(ref, rel=1e-4), (case, got, ref)
-        assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, r[case]["norms"], ref_norms)
+        assert_follows(case, r[case]["losses"], r[case]["norms"], ref, ref_norms)
     assert ref[-1] < ref[0]  # it learned: the curve is not flat
     assert min(ref_norms) > CLIP  # the clip acted on every step, so a wrong norm would move the curve
 
@@ -195,7 +193,7 @@ def _tp2_dp2(rank, world):
 def test_tp2_with_dp2_follows_the_curve_on_four_ranks():
     ref, ref_norms = _reference("llama")
     for losses, norms in run_distributed(_tp2_dp2, 4, timeout=300):
-        assert losses == pytest.approx(ref, rel=1e-4) and norms == pytest.approx(ref_norms, rel=1e-4)
+        assert_follows("tp2 x dp2", losses, norms, ref, ref_norms)
 
 
 # ---- bad input: refused before any process group exists -------------------------------------

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
-from support.engine import batch, param_groups  # noqa: E402
+from support.engine import assert_follows, batch, param_groups  # noqa: E402
 
 STEPS = 5
 LR = 1e-2
@@ -135,8 +135,7 @@ def _check(runs, case, name):
     assert ref[-1] < ref[0] and min(ref_norms) > CLIP  # it learned, and the clip acted on every step
     for r in runs:
         got = r[case]
-        assert got["losses"] == pytest.approx(ref, rel=1e-4), (case, got["losses"], ref)
-        assert got["norms"] == pytest.approx(ref_norms, rel=1e-4), (case, got["norms"], ref_norms)
+        assert_follows(case, got["losses"], got["norms"], ref, ref_norms)
         assert got["whole_equals_plain"], case  # the blocks gather back to the model's own tensors
 
 

@@ -57,6 +57,15 @@ def reference_losses(steps: int, clip: float = 1.0):
     return out
 
 
+def assert_follows(case, losses, norms, ref, ref_norms, rel: float = 1e-4) -> None:
+    """A run's losses and gradient norms equal the single-process reference at every step, within
+    ``rel``; ``case`` names the run in the failure."""
+    import pytest
+
+    assert losses == pytest.approx(ref, rel=rel), (case, losses, ref)
+    assert norms == pytest.approx(ref_norms, rel=rel), (case, norms, ref_norms)
+
+
 def global_mean(t: torch.Tensor) -> float:
     t = t.detach().clone().float()
     if dist.is_initialized():
