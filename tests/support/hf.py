@@ -93,3 +93,32 @@ def bloom(layers: int = 2, seed: int = SEED, **kw):  # packed per-head q|k|v, AL
     torch.manual_seed(seed)
     cfg = dict(hidden_size=64, n_head=4, n_layer=layers, vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0)
     return BloomForCausalLM(BloomConfig(**{**cfg, **kw}))
+
+
+#: tiny decoder configs for families the other builders don't name (``from_config``): the fields each
+#: family needs on top of the common ones
+FAMILY_FIELDS = {
+    "gemma": {}, "gemma2": {}, "gemma3_text": {"sliding_window": 4096}, "phi": {"num_key_value_heads": 4},
+    "phi3": {}, "gpt_neox": {"num_key_value_heads": None}, "gptj": {}, "cohere": {}, "olmo2": {},
+    "granite": {}, "starcoder2": {}, "exaone4": {}, "helium": {}, "glm": {},
+}
+
+
+def from_config(model_type: str, layers: int = 4, seed: int = SEED, **kw):
+    """A tiny causal LM of any family transformers ships, by its ``model_type``, through
+    ``AutoConfig.for_model`` and ``AutoModelForCausalLM.from_config`` (dropout off)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+               num_hidden_layers=layers, vocab_size=256, max_position_embeddings=64,
+               pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    cfg.update(FAMILY_FIELDS.get(model_type, {}))
+    if model_type == "gptj":  # GPT-J names its sizes the GPT-2 way
+        cfg = dict(n_embd=64, n_head=4, n_layer=layers, vocab_size=256, n_positions=64, rotary_dim=8,
+                   bos_token_id=0, eos_token_id=0)
+    for drop in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                 "residual_dropout", "embedding_dropout", "mlp_dropout"):
+        cfg[drop] = 0.0
+    cfg = {k: v for k, v in {**cfg, **kw}.items() if v is not None}
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))

@@ -1,0 +1,117 @@
+"""Families the other HF tests don't name, under every parallel mode of HybridParallelPlugin, with no
+parallel code and no table of ours: what the adapter reads from transformers (each model's own
+``tp_plan`` and ``base_model_pp_plan``, its attention through ``AttentionInterface``) is all it has.
+
+Gemma (scaled embeddings, ``1 + weight`` norms), Gemma 2 (logit soft-capping), Gemma 3 (per-head q/k norms,
+sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and ``gate_up_proj``), GPT-NeoX
+(packed per-head q|k|v, parallel residual), GPT-J (parallel attention and MLP), Cohere (LayerNorm, logit
+scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases, LayerNorm), EXAONE 4,
+Helium and GLM; each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring)
+and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting every step) follow
+the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW: AdamW scales a
+gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step, and the
+curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from support import hf  # noqa: E402
+from support.dist import run_distributed  # noqa: E402
+from support.engine import assert_follows  # noqa: E402
+
+STEPS, LR, CLIP, ROWS, T = 3, 3.0, 0.1, 2, 16  # each step moves the weights by LR * CLIP = 0.3 in norm
+FAMILIES = tuple(hf.FAMILY_FIELDS)
+MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
+         "cp2": dict(cp_size=2, cp_mode="ring"), "pp2": dict(pp_size=2, num_microbatches=2)}
+# what a config rules out, refused before any group: (family, mode) -> words of the error
+REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping"}
+CASES = [(f, m) for f in FAMILIES for m in MODES]
+
+
+def _batch(step: int) -> torch.Tensor:
+    """A learnable stream (each token an affine function of the one before), the same on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    cols = [torch.randint(0, 256, (ROWS, 1), generator=g)]
+    for _ in range(T - 1):
+        cols.append((cols[-1] * 5 + 3) % 256)
+    return torch.cat(cols, 1)
+
+
+def _loop(model, opt, booster=None, pipelined=False):
+    """The plain HF loop (or ``execute_pipeline``); the losses (the batch's: averaged over the ranks of a
+    direct call, None on a rank without the last stage) and the gradient norms before clipping."""
+    losses, norms = [], []
+    for s in range(STEPS):
+        x = _batch(s)
+        if pipelined:
+            loss = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)["loss"]
+        else:
+            loss = model(input_ids=x, labels=x).loss
+            (booster.backward(loss, opt) if booster else loss.backward())
+        norm = (booster.clip_grad_by_norm(opt, CLIP) if booster
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        opt.step()
+        opt.zero_grad()
+        if booster and not pipelined:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(None if loss is None else loss.item())
+        norms.append(float(norm))
+    return losses, norms
+
+
+def _reference(family, lr=LR):
+    model = hf.from_config(family)
+    return _loop(model, torch.optim.SGD(model.parameters(), lr=lr))
+
+
+def _train(family, mode):
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    try:
+        plugin = HybridParallelPlugin(**MODES[mode])
+        booster = Booster(plugin=plugin)
+        model = hf.from_config(family)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        model, opt, *_ = booster.boost(model, opt)
+    except ValueError as e:
+        return {"refused": str(e)}
+    losses, norms = _loop(model, opt, booster, pipelined=mode == "pp2")
+    plugin.close()
+    return {"losses": losses, "norms": norms}
+
+
+def _all(rank, world):
+    return {case: _train(*case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_all, 2, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
+    if case in REFUSED:
+        for r in runs:
+            assert REFUSED[case] in r[case].get("refused", ""), (case, r[case])
+        return
+    ref, ref_norms = _reference(case[0])
+    assert min(ref_norms) > CLIP  # the clip acted every step, so a wrong norm would move the curve
+    frozen, frozen_norms = _reference(case[0], lr=0.0)
+    # the steps moved the curve beyond the tolerance: a rank that did not update fails
+    assert frozen != pytest.approx(ref, rel=1e-4) or frozen_norms != pytest.approx(ref_norms, rel=1e-4)
+    for r in runs:
+        got = r[case]
+        assert "refused" not in got, (case, got.get("refused"))
+        losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
+        assert_follows(case, losses, got["norms"], ref, ref_norms)
+    assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
