@@ -6,7 +6,8 @@ Tiny random 4-layer models (no hub), fp32, 5 steps of AdamW with clipping at 0.5
 ``position_ids`` (GPT-2, Llama) or ``token_type_ids`` (BERT): the loss on the rank holding the last stage and the
 gradient norm on every rank within 1e-4 relative of the unsplit model on the whole batch in one process, at every
 step. Two ranks run pp2 (1F1B with 2 and 4 microbatches, interleaved, zero bubble) for Llama, Qwen2, GPT-2, OPT
-(positions from the mask) and BERT (an encoder), and tp2 without a pipeline (execute_pipeline's own loop). The
+(positions from the mask) and BERT (an encoder), and tp2 without a pipeline (execute_pipeline's own loop), with
+and without sequence parallelism. The
 same runs with the mask, the positions or the token types dropped must part from the padded curve (and follow
 the unsplit model fed the same reduced batch), so an input silently left behind fails. Bad input is refused at
 the call, naming the key.
@@ -41,6 +42,7 @@ PLUGINS = {
     "interleaved": dict(pp_size=2, num_microbatches=4, pp_style="interleaved", num_model_chunks=2),
     "zb": dict(pp_size=2, num_microbatches=4, pp_style="zb", num_model_chunks=2),
     "tp2": dict(tp_size=2, num_microbatches=2),  # no pipeline: execute_pipeline's own microbatch loop
+    "tp2_sp": dict(tp_size=2, sequence_parallel=True, num_microbatches=2),
 }
 
 LENGTHS = [32, 20, 27, 9, 32, 15, 24, 30]  # tokens per row (of 32): microbatches count unequal label tokens
@@ -137,7 +139,7 @@ CASES = [("llama", "right", "1f1b", "mask"), ("llama", "left", "1f1b_m4", "mask"
          ("gpt2", "left", "1f1b_m4", "mask+pos"),
          ("opt", "left", "1f1b_m4", "mask"), ("opt", "right", "interleaved", "mask"),
          ("bert", "right", "1f1b", "mask+types"), ("bert", "left", "1f1b_m4", "mask+types"),
-         ("llama", "left", "tp2", "mask+pos")]
+         ("llama", "left", "tp2", "mask+pos"), ("llama", "left", "tp2_sp", "mask")]
 # the same batches with one input left out: (case, what the padded reference holds)
 DROPPED = [(("llama", "left", "1f1b_m4", "-"), "mask"), (("bert", "right", "1f1b", "types"), "mask+types"),
            (("gpt2", "left", "1f1b_m4", "mask"), "mask+pos"), (("bert", "right", "1f1b", "mask"), "mask+types")]
