@@ -99,7 +99,9 @@ class PipelineRuntime:
 
     # ---- one step ----------------------------------------------------------------------
     def run(self, batch: Dict[str, Any], criterion: Callable, m: int,
-            return_outputs: bool = False) -> Dict[str, Any]:
+            return_outputs: bool = False, stage_keys: Tuple[str, ...] = ()) -> Dict[str, Any]:
+        """One step; ``stage_keys`` name the batch's entries every stage's forward takes as keyword
+        arguments (split into microbatches by torch's schedule on dim 0, as :func:`split_batch` splits)."""
         if self.input_key not in batch:
             raise KeyError(f"execute_pipeline: batch has no {self.input_key!r} entry (keys: {sorted(batch)}); "
                            f"the first stage's input is batch[{self.input_key!r}]")
@@ -110,14 +112,15 @@ class PipelineRuntime:
         losses: List[torch.Tensor] = []
         outputs = None
         if not self.stages:  # pp_size == 1: the microbatch loop by hand
-            outputs = self._run_local(m, losses, return_outputs)
+            outputs = self._run_local(m, losses, return_outputs, stage_keys)
         else:
             sched = self._schedule(m)
             args = (batch[self.input_key],) if self.holds_first else ()
             target = torch.arange(m)
             try:
                 with self.recorder.timing_p2p():
-                    out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs)
+                    out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                                     **{k: batch[k] for k in stage_keys})
             finally:
                 self.recorder.flush()  # a last-stage F whose loss never came
             if self.holds_last and return_outputs:
@@ -130,12 +133,12 @@ class PipelineRuntime:
         return {"loss": loss, "outputs": outputs, "bubble": self.last_bubble,
                 "rank_bubble": self.last_rank_bubble}
 
-    def _run_local(self, m: int, losses: list, return_outputs: bool):
+    def _run_local(self, m: int, losses: list, return_outputs: bool, stage_keys: Tuple[str, ...] = ()):
         (module,) = self.modules
         outs = []
         for i, mb in enumerate(self._mbs):
             with self.recorder.timed("F", i):
-                out = module(mb[self.input_key])
+                out = module(mb[self.input_key], **{k: mb[k] for k in stage_keys})
                 loss = self._criterion(out, mb) * self.loss_scale()
             with self.recorder.timed("B", i):
                 (loss / m).backward()

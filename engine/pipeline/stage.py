@@ -25,12 +25,13 @@ class StageModule(nn.Module):
         self.inner = inner
         self.autocast_dtype = autocast_dtype
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``kwargs``: the batch's entries every stage takes (a transformers model's ``attention_mask``, ...)."""
         if self.autocast_dtype is not None:
             with torch.autocast(device_type=x.device.type, dtype=self.autocast_dtype):
-                out = self.inner(x)
+                out = self.inner(x, **kwargs)
         else:
-            out = self.inner(x)
+            out = self.inner(x, **kwargs)
         if isinstance(out, tuple):  # e.g. GPT's (logits_or_hidden, loss)
             out = out[0]
         return out

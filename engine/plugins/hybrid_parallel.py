@@ -45,6 +45,7 @@ from .. import comm
 from ..device import default_device
 from ..mixed_precision import DynamicLossScaler, autocast_dtype, resolve_precision
 from ..models import hf
+from ..models.hf.inputs import check_rows_agree, label_items
 from ..models.protocol import checkpointing_method
 from ..pipeline.schedules import ScheduleSpec, validate_schedule
 from .base import Plugin
@@ -307,9 +308,14 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}): execute_pipeline does not carry a "
                              "transformers model's shard positions and shifted labels yet; call the model directly "
                              "(loss = model(**batch).loss; booster.backward(loss, optimizer))")
-        if self._hf:  # outputs.logits / outputs.loss for the criterion (docs/hf.md)
-            hf.check_batch(batch)
-            criterion = hf.pipeline_criterion(model.stage_modules[-1].inner, criterion)
+        keys = ()
+        if self._hf:  # the stages' per-token inputs; outputs.logits / outputs.loss for the criterion (docs/hf.md)
+            last = model.stage_modules[-1].inner
+            batch, keys = hf.check_batch(batch, last, self.input_key)
+            if model.nd is not None and model.nd.grid.mode == "3d":
+                check_rows_agree(batch, keys, "3d")
+            items = label_items(last, batch, m) if model.nd is None else None
+            criterion = hf.pipeline_criterion(last, criterion, items)
         model.count((batch[self.input_key],) if self.input_key in batch else (), {})
         self._step.microbatches = m  # an "auto" plan made in this call divides the budget by what is in flight
         self._step.errors = []
@@ -317,9 +323,9 @@ class HybridParallelPlugin(Plugin):
             if model.cp is not None:
                 out = self._run_cp(model, batch, criterion, m, return_outputs)
             elif model.nd is None:
-                out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+                out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs, stage_keys=keys)
             else:
-                out = self._run_nd(model, batch, criterion, m, return_outputs)
+                out = self._run_nd(model, batch, criterion, m, return_outputs, keys)
         finally:
             self._step.microbatches = None
         if self._ac_vote:
@@ -344,20 +350,23 @@ class HybridParallelPlugin(Plugin):
                          + " | ".join(seen) + ". Raise activation_budget (a stage plans one microbatch for the budget "
                          "divided by the microbatches it holds in flight), or use fewer microbatches in flight")
 
-    def _run_nd(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool):
+    def _run_nd(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool,
+                keys: tuple = ()):
         """One step under tp_mode 2d/2.5d/3d: this rank's rows of the batch, the criterion on its
         logits block (a ``vocab_parallel`` criterion) or on whole-vocab logits of its rows, every
         collective a ``comm`` span; the loss reported is the mean over the batch pieces."""
         from ..tp_nd import comm_spans, gather_vocab
 
         nd = model.nd
-        batch = nd.shard_batch(batch, self.input_key)
+        whole, batch = batch, nd.shard_batch(batch, self.input_key)
+        for k in keys:  # a model input (a transformers model's attention_mask, ...): the input's rows
+            batch[k] = nd.grid.batch_piece(whole[k], nd.grid.stream, f"batch[{k!r}]")
         crit = criterion
         if not getattr(criterion, "vocab_parallel", False):
             def crit(outputs, mb):  # noqa: E306 - a criterion written for whole logits
                 return criterion(gather_vocab(outputs), mb)
         with comm_spans(model.runtime.recorder):
-            out = model.runtime.run(batch, crit, m, return_outputs=return_outputs)
+            out = model.runtime.run(batch, crit, m, return_outputs=return_outputs, stage_keys=keys)
         g = nd.grid.group(nd.grid.inner.batch)
         if out["loss"] is not None and g.pg is not None:
             (total,) = comm.reduce_values([float(out["loss"])], group=g.pg)

@@ -1,18 +1,20 @@
 """The criterion contract of a transformers model under ``booster.execute_pipeline``.
 
-Batches are Hugging Face dicts (``{"input_ids": x, "labels": y}``); the first stage takes
-``batch["input_ids"]``. The criterion is called as ``criterion(outputs, batch)`` on each microbatch, where
-``outputs`` has ``.logits`` (the head's output) and ``.loss``: the model's *own* loss on
-``batch["labels"]`` (``model.loss_function``: the shifted LM loss of a causal LM, the masked-LM loss of
-BERT), computed when first read. ``criterion=None`` means ``outputs.loss``. A microbatch's loss is the mean
-over its tokens and the step's the mean over microbatches, which equals the unsplit batch's mean when
-every microbatch counts as many label tokens (no ``-100`` padding spread unevenly). Under 2D/2.5D/3D
-the logits are first gathered to the whole vocabulary of the rank's rows (:func:`.nd.whole_logits`).
+Batches are Hugging Face dicts (``{"input_ids": x, "attention_mask": m, "labels": y}``); the first stage
+takes ``batch["input_ids"]``, every stage the per-token inputs :mod:`.inputs` carries. The criterion is
+called as ``criterion(outputs, batch)`` on each microbatch, where ``outputs`` has ``.logits`` (the head's
+output) and ``.loss``: the model's *own* loss on ``batch["labels"]`` (``model.loss_function``: the shifted
+LM loss of a causal LM, the masked-LM loss of BERT), computed when first read. ``criterion=None`` means
+``outputs.loss``. A microbatch's own loss is its summed token losses over the whole batch's target count
+per microbatch (``num_items_in_batch``, :func:`.inputs.label_items`), so the step's loss, the mean over
+microbatches, is the unsplit batch's mean however ``-100`` (padding) spreads over the microbatches. Under
+2D/2.5D/3D the logits are first gathered to the whole vocabulary of the rank's rows
+(:func:`.nd.whole_logits`), and each microbatch's loss is its own mean.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,8 +23,9 @@ import torch.nn as nn
 class StageOutputs:
     """What the criterion sees of the last stage: ``logits`` and the model's own ``loss`` (lazy)."""
 
-    def __init__(self, logits: torch.Tensor, batch: dict, model: nn.Module):
+    def __init__(self, logits: torch.Tensor, batch: dict, model: nn.Module, items: Optional[float] = None):
         self.logits, self._batch, self._model, self._loss = logits, batch, model, None
+        self._items = items  # num_items_in_batch for the model's own loss (None: the microbatch's mean)
 
     @property
     def loss(self) -> torch.Tensor:
@@ -32,31 +35,34 @@ class StageOutputs:
                 raise ValueError("execute_pipeline: the model's own loss needs batch['labels'] (e.g. "
                                  "{'input_ids': x, 'labels': x}); or pass criterion(outputs, batch) -> loss")
             config = getattr(self._model, "config", None)
+            kw = {} if self._items is None else {"num_items_in_batch": self._items}
             self._loss = self._model.loss_function(logits=self.logits, labels=labels,
-                                                   vocab_size=getattr(config, "vocab_size", None))
+                                                   vocab_size=getattr(config, "vocab_size", None), **kw)
         return self._loss
 
     def __getitem__(self, key: str):
         return getattr(self, key)
 
 
-def check_batch(batch: dict) -> None:
-    """Only ``input_ids`` travels into the first stage: a padding mask would be lost, so it is refused."""
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        raise ValueError("execute_pipeline: batch['attention_mask'] masks padding, which pipeline stages of a "
-                         "transformers model do not carry yet (every stage builds the causal mask of unpadded "
-                         "sequences); pack sequences without padding, or use pp_size=1")
+def check_batch(batch: dict, model: Optional[nn.Module] = None,
+                input_key: str = "input_ids") -> Tuple[dict, Tuple[str, ...]]:
+    """``(batch, keys)``: the batch as the stages take it and the keys of it every stage is handed
+    (:func:`.inputs.stage_inputs`; ``ValueError`` naming a key they cannot take; without ``model`` only the
+    shapes are checked)."""
+    from .inputs import stage_inputs
+
+    return stage_inputs(model, batch, input_key)
 
 
-def pipeline_criterion(last: nn.Module, criterion: Optional[Callable]) -> Callable:
+def pipeline_criterion(last: nn.Module, criterion: Optional[Callable], items: Optional[float] = None) -> Callable:
     """``criterion`` (or the model's own loss) in the engine's ``(output, microbatch) -> loss`` form,
-    ``last`` the module holding the head (its ``loss_function`` and config)."""
+    ``last`` the module holding the head (its ``loss_function`` and config); ``items`` the
+    ``num_items_in_batch`` of the model's own loss (:func:`.inputs.label_items`)."""
     from .nd import whole_logits
 
     def run(output, mb: dict) -> torch.Tensor:
         logits = getattr(output, "logits", output)  # pp_size == 1 hands back the model's own output
         logits = whole_logits(last, logits)  # 2D/2.5D/3D: the vocabulary of this rank's rows
-        outputs = StageOutputs(logits, mb, last)
+        outputs = StageOutputs(logits, mb, last, items)
         return outputs.loss if criterion is None else criterion(outputs, mb)
     return run

@@ -5,7 +5,8 @@ of its slice (the others become parameterless pass-throughs, so every kept param
 model's name and the layer list keeps its length and indices), the embeddings on the first stage, the
 final norm and the head on the last. Its forward is the model's *own* base forward (the last stage's: the
 task model's own forward, whose head and post-processing of the logits run as unsplit), called with
-``input_ids`` on the first stage and ``inputs_embeds=<previous stage's hidden states>`` elsewhere, so the
+``input_ids`` on the first stage and ``inputs_embeds=<previous stage's hidden states>`` elsewhere, plus the
+batch's ``attention_mask`` / ``position_ids`` (and ``token_type_ids`` on the first; :mod:`.inputs`), so the
 glue transformers' plan leaves out (rotary cos/sin from position ids, the causal mask from the model's
 mask helper, learned position embeddings) is recomputed exactly as the unsplit model computes it; modules
 a later stage must not run again (GPT-2's position embedding, a dropout before the layers) are stood in
@@ -25,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .inputs import stage_kwargs
 from .tables import TABLES
 
 
@@ -221,10 +223,13 @@ class _StageForward:
         self.cache = "use_cache" in inspect.signature(type(runs).forward).parameters
         self.part_ref = [part]  # not an attribute nn.Module would register
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs``: the microbatch's per-token inputs (``attention_mask``, ``position_ids``, ... :mod:`.inputs`),
+        handed to the model's own forward, which builds this stage's mask and positions from them."""
         part = self.part_ref[0]
         runs = part if self.task else _module(part, self.lay.base)
-        kw = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        kw = stage_kwargs(inputs, tuple(inputs), self.first)
+        kw.update({"input_ids": x} if self.first else {"inputs_embeds": x})
         if self.cache:
             kw["use_cache"] = False
         out = type(runs).forward(runs, **kw) if runs is part else runs(**kw)
