@@ -1,6 +1,7 @@
 """Weight-only int8: symmetric, one scale per output channel, layers swapped in place.
 
-``quantize(model, "int8")`` replaces every ``nn.Linear`` by :class:`Int8Linear` and, by default,
+``quantize(model, "int8")`` replaces every ``nn.Linear`` (and transformers' ``Conv1D``, GPT-2's linears, its
+``(in, out)`` weight transposed) by :class:`Int8Linear` and, by default,
 every ``nn.Embedding`` by :class:`Int8Embedding`; tied weights stay one int8 tensor. Why weight-only
 and hand-built, and which matmul runs where: docs/kernels.md, "Int8 inference".
 """
@@ -159,7 +160,7 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
     unknown = skip - {n for n, _ in model.named_modules()}
     if unknown:
         raise ValueError(f"quantize: skip names {sorted(unknown)} are not modules of this model")
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
+    linears = [(n, m) for n, m in model.named_modules() if _is_linear(m) and n not in skip]
     if not linears:
         raise ValueError(f"quantize: {type(model).__name__} has no nn.Linear layers to quantize "
                          "(already quantized, or all skipped?)")
@@ -177,9 +178,9 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
     for n, m in targets:
         key = id(m.weight)
         if key not in memo:
-            memo[key] = quantize_weight(m.weight)
+            memo[key] = quantize_weight(_out_in(m))
         q, s = memo[key]
-        if isinstance(m, nn.Linear):
+        if _is_linear(m):
             new = Int8Linear.from_quantized(q, s, m.bias)
         else:
             new = Int8Embedding(q, s, m.padding_idx)
@@ -187,6 +188,20 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
     if dtype is not None:
         cast_unquantized(model, dtype)
     return model
+
+
+def _is_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear``, or a transformers ``Conv1D`` (GPT-2's linears, weight stored ``(in, out)``)."""
+    from ..models.hf.local_linear import is_conv1d
+
+    return isinstance(m, nn.Linear) or is_conv1d(m)
+
+
+def _out_in(m: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``(out, in)``: a ``Conv1D``'s transposed (``y = x @ W + b``)."""
+    from ..models.hf.local_linear import is_conv1d
+
+    return m.weight.t() if is_conv1d(m) else m.weight
 
 
 def model_bytes(model: nn.Module) -> int:

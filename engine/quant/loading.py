@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_names
-from .int8 import Int8Embedding, Int8Linear, cast_unquantized, check_dtype, check_mode, quantize_weight
+from .int8 import Int8Embedding, Int8Linear, _is_linear, cast_unquantized, check_dtype, check_mode, quantize_weight
 
 PathLike = Union[str, os.PathLike]
 
@@ -55,6 +55,12 @@ class ShardReader:
             return h.get_tensor(name).clone()  # own memory, not a view of the mapping
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    from ..models.hf.local_linear import is_conv1d
+
+    return is_conv1d(module)
+
+
 def _build_meta(model) -> nn.Module:
     if isinstance(model, nn.Module):
         if not is_lazy(model):
@@ -82,7 +88,8 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
     built under ``lazy_init()``.
     ``dtype``: compute dtype of activations and unquantised tensors (as in ``quantize``; default: as stored).
     ``tp_group``: a ``torch.distributed`` group (or ``True`` for the default group) — shard
-    each quantised linear named in ``model.tp_plan()`` as it loads (see :mod:`.tp`).
+    each quantised linear named in the model's plan as it loads (``model.tp_plan()``, or a transformers
+    model's own plan: see :mod:`.tp`).
     """
     check_mode(mode)
     check_dtype(dtype)
@@ -109,7 +116,7 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
         return t
 
     for name, module in list(model.named_modules()):
-        kind = (Int8Linear if isinstance(module, nn.Linear) else
+        kind = (Int8Linear if _is_linear(module) else
                 Int8Embedding if embeddings and isinstance(module, nn.Embedding) else None)
         if kind is None or name in skip:
             materialize_module(module, name, device, load, init, memo)
@@ -120,7 +127,7 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
             if tuple(w.shape) != tuple(module.weight.shape):
                 raise ValueError(f"load_quantized: {name}.weight is {tuple(w.shape)} in the checkpoint, "
                                  f"the model expects {tuple(module.weight.shape)}")
-            qmemo[key] = quantize_weight(w)
+            qmemo[key] = quantize_weight(w.t() if _is_conv1d(module) else w)  # Conv1D stores (in, out)
             del w
         q, s = qmemo[key]
         if kind is Int8Linear:
@@ -134,6 +141,10 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
         else:
             new = Int8Embedding(q, s, module.padding_idx)
         model.set_submodule(name, new.to(device))
+    if plan:
+        from .tp import divide_heads
+
+        divide_heads(model, plan, world)
     left = meta_names(model)
     if left:
         raise ValueError(f"load_quantized: tensors left unloaded: {left[:5]}")

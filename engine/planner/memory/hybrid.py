@@ -118,7 +118,9 @@ def _tp_arg(m, plugin, mb_n: int, notes: List[str]) -> Optional[tuple]:
         from ...models.hf import check_tensor_parallel, resolve_plan
 
         check_tensor_parallel(m.meta, plugin)  # the plugin's own refusals (heads, styles, ties), word for word
-        return tp, _PlanKey(resolve_plan(m.meta, plugin.tp_plan, tp)[0])
+        # the plugin keeps the LM head's logits vocabulary-sharded (``loss_parallel``) without a pipeline
+        return tp, _PlanKey(resolve_plan(m.meta, plugin.tp_plan, tp)[0], plugin.sequence_parallel,
+                            getattr(plugin, "loss_parallel", False) and plugin.pp_size == 1)
     if tp > 1:
         tplan = plugin.tp_plan if plugin.tp_plan is not None else (
             m.meta.tp_plan(sequence_parallel=plugin.sequence_parallel)
@@ -216,9 +218,15 @@ def _tp_notes(lay: _Layout) -> List[str]:
         return [f"tensor parallel {_nd_mode(pl)}: each rank's layers traced in their grid form on its blocks and rows, "
                 "collectives on a fake process group (what they receive and gather is counted)"]
     if pl.tp_size > 1:
-        notes = ["tensor parallel: parameters of the plan's Linear/Embedding layers at their shard's shape; "
-                 "the all-reduce of row-parallel outputs is not in the trace"]
         tr0 = lay.trace(0)
+        if lay.spec.num_stages == 1 and reads_dict_plan(lay.m.meta) and not lay.m.shapes_only:
+            head = ("vocabulary-sharded, the loss computed on the shards (loss_parallel)" if lay.tp_arg[1].loss_parallel
+                    else "gathered whole (loss_parallel=False)")
+            notes = ["tensor parallel: each rank traced as the plugin shards it (DTensor over a fake process group: "
+                     f"its shards and the collectives' buffers); the LM head's logits {head}"]
+        else:
+            notes = ["tensor parallel: parameters of the plan's Linear/Embedding layers at their shard's shape; "
+                     "the all-reduce of row-parallel outputs is not in the trace"]
         if tr0.error:
             notes.append(tr0.error)
         return notes

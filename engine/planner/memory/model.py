@@ -101,6 +101,7 @@ class _Model:
         self.trainable_bytes = sum(_nbytes(p) for _, p in self.params if p.requires_grad)
         self.buffer_bytes = sum(_nbytes(b) for b in self.meta.buffers())
         self._traces: Dict[tuple, _Trace] = {}
+        self.shapes_only = False  # an HF tp rank by shard shapes: its sharding failed to trace, or no fake world
         cfg = _config_of(self.meta)
         if hasattr(cfg, "get_text_config"):
             cfg = cfg.get_text_config()
@@ -144,7 +145,8 @@ class _Model:
         if dtype is not None and all(p.dtype == dtype for _, p in self.params if p.is_floating_point()):
             dtype = None  # casting to the dtype the parameters have changes nothing: share the trace
         nd = tp[1] if tp and isinstance(tp[1], _NdKey) else None
-        key = (ac, autocast, dtype, b, stage, tp[0] if tp else 1, nd.mode if nd else "1d", nd.depth if nd else 1)
+        opts = (tp[1].sequence_parallel, tp[1].loss_parallel) if tp and isinstance(tp[1], _PlanKey) else ()
+        key = (ac, autocast, dtype, b, stage, tp[0] if tp else 1, nd.mode if nd else "1d", nd.depth if nd else 1, opts)
         if key in self._traces:
             return self._traces[key]
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -171,7 +173,11 @@ class _Model:
                     return (torch.empty(shape, dtype=dt, device=dev),)
 
         with contextlib.ExitStack() as scope:  # the fake process group (N-d) ends with the trace, however it ends
-            hf_tp = (tp[0], tp[1].plan) if shapes and reads_dict_plan(self.meta) else None
+            hf_tp = None
+            if shapes is not None and reads_dict_plan(self.meta):
+                from .hf_tp import HfTp
+
+                hf_tp = HfTp(tp[0], tp[1].plan, tp[1].sequence_parallel, tp[1].loss_parallel)
             tr = self._trace_on(scope, part, mode, shapes, nd, make, first, last, ac, autocast, dtype, micro, stage, b,
                                 hf_tp)
         self._traces[key] = tr
@@ -181,11 +187,22 @@ class _Model:
                   ac, autocast, dtype, micro, stage, b, hf_tp=None) -> _Trace:
         """:meth:`trace`'s fake step on ``part`` (the whole model or a stage); an N-d layout's fake
         process group is entered on ``scope``, so it ends with the trace however the trace ends."""
-        fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=shapes)
-        if shapes and hf_tp is not None:  # a transformers model counting heads by attribute: one rank's share
+        from . import hf_tp as hft
+
+        # a transformers model's 1D rank, whole: sharded as the plugin shards it (DTensor, on a fake mesh)
+        real_tp = hf_tp is not None and stage is None and not self.shapes_only
+        if real_tp and not hft.can_fake_world():  # a process group exists here (a rank): the shard shapes
+            self.shapes_only, real_tp = True, False
+        fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=None if real_tp else shapes)
+        forward, backward_ctx = None, contextlib.nullcontext
+        if real_tp:
+            hft.shard_as_plugin(scope, fake, mode, self.device, hf_tp)
+            if self.inputs is None and self.loss_fn is None and self.vocab is not None:
+                forward, backward_ctx = hft.labelled_forward, hft.backward_context
+        elif shapes and hf_tp is not None:  # a transformers model counting heads by attribute: one rank's share
             from ...models.hf.planning import per_rank
 
-            per_rank(fake, hf_tp[1], hf_tp[0])
+            per_rank(fake, hf_tp.plan, hf_tp.size)
         gloo = contextlib.nullcontext()
         if nd is not None:
             _convert_nd(scope, fake, mode, nd)
@@ -197,19 +214,28 @@ class _Model:
             take(fake)  # no request planned on fake tensors
             fake.enable_activation_checkpointing([])
         fake.train()
-        loss_fn = self._loss_for(nd, first, last, b)
+        loss_fn = self._loss_for(nd, first, last, b) if forward is None else hft.model_loss
         if nd is not None and self.device == "cpu":
             from ...tp_nd import counter
 
             gloo = counter.simulate_gloo()  # CPU ranks talk gloo, which copies a reduce-scatter's input
+        elif real_tp:
+            gloo = hft.quiet_propagation()  # DTensor's global-shape placeholders are no rank's memory
         try:
             with gloo:
                 tr = _simulate(fake, mode, make, autocast=autocast, device=self.device, loss_fn=loss_fn,
-                               last=last, input_grad=not first)
+                               last=last, input_grad=not first, forward=forward, backward_ctx=backward_ctx)
             if nd is not None:
                 tr.param_bytes = {n: _nbytes(p) for n, p in _unique_params(fake)}
                 tr.buffer_bytes = sum(_nbytes(t) for t in fake.buffers())
         except Exception as exc:
+            if real_tp:  # the plugin's sharding did not trace on fake tensors: the shard shapes instead
+                self.shapes_only = True
+                tr = self._trace_on(contextlib.ExitStack(), part, mode, shapes, nd, make, first, last, ac,
+                                    autocast, dtype, micro, stage, b, hf_tp)
+                return _Trace(**{**tr.__dict__, "error": tr.error or (
+                    f"tensor parallel: the plugin's sharding did not trace on fake tensors ({type(exc).__name__}: "
+                    f"{exc}); parameters at their shard's shape, logits as the shapes give them")})
             if not shapes:
                 raise
             # the forward cannot run on its shard's shapes (e.g. a fixed head count): whole shapes
@@ -289,16 +315,21 @@ def _tp_shapes(meta: nn.Module, tp: int, plan: dict) -> Dict[str, torch.Size]:
 
 
 class _PlanKey:
-    """A tp plan that can sit in a cache key (plans hold unhashable styles)."""
+    """A tp plan that can sit in a cache key (plans hold unhashable styles), with the plugin's options
+    that change what a rank holds (a transformers model's sequence parallelism and vocabulary-parallel
+    loss)."""
 
-    def __init__(self, plan: dict):
-        self.plan = plan
+    def __init__(self, plan: dict, sequence_parallel: bool = False, loss_parallel: bool = False):
+        self.plan, self.sequence_parallel, self.loss_parallel = plan, bool(sequence_parallel), bool(loss_parallel)
+
+    def _id(self):
+        return tuple(sorted(self.plan)), self.sequence_parallel, self.loss_parallel
 
     def __hash__(self):
-        return hash(tuple(sorted(self.plan)))
+        return hash(self._id())
 
     def __eq__(self, other):
-        return isinstance(other, _PlanKey) and sorted(self.plan) == sorted(other.plan)
+        return isinstance(other, _PlanKey) and self._id() == other._id()
 
 
 def _checkpoints_itself(model: nn.Module) -> bool:

@@ -84,6 +84,19 @@ class _Trace:
         return out
 
 
+#: above 0 while ops run that hold no rank's memory (``hf_tp.quiet_propagation``): not followed
+MUTED = [0]
+
+
+def _wait_tensor():
+    """The functional collectives' wait (an alias of its input), or None without them."""
+    ops = getattr(torch.ops, "_c10d_functional", None)
+    try:
+        return ops.wait_tensor.default if ops is not None else None
+    except AttributeError:
+        return None
+
+
 def _tracker_cls():
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -101,7 +114,7 @@ def _tracker_cls():
             self.phase = "fwd"
 
         def register(self, t: torch.Tensor, cat: str) -> None:
-            st = t.untyped_storage()
+            st = _local(t).untyped_storage()
             ent = self.info.get(st)
             if ent is not None:
                 if ent[1] != cat:
@@ -125,9 +138,20 @@ def _tracker_cls():
             tr.saved.append(self.saved)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if MUTED[0]:  # metadata work on global-shape placeholders (DTensor's sharding propagation)
+                return func(*args, **(kwargs or {}))
+            if any(t is not _local(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)):
+                # a DTensor op: its own dispatch runs the local ops, with this mode still active (what a
+                # rank allocates, temporaries of a sharded loss included, is followed op by op)
+                return NotImplemented
             out = func(*args, **(kwargs or {}))
+            if func is _wait_tensor() and isinstance(out, torch.Tensor):
+                # eager returns its input; the fake kernel a new tensor: the same bytes, counted once
+                ent = self.info.get(_local(args[0]).untyped_storage())
+                if ent is not None:
+                    self.info[out.untyped_storage()] = ent
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage() not in self.info:
+                if isinstance(t, torch.Tensor) and _local(t).untyped_storage() not in self.info:
                     self.register(t, "other")
             self.sample()
             return out
@@ -137,7 +161,7 @@ def _tracker_cls():
             info = self.info
 
             def pack(t):
-                st = t.untyped_storage()
+                st = _local(t).untyped_storage()
                 ent = info.get(st)
                 if ent is None or ent[1] != "other":
                     return (t, None)
@@ -160,6 +184,12 @@ def _tracker_cls():
             return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     return _StorageTracker
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds), any other tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 def _first_tensor(out):
@@ -212,8 +242,11 @@ def _follow(fake: nn.Module, tracker, trace: _Trace, params) -> list:
 
 
 def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autocast: Optional[torch.dtype],
-              device: str, loss_fn: Optional[Callable], last: bool = True, input_grad: bool = False) -> _Trace:
-    """One forward + backward of ``fake`` (fake tensors) traced op by op."""
+              device: str, loss_fn: Optional[Callable], last: bool = True, input_grad: bool = False,
+              forward: Optional[Callable] = None, backward_ctx: Callable = contextlib.nullcontext) -> _Trace:
+    """One forward + backward of ``fake`` (fake tensors) traced op by op. ``forward(model, inputs)``
+    replaces ``model(*inputs)`` (whose output then lives only while the loss needs it: the caller keeps
+    the loss alone); ``backward_ctx()`` is entered around the backward."""
     trace = _Trace()
     tracker = _tracker_cls()(trace)
     params = _unique_params(fake)
@@ -231,10 +264,12 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
                    else contextlib.nullcontext())
             with tracker.saved_hooks():
                 with ctx:
-                    out = fake(*inputs)
+                    out = fake(*inputs) if forward is None else forward(fake, inputs)
                     y = _first_tensor(out)
                     trace.out_meta = (y.shape, y.dtype)
                     loss = (loss_fn or _default_loss)(out, inputs) if last else None
+                    if forward is not None:
+                        out = y = None
                 tracker.sample()
                 trace.act_end = tracker.bytes["other"]
                 trace.saved_end = tracker.saved
@@ -242,7 +277,8 @@ def _simulate(fake: nn.Module, mode, make_inputs: Callable[[], tuple], *, autoca
                 # the output lives through backward: the caller holds it (``logits, loss = model(...)``),
                 # as a pipeline stage's forward cache does until that microbatch's backward
                 if last:
-                    loss.backward()
+                    with backward_ctx():
+                        loss.backward()
                     del loss
                 else:
                     g = torch.empty_like(y)

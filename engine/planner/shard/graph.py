@@ -55,6 +55,7 @@ class ShardGraph:
         self.lin_by_name: Dict[str, Linear] = {}
         self.param_elems: Dict[str, int] = {}
         self.const_param_elems = 0
+        self.hf_plan = False  # the linears' cuts read from a transformers model's plan (``_hf_allowed``)
         covered = self._find_linears(model)
         self._count_other_params(model, covered)
         self.maybe = self._maybe_cut()
@@ -71,6 +72,8 @@ class ShardGraph:
             owners.setdefault(id(p), []).append(n)
         tp = self.tp_size
         covered = set()
+        allowed = _hf_allowed(model, tp)  # a transformers model: the cuts its own plan allows, else None
+        self.hf_plan = allowed is not None
         for node in self.nodes:
             if opname(node) != "linear":
                 continue
@@ -88,6 +91,8 @@ class ShardGraph:
                     opts += ["column", "column+gather"]
                 if mod.in_features % tp == 0:
                     opts += ["row", "row+scatter"]
+                if allowed is not None:
+                    opts = [o for o in opts if o in allowed.get(mname, ("replicated",))]
             x = node.args[0]
             xs = shape(x)
             lin = Linear(mname, node, mod.in_features, mod.out_features, mod.bias is not None,
@@ -176,7 +181,7 @@ def analyse(model: nn.Module, example_inputs, tp_size: int) -> ShardGraph:
     t = time.perf_counter()
     was = model.training
     try:
-        ep = torch.export.export(model, example_inputs, strict=False)
+        ep = torch.export.export(model, example_inputs, kwargs=_export_kwargs(model), strict=False)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(
@@ -188,3 +193,40 @@ def analyse(model: nn.Module, example_inputs, tp_size: int) -> ShardGraph:
     finally:
         model.train(was)
     return ShardGraph(model, example_inputs, tp_size, time.perf_counter() - t, ep.graph_module, ep.graph_signature)
+
+
+def _hf_allowed(model: nn.Module, tp: int):
+    """``{linear name: strategies}`` a transformers model's plan allows (read by ``models.hf.cuts``: the
+    plan's own cut of each linear, or replicated), None for any other model (every cut is searched)."""
+    from ...models.hf import reads_dict_plan
+
+    if tp < 2 or not reads_dict_plan(model):
+        return None
+    import fnmatch
+
+    from ...models.hf.cuts import linear_cuts
+    from ...models.hf.plan import per_rank_attributes
+
+    counted = list(per_rank_attributes(model))  # modules whose head counts the plugin divides once a child is cut
+    out = {}
+    for name, cut in linear_cuts(model, None, tp).items():
+        if cut.parts > 1 or cut.conv1d:
+            continue  # packed and Conv1D weights are not searched (not nn.Linear calls): kept whole
+        parent = name.rpartition(".")[0]
+        if any(parent.count(".") == p.count(".") and fnmatch.fnmatchcase(parent, p) for p in counted):
+            continue  # cut alone, a linear there would leave the others whole under divided head counts
+        out[name] = ("replicated", "column+gather" if cut.gather else "column") if cut.kind == "col" else \
+            ("replicated", "row")
+    return out
+
+
+def _export_kwargs(model: nn.Module) -> dict:
+    """A transformers model is traced as training calls it: without its key/value cache (a ``DynamicCache``
+    output torch.export cannot flatten), ``return_dict`` left as the model's own."""
+    import inspect
+
+    from ...models.hf import is_hf_model
+
+    if is_hf_model(model) and "use_cache" in inspect.signature(model.forward).parameters:
+        return {"use_cache": False}
+    return {}

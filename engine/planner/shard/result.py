@@ -32,6 +32,7 @@ class ShardPlan:
     trace_s: float = 0.0
     model_name: str = ""
     graph: Optional[ShardGraph] = field(default=None, repr=False, compare=False)
+    hf_styles: bool = False  # a transformers model: its plain cuts as transformers' style names
 
     @property
     def memory_bytes(self) -> int:
@@ -44,7 +45,9 @@ class ShardPlan:
     def tp_plan(self) -> dict:
         """``{module name: ColwiseParallel | RowwiseParallel | PrepareModuleInput}`` for
         ``HybridParallelPlugin(tp_size=..., tp_plan=...)``; replicated linears are absent, unless a
-        sharded input reaches one (then a ``PrepareModuleInput`` gathers it)."""
+        sharded input reaches one (then a ``PrepareModuleInput`` gathers it). For a transformers model the
+        cuts its own plan names are given by transformers' style names (``"colwise"``, ``"rowwise"``, ...), so
+        the plugin applies them as it applies the model's plan (the vocabulary-parallel head included)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
@@ -52,6 +55,10 @@ class ShardPlan:
         for name, s in self.strategies.items():
             kind, outk = STRATEGIES[s]
             cut_in = self.inputs.get(name) == "sharded"
+            hf_name = _hf_style(kind, outk, cut_in) if self.hf_styles else None
+            if hf_name is not None:
+                out[name] = hf_name
+                continue
             if kind == "R":
                 if cut_in:
                     out[name] = PrepareModuleInput(input_layouts=(Shard(-1),), desired_input_layouts=(Replicate(),),
@@ -108,3 +115,13 @@ class ShardPlan:
         d = dict(self.__dict__)
         d["graph"] = None  # the fx graph stays where it was traced
         return d
+
+
+def _hf_style(kind: str, outk: str, cut_in: bool) -> Optional[str]:
+    """The transformers style name of a cut, where one exists (its input whole for a column cut, cut for
+    a row cut, or split on the rank: ``rowwise_split_input``)."""
+    if kind == "col" and not cut_in:
+        return "colwise_gather_output" if outk == "gather" else "colwise"
+    if kind == "row" and outk == "reduce":
+        return "rowwise" if cut_in else "rowwise_split_input"
+    return None

@@ -97,6 +97,10 @@ def _check_graph(model, g: ShardGraph, tp_size: int, fixed: Dict[str, str]) -> N
     """Something to shard, and every pinned strategy applicable."""
     if not g.linears:
         raise ValueError(f"autoshard: {type(model).__name__} calls no nn.Linear on these inputs; nothing to shard")
+    if tp_size > 1 and g.hf_plan and all(len(l.options) == 1 for l in g.linears.values()):
+        raise ValueError(f"autoshard: the tensor-parallel plan of {type(model).__name__} cuts no nn.Linear that "
+                         f"tp_size={tp_size} divides (its cut layers may be Conv1D or packed weights, which are not "
+                         f"searched); use its own plan: HybridParallelPlugin(tp_size={tp_size})")
     if tp_size > 1 and all(len(l.options) == 1 for l in g.linears.values()):
         feats = sorted({(l.in_features, l.out_features) for l in g.linears.values()})[:6]
         raise ValueError(f"autoshard: tp_size={tp_size} divides the features of no nn.Linear of {type(model).__name__} "
@@ -180,7 +184,8 @@ def _plan(g: ShardGraph, frontier, tp_size: int, device_memory, activations: boo
                      param_bytes=int(round(params)), state_bytes=state,
                      activation_bytes=max(0, int(round(mem)) - state) if activations else 0,
                      device_memory=None if device_memory is None else int(device_memory),
-                     frontier=[(int(m), t) for m, t, _ in frontier], model_name=g.model_name, graph=g)
+                     frontier=[(int(m), t) for m, t, _ in frontier], model_name=g.model_name, graph=g,
+                     hf_styles=g.hf_plan)
     plan.alternatives["1d"] = (best_t, plan.memory_bytes)
     return plan
 
