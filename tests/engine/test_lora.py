@@ -194,7 +194,6 @@ def gpt_reference():
 def train_pp(rank, world, out_dir):
     from support.engine import lm_loss
 
-    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     base = tiny_gpt()
@@ -204,20 +203,34 @@ def train_pp(rank, world, out_dir):
     model = booster.enable_lora(base, lora_config=gpt_lora_config())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gm, gopt, *_ = booster.boost(model, opt, lm_loss)
+    losses = _pipeline_steps(booster, gm, gopt, [{"idx": x, "targets": y} for x, y in gpt_batches()], lm_loss)
+    return dict(losses=losses, **_pipelined_facts(booster, gm, gopt, frozen, out_dir))
+
+
+def _pipeline_steps(booster, gm, gopt, batches_, criterion=None) -> list:
+    """One ``execute_pipeline`` step per batch; the losses (None on a rank without the last stage)."""
     losses = []
-    for x, y in gpt_batches():
-        out = booster.execute_pipeline(iter([{"idx": x, "targets": y}]), gm, lm_loss, gopt)
+    for b in batches_:
+        out = booster.execute_pipeline(iter([b]), gm, criterion, gopt)
         gopt.step()
         gopt.zero_grad()
         losses.append(None if out.get("loss") is None else float(out["loss"]))
+    return losses
+
+
+def _pipelined_facts(booster, gm, gopt, frozen, out_dir) -> dict:
+    """After training a pipelined LoRA model: the parameters holding optimizer state (PEFT's names), the
+    trained adapters, the base weights that changed (none should), and the adapter saved to ``out_dir``."""
+    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
+
     names = {id(p): n for n, p in gm.named_model_parameters()}
     held = sorted("base_model.model." + names.get(id(p), "?") for p in gopt.state)
     trained = full_trainable_state(gm, find_peft_model(gm))
     booster.save_lora_as_pretrained(gm, out_dir)
     full = gm.full_state_dict()
-    changed = sorted(n for n, t in frozen.items() if not torch.equal(t, full[n.replace(".weight", ".base_layer.weight")
-                                                                          if n not in full else n]))
-    return dict(losses=losses, state=held, trained=trained, changed=changed)
+    changed = sorted(n for n, t in frozen.items()
+                     if not torch.equal(t, full[n if n in full else n.replace(".weight", ".base_layer.weight")]))
+    return dict(state=held, trained=trained, changed=changed)
 
 
 # ---- the Llama under pp=2 and tp=2 x pp=2 (the pipeline splits the base model, adapters in its layers) ---
@@ -228,7 +241,6 @@ def train_hf_pp(rank, world, name, out_dir):
     """One pipelined run of the LoRA Llama through execute_pipeline (the model's own loss), the whole batch
     (no data parallelism): losses on the last stage, the adapters' placements, the trained adapters, the
     saved adapter, the trained logits (eval) on the last stage."""
-    from colossal_lab.engine.lora import find_peft_model, full_trainable_state
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     base = tiny_llama()
@@ -239,21 +251,10 @@ def train_hf_pp(rank, world, name, out_dir):
     model = booster.enable_lora(base, lora_config=lora_config())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gm, gopt, *_ = booster.boost(model, opt)
-    losses = []
-    for x in batches():
-        out = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), gm, None, gopt)
-        gopt.step()
-        gopt.zero_grad()
-        losses.append(None if out.get("loss") is None else float(out["loss"]))
-    names = {id(p): n for n, p in gm.named_model_parameters()}
-    held = sorted("base_model.model." + names.get(id(p), "?") for p in gopt.state)
+    losses = _pipeline_steps(booster, gm, gopt, [{"input_ids": x, "labels": x} for x in batches()])
     placements = {"base_model.model." + n: str(getattr(p, "placements", "whole"))
                   for n, p in gm.named_model_parameters()}
-    trained = full_trainable_state(gm, find_peft_model(gm))
-    booster.save_lora_as_pretrained(gm, out_dir)
-    full = gm.full_state_dict()
-    changed = sorted(n for n, t in frozen.items()
-                     if not torch.equal(t, full[n if n in full else n.replace(".weight", ".base_layer.weight")]))
+    facts = _pipelined_facts(booster, gm, gopt, frozen, out_dir)
     gm.eval()
     x = batches()[0]
     logits = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), gm, None, gopt,
@@ -261,7 +262,7 @@ def train_hf_pp(rank, world, name, out_dir):
     if logits is not None:
         logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).detach().cpu()
     plugin.close()
-    return dict(losses=losses, state=held, trained=trained, changed=changed, placements=placements, logits=logits)
+    return dict(losses=losses, placements=placements, logits=logits, **facts)
 
 
 def rank_fn(rank, world, root):
