@@ -14,7 +14,8 @@ TESTS=("$@")
 [ ${#TESTS[@]} -gt 0 ] || TESTS=(tests/hybrid/test_hf_tp.py tests/hybrid/test_hf_pp.py tests/hybrid/test_hf_checkpoint.py tests/engine/test_lora.py
                                  tests/planner/test_memory_hf.py tests/planner/test_layout_hf.py
                                  tests/hybrid/test_hf_cp.py tests/hybrid/test_hf_tp_nd.py
-                                 tests/engine/test_export_llama.py)
+                                 tests/engine/test_export_llama.py tests/hybrid/test_hf_pp_inputs.py
+                                 tests/planner/test_memory_vocab.py tests/planner/test_shard_hf.py tests/engine/test_quant_hf.py)
 floor() {  # "5.3.0" from the engine's constant, read without importing the engine
   .venv/bin/python -c "import runpy; g = runpy.run_path('engine/models/hf/version.py'); print('%d.%d.0' % g['$1'])"
 }

@@ -181,6 +181,10 @@ def analyse(model: nn.Module, example_inputs, tp_size: int) -> ShardGraph:
     t = time.perf_counter()
     was = model.training
     try:
+        # traced as in inference: a family's training-only randomness (OPT's layer drop draws a random number
+        # and branches on it in older transformers) is data-dependent control flow torch.export refuses; the
+        # linears and the regions between them are the same in both modes
+        model.eval()
         ep = torch.export.export(model, example_inputs, kwargs=_export_kwargs(model), strict=False)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear error
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
