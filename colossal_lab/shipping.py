@@ -66,11 +66,11 @@ class Call:
                         for k, v in kwargs.items()}
 
     @staticmethod
-    def _unpack(item: Any) -> Any:
-        return Shipped(*item) if isinstance(item, _Pickled) else item
+    def _unpack(item: Any, called: bool = False) -> Any:
+        return Shipped(*item, called=called) if isinstance(item, _Pickled) else item
 
     def fn(self) -> Any:
-        return self._unpack(self._fn)
+        return self._unpack(self._fn, called=True)
 
     def args(self) -> list:
         return [self._unpack(a) for a in self._args]
@@ -167,11 +167,44 @@ def _cell_sources(fn: types.FunctionType) -> Dict[str, List[str]]:
         seen.add(id(f))
         filename = f.__code__.co_filename
         if filename not in sources and not os.path.exists(filename):
-            lines = linecache.getlines(filename)
+            lines = linecache.getlines(filename) or _history_lines(f.__code__)
             if lines:
                 sources[filename] = lines
         todo += [h for h in map(_by_value_function, _referenced(f)) if h is not None]
     return sources
+
+
+def _history_lines(code: types.CodeType) -> List[str]:
+    """The lines of the notebook cell ``code`` was compiled from, found in IPython's input history, for when
+    ``linecache`` no longer holds them (anything in the kernel may call ``linecache.clearcache()``: tornado's
+    templates do). The cell is the newest one whose compiled text holds the same code at the same line
+    (names are no key: the shell names a cell by a hash of its raw text, which the history keeps stripped)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    cells = getattr(getattr(shell, "history_manager", None), "input_hist_parsed", None)
+    for text in reversed(cells or []):
+        if not code.co_name.startswith("<") and code.co_name not in text:
+            continue
+        try:
+            compiled = compile(text, code.co_filename, "exec", dont_inherit=True)
+        except (SyntaxError, ValueError):
+            continue
+        if _holds(compiled, code):
+            return (text + "\n").splitlines(keepends=True)
+    return []
+
+
+def _holds(compiled: types.CodeType, code: types.CodeType) -> bool:
+    """Whether ``compiled`` or code nested in it is ``code``: same name, lines, arguments and names read
+    (not the bytecode, which differs with how the shell compiled the cell, e.g. from a transformed tree)."""
+    if _signature(compiled) == _signature(code):
+        return True
+    return any(isinstance(c, types.CodeType) and _holds(c, code) for c in compiled.co_consts)
+
+
+def _signature(code: types.CodeType) -> tuple:
+    lines = sorted({line for *_, line in code.co_lines() if line is not None})
+    return code.co_name, code.co_firstlineno, tuple(lines), code.co_names, code.co_varnames
 
 
 def _referenced(fn: types.FunctionType) -> list:
@@ -262,14 +295,16 @@ class Shipped(CannedObject):
     The function gets a copy of those names: the rank's namespace itself is not changed.
     ``sources`` are the notebook cells the shipped code comes from (filename -> lines), added
     to the rank's ``linecache`` so its tracebacks show the cell's lines, as they do in the
-    notebook.
+    notebook. ``called``: this is the function the call runs, which the rank gets wrapped by
+    :func:`_reporting` (its error's traceback rendered at once).
     """
 
     def __init__(self, payload: bytes, buffers: List[Any], fill: bool,
-                 sources: Optional[Dict[str, List[str]]] = None):
+                 sources: Optional[Dict[str, List[str]]] = None, called: bool = False):
         self.buffers = [payload, *buffers]
         self.fill = fill
         self.sources = sources or {}
+        self.called = called
 
     def get_object(self, g: Optional[Dict[str, Any]] = None) -> Any:
         import linecache
@@ -284,7 +319,58 @@ class Shipped(CannedObject):
             for name, value in g.items():
                 if name not in ns:
                     ns[name] = value
-        return obj
+        return _reporting(obj) if self.called and callable(obj) else obj
+
+
+def _reporting(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, interruptible only while it runs, whose error gets its traceback rendered as it is raised.
+
+    After one rank fails the notebook interrupts the ranks still busy. The engine's message handler takes
+    SIGINT as ``KeyboardInterrupt`` from start to end, so a rank that has just finished (its own error being
+    formatted: IPython parses and highlights each frame's source, not instant on a loaded machine; or its
+    reply being sent) would be interrupted in the middle and send a traceback without the cell's lines, or
+    no reply at all (then the notebook restarts the cluster). Here SIGINT is ignored from the moment ``fn``
+    returns or raises until the handler ends (the kernel then puts its own handler back), and the error is
+    rendered (IPython's own format, from ``fn``'s frame on) before it leaves: the lines ride on the
+    exception as ``_render_traceback_``, which IPython's ``showtraceback`` (what the engine's error reply
+    is made of) uses as they are."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            _ignore_interrupts()
+            _render_now(e)
+            raise
+        finally:
+            _ignore_interrupts()
+
+    return call
+
+
+def _ignore_interrupts() -> None:
+    """SIGINT ignored for the rest of the engine's message handler (which set ``default_int_handler``)."""
+    import signal
+    import threading
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _render_now(e: BaseException) -> None:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or hasattr(e, "_render_traceback_") or e.__traceback__ is None:
+        return
+    try:
+        # from the shipped function's frame on: tb_next skips this wrapper's frame, and no offset (the shell's
+        # own skips the frame that runs a cell)
+        lines = shell.InteractiveTB.structured_traceback(type(e), e, e.__traceback__.tb_next, tb_offset=0)
+    except Exception:  # noqa: BLE001 - the shell formats it later, as it would have
+        return
+    e._render_traceback_ = lambda: list(lines)
 
 
 def _shipped_globals(obj: Any) -> Optional[Dict[str, Any]]:

@@ -138,9 +138,47 @@ def test_errors_and_tracebacks_per_rank(cluster, nb):
     e = ei.value
     assert e.ranks == [0, 1]
     assert "rank 0: ValueError: bad on 0" in str(e) and "rank 1: ValueError: bad on 1" in str(e)
-    tb = e.failures[1].traceback
-    assert "in fails()" in tb and "raise ValueError(f'bad on {rank()}')" in tb  # the cell's line
+    for rank in (0, 1):
+        tb = e.failures[rank].traceback
+        assert "in fails()" in tb and "raise ValueError(f'bad on {rank()}')" in tb, (rank, tb)  # the cell's line
+        assert "ipyparallel" not in tb, tb  # from the function's own frame on
     assert cluster.pids == pids and cluster.run(nb["chain"]) == [1, 11]
+
+
+def test_an_interrupt_does_not_cut_a_ranks_own_traceback(cluster, nb, monkeypatch):
+    """No grace: the slower rank is interrupted at once, often while its own error is being reported. A
+    rank's error is rendered as it is raised, with SIGINT held off: every rank that reports the error
+    reports the cell's line, and none stops answering (no restart)."""
+    monkeypatch.setattr(cluster.config, "failure_grace", 0.0)
+    pids = cluster.pids
+    for _ in range(12):
+        with pytest.raises(cl.RankError) as ei:
+            cluster.run(nb["fails"])
+        for rank, failure in ei.value.failures.items():
+            if failure.ename == "ValueError":
+                assert "raise ValueError(f'bad on {rank()}')" in failure.traceback, (rank, failure.traceback)
+        assert cluster.pids == pids, str(ei.value)
+    assert cluster.run(nb["chain"]) == [1, 11]
+
+
+def test_cell_lines_come_from_ipython_history_when_linecache_lost_them(cluster, monkeypatch):
+    """In a real IPython shell: a cell's lines dropped from ``linecache`` (``linecache.clearcache()``)
+    are found again in the shell's input history, and the rank's traceback shows them."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell()
+    try:
+        shell.run_cell("import torch.distributed as dist\n\ndef cell_fails():\n"
+                       "    raise KeyError(f'key {dist.get_rank()}')\n", store_history=True)
+        fn = shell.user_ns["cell_fails"]
+        linecache.cache.pop(fn.__code__.co_filename)
+        monkeypatch.setattr(IPython, "get_ipython", lambda: shell)
+        with pytest.raises(cl.RankError) as ei:
+            cluster.run(fn)
+    finally:
+        shell.restore_sys_module_state()
+    for rank, failure in ei.value.failures.items():
+        assert "raise KeyError(f'key {dist.get_rank()}')" in failure.traceback, (rank, failure.traceback)
 
 
 def test_unpicklable_values_are_named_before_any_rank_starts(cluster, nb):
