@@ -20,6 +20,8 @@ from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import assert_follows, batch, global_mean, param_groups  # noqa: E402
 
+from colossal_lab.engine.models.hf.plan import read_plan  # noqa: E402
+
 STEPS = 5
 LR = 1e-2
 CLIP = 0.5  # below every model's gradient norm here, so clipping acts at every step
@@ -136,7 +138,9 @@ def test_hf_model_follows_its_single_process_curve(runs, case):
 def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     llama, gpt2 = runs[0][("llama", "tp2")], runs[0][("gpt2", "tp2")]
     assert "model.layers.0.self_attn.k_proj.weight" in llama["sharded"]  # from the model's own plan
-    own = MODELS["llama"]().tp_plan  # as transformers ships it: before 5.21 it leaves the embedding and head whole
+    # as transformers ships it: before 5.21 the model's plan leaves the embedding whole, and the head is in its
+    # class's plan only (which joins)
+    own, _ = read_plan(MODELS["llama"]())
     for mod in ("model.embed_tokens", "lm_head"):
         assert (f"{mod}.weight" in llama["sharded"]) == (mod in own), (mod, sorted(own))
     assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
@@ -161,13 +165,13 @@ def test_the_lm_head_and_loss_are_vocabulary_parallel_where_the_plan_gathers_the
     """With labels, the head's logits stay sharded over the vocabulary (Shard(-1)) and the model's own loss
     runs on the shards; without labels they come back whole; loss_parallel=False gathers them always. Which
     models: those whose plan gathers an nn.Linear head (Llama's own plan from 5.21, the tables' OPT, BLOOM)."""
-    own = MODELS["llama"]().tp_plan
+    own, _ = read_plan(MODELS["llama"]())
     for r in runs:
         for case, res in r.items():
             if not case[1].startswith("tp2"):
                 continue
             assert res["loss_is_plain"] and res["logits_plain"] and res["logits_agree"], case
-        gathers = "lm_head" in own  # the model's own plan names the head (transformers >= 5.21)
+        gathers = "lm_head" in own  # the plan names the head (the model's own, or its class's before 5.21)
         assert r[("llama", "tp2")]["logits_with_labels"] == (["S(2)"] if gathers else []), own
         assert r[("opt", "tp2")]["logits_with_labels"] == ["S(2)"]
         assert r[("llama", "tp2_gathered")]["logits_with_labels"] == []

@@ -31,21 +31,34 @@ def _prefixed(model: nn.Module, plan: Optional[dict]) -> dict:
 
 def read_plan(model: nn.Module) -> Tuple[Dict[str, object], str]:
     """The model's own plan (module pattern -> style name) and where it came from ('' when none)."""
-    own = getattr(model, "tp_plan", None)
-    if isinstance(own, dict) and own:
-        return dict(own), "model.tp_plan"
-    old = getattr(model, "_tp_plan", None)
-    if isinstance(old, dict) and old:
-        return dict(old), "model._tp_plan"
+    head = getattr(type(model), "_tp_plan", None)
+    head = dict(head) if isinstance(head, dict) else {}
+    for attr in ("tp_plan", "_tp_plan"):
+        own = getattr(model, attr, None)
+        if isinstance(own, dict) and own:
+            return {**own, **_missing_head(model, own, head)}, f"model.{attr}"
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
     if base:
-        head = getattr(type(model), "_tp_plan", None)
-        return {**_prefixed(model, base), **(head if isinstance(head, dict) else {})}, "config.base_model_tp_plan"
+        return {**_prefixed(model, base), **head}, "config.base_model_tp_plan"
     table = TABLES.get(getattr(config, "model_type", None))
     if table:
         return {**_prefixed(model, table["base"]), **table["head"]}, f"built-in table ({config.model_type})"
     return {}, ""
+
+
+def _missing_head(model: nn.Module, own: dict, head: dict) -> dict:
+    """The class's own entries (its LM head) that the instance's plan lacks: some releases (transformers 5.5)
+    build the instance's plan from the base model's alone. Not an entry whose weight is tied to a module the
+    plan leaves whole (the input embedding there): one side of a tie cannot be sharded alone, and whole it
+    stays as that release would run it."""
+    extra = {k: v for k, v in head.items() if k not in own}
+    planned = {name for _, name, _ in _matches({**own, **extra}, model)}
+    for names in tied_weights(model):
+        owners = {n.rpartition(".")[0] for n in names}
+        if owners - planned:
+            extra = {k: v for k, v in extra.items() if not {name for _, name, _ in _matches({k: v}, model)} & owners}
+    return extra
 
 
 def per_rank_attributes(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
