@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,11 +105,23 @@ class LowLevelZeroPlugin(Plugin):
         return contextlib.nullcontext()
 
 
+def fsdp_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The repeated layers stage 2 shards one by one, ``(qualified name, module)``: the members of the
+    shallowest ModuleList/ModuleDicts, found breadth-first (our GPT's ``blocks`` are children of the root;
+    a transformers model's layers sit one or more levels down, ``model.layers``, ``transformer.h``,
+    ``bert.encoder.layer``, and deeper under peft's wrappers). None found: the root alone is one unit.
+    The memory planner (planner/memory/fsdp.py) groups parameters by the same rule."""
+    level = [("", model)]
+    while level:
+        lists = [(n, m) for n, m in level if isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+        if lists:
+            return [(f"{n}.{k}" if n else k, b) for n, lst in lists for k, b in lst.named_children()]
+        level = [(f"{n}.{k}" if n else k, c) for n, m in level for k, c in m.named_children()]
+    return []
+
+
 def _blocks(model: nn.Module):
-    """The repeated layers to shard one by one: children of the model's ModuleList/ModuleDicts."""
-    for child in model.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            yield from (child.values() if isinstance(child, nn.ModuleDict) else child)
+    return [b for _, b in fsdp_blocks(model)]
 
 
 @contextlib.contextmanager

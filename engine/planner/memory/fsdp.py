@@ -61,15 +61,15 @@ def zero2(rep, plugin, precision: str) -> Tuple[List[RankPlan], Dict[str, int], 
 
 
 def _fsdp_groups(m) -> Dict[str, List[Tuple[str, nn.Parameter]]]:
-    """FSDP2's parameter groups as ``LowLevelZeroPlugin`` shards: each child of the model's
-    ModuleList/ModuleDicts, then the root with what is left."""
+    """FSDP2's parameter groups as ``LowLevelZeroPlugin`` shards: each of its blocks
+    (``fsdp_blocks``: the shallowest ModuleList/ModuleDicts' members), then the root with what is left."""
+    from ...plugins.low_level_zero import fsdp_blocks
+
     groups: Dict[str, List[Tuple[str, nn.Parameter]]] = {}
     owner: Dict[int, str] = {}
-    for cname, child in m.meta.named_children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            for k, block in child.named_children():
-                for _, p in block.named_parameters():
-                    owner.setdefault(id(p), f"{cname}.{k}")
+    for bname, block in fsdp_blocks(m.meta):
+        for _, p in block.named_parameters():
+            owner.setdefault(id(p), bname)
     for n, p in m.params:
         groups.setdefault(owner.get(id(p), ""), []).append((n, p))
     return groups
