@@ -8,7 +8,7 @@ world_size=...)`` predicts the bytes per rank and tier before anything is launch
 __version__ = "0.1.0"
 
 from .cluster import Cluster, LaunchConfig, current_cluster  # noqa: E402
-from .errors import RankError  # noqa: E402
+from .errors import EngineStartError, LauncherSetupError, RankError  # noqa: E402
 from .launch import launch  # noqa: E402
 
 
@@ -53,7 +53,8 @@ def unload_ipython_extension(ipython) -> None:
         mm.magics[kind].pop("colossal", None)
 
 
-__all__ = ["Cluster", "LaunchConfig", "RankError", "current_cluster", "launch",
+__all__ = ["Cluster", "LaunchConfig", "RankError", "LauncherSetupError", "EngineStartError",
+           "current_cluster", "launch",
            "plan", "FitPlan", "autoplan", "AutoPlan", "autoshard",
            "__version__",
            "load_ipython_extension", "unload_ipython_extension"]

@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
+from .startup import wait_for_engines
 
 _current: Optional["Cluster"] = None
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -67,6 +68,7 @@ class LaunchConfig:
     backend: str                  # "gloo" or "nccl" (resolved) or "auto" (resolved after probing)
     launcher: str                 # an ipyparallel engine launcher name: local, mpi, ssh, slurm, ...
     timeout: float = 300.0        # seconds: rendezvous and every collective
+    start_timeout: float = 120.0  # seconds: the wait for every engine to register
     master_addr: Optional[str] = None
     threads: Optional[int] = None  # OMP/torch threads per rank
     failure_grace: float = 2.0    # after a rank fails, how long the others may still finish
@@ -148,7 +150,7 @@ class Cluster:
             # start_and_connect_sync, minus the progress bar it draws in a notebook
             self._ipp.start_cluster_sync()
             self._client = self._ipp.connect_client_sync()
-            self._client.wait_for_engines(cfg.n, timeout=self._ipp.engine_timeout, interactive=False)
+            wait_for_engines(self._ipp, self._client, cfg.n, cfg.start_timeout, cfg.launcher)
             self._store = dist.TCPStore(self.master_addr, 0,
                                         cfg.n + 1, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=cfg.timeout))

@@ -4,6 +4,10 @@ ipyparallel raises a ``CompositeError`` keyed by *engine id*; users think in ran
 collective timeout from gloo/NCCL ("Application timeout caused pair closure") says nothing
 about its likely cause. ``RankError`` re-labels each remote error by rank and, when a rank
 died in a collective timeout, says so in plain words.
+
+``cl.launch``'s start-up errors live here too: ``LauncherSetupError`` (a launcher lacks a program,
+package or setting on this host; raised before any process starts) and ``EngineStartError`` (an
+engine exited while starting, with the end of its own log).
 """
 
 from __future__ import annotations
@@ -70,6 +74,27 @@ class RankError(RuntimeError):
         for r, f in self.failures.items():
             lines.append(f"\n----- rank {r} traceback -----\n{f.traceback.rstrip()}")
         return "\n".join(lines)
+
+
+class LauncherSetupError(ValueError):
+    """``cl.launch``'s launcher cannot start engines from here: something it needs is missing.
+
+    Raised before any process starts. ``launcher`` is the ``launcher=`` argument, ``missing`` the
+    program, package or setting it lacks, ``fix`` what to do about it."""
+
+    def __init__(self, launcher: str, missing: str, fix: str, detail: str = ""):
+        self.launcher, self.missing, self.fix = launcher, missing, fix
+        why = f": {detail}" if detail else ""
+        super().__init__(f"launcher={launcher!r} needs {missing}{why}. Fix: {fix}")
+
+
+class EngineStartError(RuntimeError):
+    """An engine (or the process that starts engines, such as ``mpiexec``) exited while
+    ``cl.launch`` waited for the engines; ``log_tail`` is the end of that process's own log."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        self.log_tail = log_tail
+        super().__init__(message)
 
 
 def _first_line(s: str, limit: int = 300) -> str:

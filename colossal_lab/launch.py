@@ -10,8 +10,10 @@ import socket
 from typing import Any, Optional
 
 from .cluster import Cluster, LaunchConfig
+from .startup import check_launcher
 
 BACKENDS = ("auto", "gloo", "nccl")
+START_TIMEOUT = 120.0  # seconds for every engine to start and register (a batch queue may need more)
 
 
 def engine_launchers() -> list:
@@ -31,9 +33,14 @@ def _local_gpus() -> int:
 
 
 def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeout: float = 300.0,
-                master_addr: Optional[str] = None, threads: Optional[int] = None,
-                failure_grace: float = 2.0, interrupt_grace: float = 5.0, **ipp_kw) -> LaunchConfig:
-    """Validate ``launch``'s arguments into a ``LaunchConfig`` (raises ``ValueError``)."""
+                start_timeout: float = START_TIMEOUT, master_addr: Optional[str] = None,
+                threads: Optional[int] = None, failure_grace: float = 2.0, interrupt_grace: float = 5.0,
+                **ipp_kw) -> LaunchConfig:
+    """Validate ``launch``'s arguments into a ``LaunchConfig`` (raises ``ValueError``).
+
+    A launcher other than ``local`` is also checked for what it needs on this host (``mpiexec``
+    and mpi4py, ``ssh`` and a host list, ``sbatch``/``scancel``): ``LauncherSetupError``, a
+    ``ValueError``, names the missing piece and the fix."""
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"n={n!r}: the number of ranks must be a whole number >= 1, e.g. launch(n=2)")
     if n < 1:
@@ -49,6 +56,12 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
                          f"{', '.join(known)}")
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r}: the collective timeout must be a positive number of seconds")
+    if isinstance(start_timeout, bool) or not isinstance(start_timeout, (int, float)) or not start_timeout > 0:
+        raise ValueError(f"start_timeout={start_timeout!r}: the wait for engines to start must be a positive "
+                         f"number of seconds (default {START_TIMEOUT:g})")
+    if "engine_timeout" in ipp_kw:
+        raise ValueError(f"engine_timeout={ipp_kw['engine_timeout']!r} is ipyparallel's wait, which cl.launch "
+                         f"does not use: pass start_timeout= (seconds to wait for the engines to start)")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads={threads!r}: threads per rank must be a whole number >= 1 (or None)")
     if lname == "local":
@@ -65,7 +78,9 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
         master_addr = master_addr or socket.gethostbyname(socket.gethostname())
         ipp_kw.setdefault("controller_ip", "*")
         ipp_kw.setdefault("controller_location", master_addr)
-    return LaunchConfig(n=n, backend=b, launcher=lname, timeout=float(timeout), master_addr=master_addr,
+        check_launcher(lname, n, ipp_kw)
+    return LaunchConfig(n=n, backend=b, launcher=lname, timeout=float(timeout),
+                        start_timeout=float(start_timeout), master_addr=master_addr,
                         threads=threads, failure_grace=float(failure_grace),
                         interrupt_grace=float(interrupt_grace), ipp_kw=ipp_kw)
 
@@ -80,13 +95,20 @@ def launch(n: int, backend: str = "auto", launcher: str = "local", **kw) -> Clus
         ``"ssh"``, ``"slurm"``, ... — configure it with ipyparallel's own keyword arguments,
         which pass through (e.g. ``engine_launcher_class``'s options via ``config=``).
       timeout: seconds allowed for rendezvous and for every collective (default 300).
+      start_timeout: seconds allowed for every engine to start and register with the controller
+        (default 120); an engine that exits first is reported at once, with its log.
       master_addr: address ranks use to reach the rendezvous store hosted by this notebook
         (default 127.0.0.1 for ``local``, this host's address otherwise).
       threads: OMP/torch threads per rank (default: cores / n for ``local``, unless
         ``OMP_NUM_THREADS`` is set).
       failure_grace / interrupt_grace: seconds to let other ranks finish after one fails, and
         to let interrupted ranks stop before they are restarted.
-      **kw: passed to ``ipyparallel.Cluster`` (``profile``, ``config``, ``engine_timeout``...).
+      **kw: passed to ``ipyparallel.Cluster`` (``profile``, ``config``, ...).
+
+    Raises ``ValueError`` for a bad argument and ``LauncherSetupError`` (a ``ValueError``) when
+    the launcher lacks something on this host, both before any process starts;
+    ``EngineStartError`` when an engine exits during start-up; ``TimeoutError`` after
+    ``start_timeout``.
     """
     cfg = make_config(n, backend, launcher, **kw)
     return Cluster(cfg).start()

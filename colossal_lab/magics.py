@@ -6,6 +6,7 @@ engine id and knows nothing of torch.distributed; ``%%colossal`` runs the cell t
 
     %load_ext colossal_lab
     %colossal launch -n 2 [--backend auto|gloo|nccl] [--launcher local|mpi|ssh|slurm] [--timeout S]
+                     [--start-timeout S]
     %colossal status | stop | restart | dashboard
     %%colossal [--targets 0,2] [--no-stream]
 
@@ -48,6 +49,7 @@ def _launch_parser() -> _Parser:
     p.add_argument("--backend", default="auto", help="auto (nccl on GPUs, else gloo), gloo or nccl")
     p.add_argument("--launcher", default="local", help="ipyparallel engine launcher: local, mpi, ssh, slurm, ...")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for rendezvous and each collective")
+    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds for the engines to start")
     p.add_argument("--threads", type=int, default=None, help="OMP/torch threads per rank")
     p.add_argument("--master-addr", default=None, help="address ranks use to reach this notebook's store")
     return p
@@ -117,8 +119,8 @@ class ColossalMagics(Magics):
         if a.n is None:
             parser.error("the number of ranks is required, e.g. %colossal launch -n 2")
         try:  # validate before stopping anything or starting any process
-            make_config(a.n, a.backend, a.launcher, timeout=a.timeout, threads=a.threads,
-                        master_addr=a.master_addr)
+            make_config(a.n, a.backend, a.launcher, timeout=a.timeout, start_timeout=a.start_timeout,
+                        threads=a.threads, master_addr=a.master_addr)
         except ValueError as e:
             raise UsageError(f"%colossal launch: {e}") from None
         old = _cluster._current
@@ -126,7 +128,8 @@ class ColossalMagics(Magics):
             print(f"stopping the running cluster ({old.n} ranks) first")
             old.stop()
         t0 = time.perf_counter()
-        c = launch(a.n, a.backend, a.launcher, timeout=a.timeout, threads=a.threads, master_addr=a.master_addr)
+        c = launch(a.n, a.backend, a.launcher, timeout=a.timeout, start_timeout=a.start_timeout,
+                   threads=a.threads, master_addr=a.master_addr)
         print(f"{c.n} ranks up in {time.perf_counter() - t0:.1f}s: backend={c.backend}, "
               f"launcher={c.config.launcher}, MASTER_ADDR={c.master_addr}, MASTER_PORT={c.master_port}")
         return None

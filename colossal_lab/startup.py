@@ -1,0 +1,242 @@
+"""Start-up for ``cl.launch`` past one machine: what each launcher needs, checked before any
+process starts, and a wait for engines that reports a dead engine at once, with its own log.
+
+ipyparallel hands a launcher's failures to the engines' log files: an MPI engine that cannot
+import mpi4py, an ``mpiexec`` that refuses to run, an engine command that does not exist all end
+as "N engines not ready" after ipyparallel's own wait. Here each launcher's prerequisites are
+checked in the notebook process (a missing program or package fails in well under a second with
+the fix), and while waiting for engines every local process the launcher started is watched: the
+first one that exits ends the wait with the tail of its log. ``start_timeout`` is the one wait.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import EngineStartError, LauncherSetupError
+
+MPI_FIX = 'pip install "colossal-lab[mpi]"'
+MPIEXEC_FIX = "apt-get install openmpi-bin"
+_TAIL_LINES = 25
+
+
+# ---------------------------------------------------------------------- prerequisites
+def check_launcher(launcher: str, n: int, ipp_kw: Dict[str, Any]) -> None:
+    """Raise ``LauncherSetupError`` when ``launcher`` cannot start ``n`` engines from here.
+
+    The launcher is configured exactly as ``Cluster.start`` will configure it (``ipp_kw``,
+    including ``config=`` and the profile's own config), but nothing is started."""
+    from ipyparallel.cluster import launcher as L
+
+    es = _engine_set(launcher, n, ipp_kw)
+    if isinstance(es, L.MPILauncher):
+        _check_mpi(launcher, es)
+    if isinstance(es, L.SSHLauncher):
+        _check_ssh(launcher, es, n)
+    if isinstance(es, L.BatchSystemLauncher):
+        _check_batch(launcher, es)
+
+
+def _engine_set(launcher: str, n: int, ipp_kw: Dict[str, Any]):
+    """An unstarted engine-set launcher, configured as ``ipyparallel.Cluster`` would."""
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(n=n, engines=launcher, **ipp_kw)
+    return cluster.engine_launcher_class(work_dir=".", parent=cluster, log=cluster.log,
+                                         profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id,
+                                         engine_set_id="check")
+
+
+def _config_name(es) -> str:
+    return f"c.{type(es).__name__}"
+
+
+def _check_mpi(launcher: str, es) -> None:
+    mpiexec = (list(es.mpi_cmd) or ["mpiexec"])[0]
+    if shutil.which(mpiexec) is None:
+        raise LauncherSetupError(
+            launcher, repr(mpiexec),
+            f"install an MPI ({MPIEXEC_FIX} on Debian/Ubuntu, or load your site's MPI module) or set "
+            f"{_config_name(es)}.mpi_cmd to your MPI's launcher (config=)",
+            detail=f"'{mpiexec}' is not on the PATH")
+    python = (list(es.engine_cmd) or [sys.executable])[0]
+    has = python_has_module(python, "mpi4py")
+    if has is False:
+        raise LauncherSetupError(
+            launcher, "mpi4py",
+            f'{MPI_FIX} (or: {python} -m pip install mpi4py)',
+            detail=f"ipyparallel's MPI engines import mpi4py, and the Python they run ({python}) cannot "
+                   f"import it")
+
+
+def python_has_module(python: str, module: str) -> Optional[bool]:
+    """Whether the interpreter ``python`` can import ``module``: in this process when it is this
+    interpreter, else by asking it (``None`` when that cannot be told: not a Python, or no answer
+    within a few seconds)."""
+    path = shutil.which(python)
+    if path is None:
+        return None
+    if os.path.abspath(path) == os.path.abspath(sys.executable):
+        return importlib.util.find_spec(module) is not None
+    if not os.path.basename(path).startswith("python"):
+        return None
+    code = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({module!r}) else 3)"
+    try:
+        rc = subprocess.run([path, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, timeout=4).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {0: True, 3: False}.get(rc)
+
+
+def _check_ssh(launcher: str, es, n: int) -> None:
+    hosts = getattr(es, "engines", None)  # None: a launcher for one host (sshproxy), set by its location
+    if hosts is not None:
+        example = '{"node1": 2, "node2": 2}'
+        if not hosts:
+            raise LauncherSetupError(
+                launcher, "the hosts to start engines on",
+                f"pass config= with {_config_name(es)}.engines = {example} (host -> number of engines; "
+                f"config is a traitlets.config.Config)",
+                detail="no hosts were given")
+        slots = sum(int(v.get("n", 1)) if isinstance(v, dict) else int(v) for v in hosts.values())
+        if slots < n:
+            raise LauncherSetupError(
+                launcher, f"{n} engine slots",
+                f"give {_config_name(es)}.engines at least n={n} engines in all, or launch fewer ranks",
+                detail=f"the hosts in {_config_name(es)}.engines have {slots} in all ({dict(hosts)})")
+    ssh = (list(es.ssh_cmd) or ["ssh"])[0]
+    if shutil.which(ssh) is None:
+        raise LauncherSetupError(
+            launcher, repr(ssh),
+            f"install an SSH client (apt-get install openssh-client) or set {_config_name(es)}.ssh_cmd",
+            detail=f"'{ssh}' is not on the PATH")
+
+
+def _check_batch(launcher: str, es) -> None:
+    """The scheduler's submit and delete commands (``sbatch``/``scancel`` for Slurm): ipyparallel
+    submits the engines as one job and cancels it to stop them."""
+    from ipyparallel.cluster import launcher as L
+
+    client = "apt-get install slurm-client, or load your site's Slurm module" if isinstance(
+        es, L.SlurmLauncher) else "load your site's scheduler module"
+    for trait, purpose in (("submit_command", "submit the engines' job"), ("delete_command", "stop it")):
+        cmd = (list(getattr(es, trait, []) or []) or [""])[0]
+        if cmd and shutil.which(cmd) is None:
+            raise LauncherSetupError(
+                launcher, repr(cmd),
+                f"run the notebook on a host where the scheduler's commands work (e.g. a login node; "
+                f"{client}), or set {_config_name(es)}.{trait} (config=)",
+                detail=f"'{cmd}' (to {purpose}) is not on the PATH")
+
+
+# ---------------------------------------------------------------------- waiting for engines
+def wait_for_engines(ipp_cluster, client, n: int, start_timeout: float, launcher: str = "") -> None:
+    """Wait until ``n`` engines have registered with ``client``.
+
+    Raises ``EngineStartError`` as soon as a local process the launcher started (an engine, an
+    ``mpiexec``, the controller) has exited, with the end of its log; ``TimeoutError`` naming
+    ``start_timeout`` when the engines are not all there in time."""
+    deadline = time.monotonic() + start_timeout
+    while True:
+        ready = len(client.ids)
+        if ready >= n:
+            return
+        dead = exited_processes(ipp_cluster)
+        if dead:
+            label, tail = dead[0]
+            raise EngineStartError(
+                f"{label} exited during start-up, before all engines were ready ({ready} of {n} "
+                f"registered, launcher={launcher!r}); the end of its log:\n{_indent(tail)}",
+                log_tail=tail)
+        if time.monotonic() > deadline:
+            logs = _log_tails(ipp_cluster)
+            raise TimeoutError(
+                f"{n - ready} of {n} engines were not ready within start_timeout={start_timeout:g}s "
+                f"({ready} ready, launcher={launcher!r}): pass a larger start_timeout= if they are "
+                f"slow to start (e.g. a batch queue)" + (", else see the engines' logs below" if logs else "")
+                + " (timeout= is the collective timeout, not this wait)" + (f"\n{logs}" if logs else ""))
+        time.sleep(0.1)
+
+
+def _process_launchers(ipp_cluster) -> List[Tuple[str, Any]]:
+    """(label, launcher) for every launcher whose process runs on this host and *is* the engine
+    (or mpiexec, or the controller): ssh and batch launchers' local processes exit by design."""
+    from ipyparallel.cluster import launcher as L
+
+    def local(lnc) -> bool:
+        return isinstance(lnc, L.LocalProcessLauncher) and not isinstance(lnc, L.SSHLauncher)
+
+    out = []
+    ctl = getattr(ipp_cluster, "controller", None)
+    if ctl is not None and local(ctl):
+        out.append(("the ipyparallel controller", ctl))
+    for es in list(getattr(ipp_cluster, "engines", {}).values()):
+        subs = getattr(es, "launchers", None)
+        if isinstance(subs, dict):
+            out.extend((f"engine process {ident}", lnc) for ident, lnc in list(subs.items()) if local(lnc))
+        elif local(es):
+            name = os.path.basename((list(getattr(es, "args", []) or ["engines"]))[0])
+            out.append((f"the engine launcher {name}", es))
+    return out
+
+
+def exited_processes(ipp_cluster) -> List[Tuple[str, str]]:
+    """(label, log tail) of each launched local process that has exited; [] while all run."""
+    import psutil
+
+    dead = []
+    for es in list(getattr(ipp_cluster, "engines", {}).values()):
+        # an engine set that already noticed a stop moved the engine out of ``launchers``
+        stopped = getattr(es, "stop_data", None)
+        if isinstance(stopped, dict) and isinstance(getattr(es, "launchers", None), dict):
+            for ident, data in dict(stopped.get("engines", {})).items():
+                dead.append((f"engine process {ident} (exit code {data.get('exit_code')})",
+                             _last_lines(getattr(es, "outputs", {}).get(ident, ""))))
+    for label, lnc in _process_launchers(ipp_cluster):
+        proc = getattr(lnc, "process", None)
+        if proc is None and getattr(lnc, "state", "") != "after":
+            continue
+        try:
+            gone = lnc.state == "after" or not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            gone = True
+        if gone:
+            pid = getattr(lnc, "pid", -1)
+            dead.append((f"{label} (pid {pid})" if pid > 0 else label, _tail(lnc)))
+    return dead
+
+
+def _tail(lnc) -> str:
+    """The end of a launcher's output file (or what ipyparallel kept after removing the file)."""
+    path = getattr(lnc, "output_file", "") or ""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        try:
+            text = lnc.get_output() or ""
+        except Exception:
+            text = ""
+    where = f"[{path}]\n" if path and os.path.exists(path) else ""
+    return where + (_last_lines(text) or "(the log is empty)")
+
+
+def _log_tails(ipp_cluster, limit: int = 4) -> str:
+    ctl = getattr(ipp_cluster, "controller", None)
+    engines = [(label, lnc) for label, lnc in _process_launchers(ipp_cluster) if lnc is not ctl]
+    return "\n".join(f"{label}:\n{_indent(_tail(lnc))}" for label, lnc in engines[:limit])
+
+
+def _last_lines(text: str, lines: int = _TAIL_LINES) -> str:
+    return "".join((text or "").splitlines(True)[-lines:]).rstrip()
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
