@@ -37,21 +37,12 @@ ROWS, T = 2, 16  # T divides 2 * cp (the ring's zig-zag chunks)
 MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "mistral": hf.mistral, "gpt2": hf.gpt2, "opt": hf.opt}
 
 
-def _batch(step: int) -> torch.Tensor:
-    """A learnable stream (each token an affine function of the one before), the same on every rank."""
-    g = torch.Generator().manual_seed(100 + step)
-    cols = [torch.randint(0, 256, (ROWS, 1), generator=g)]
-    for _ in range(T - 1):
-        cols.append((cols[-1] * 5 + 3) % 256)
-    return torch.cat(cols, 1)
-
-
 def _loop(model, opt, booster):
     """The plain HF loop; the losses (a rank's loss is its share: the mean over ranks is the batch's)
     and the gradient norms before clipping."""
     losses, norms = [], []
     for s in range(STEPS):
-        x = _batch(s)
+        x = hf.stream(s, ROWS, T)
         loss = model(input_ids=x, labels=x, attention_mask=torch.ones_like(x)).loss
         if booster:
             booster.backward(loss, opt)
@@ -133,7 +124,7 @@ def _error(fn) -> str:
 def _refusals_at_forward():
     """Bad input at the forward of a boosted model: each refused before any collective, on every rank alike."""
     out = {}
-    x = _batch(0)
+    x = hf.stream(0, ROWS, T)
     plugin, booster, model, opt = _boost("llama", cp_size=2, cp_mode="ring")
     out["odd_length"] = _error(lambda: model(input_ids=x[:, :14], labels=x[:, :14]))
     mask = torch.ones_like(x)

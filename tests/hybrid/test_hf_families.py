@@ -34,21 +34,12 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
-def _batch(step: int) -> torch.Tensor:
-    """A learnable stream (each token an affine function of the one before), the same on every rank."""
-    g = torch.Generator().manual_seed(100 + step)
-    cols = [torch.randint(0, 256, (ROWS, 1), generator=g)]
-    for _ in range(T - 1):
-        cols.append((cols[-1] * 5 + 3) % 256)
-    return torch.cat(cols, 1)
-
-
 def _loop(model, opt, booster=None, pipelined=False):
     """The plain HF loop (or ``execute_pipeline``); the losses (the batch's: averaged over the ranks of a
     direct call, None on a rank without the last stage) and the gradient norms before clipping."""
     losses, norms = [], []
     for s in range(STEPS):
-        x = _batch(s)
+        x = hf.stream(s, ROWS, T)
         if pipelined:
             loss = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)["loss"]
         else:

@@ -122,3 +122,13 @@ def from_config(model_type: str, layers: int = 4, seed: int = SEED, **kw):
     cfg = {k: v for k, v in {**cfg, **kw}.items() if v is not None}
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+
+
+def stream(step: int, rows: int, length: int, vocab: int = 256) -> torch.Tensor:
+    """``rows x length`` token ids of a learnable stream (each token an affine function of the one before),
+    seeded by ``step``: the same batch on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    cols = [torch.randint(0, vocab, (rows, 1), generator=g)]
+    for _ in range(length - 1):
+        cols.append((cols[-1] * 5 + 3) % vocab)
+    return torch.cat(cols, 1)
