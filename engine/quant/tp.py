@@ -3,9 +3,10 @@
 The model's plan names the column-parallel linears (output channels and their scales split) and the
 row-parallel ones (input channels split, outputs all-reduced): the model contract's ``tp_plan()``, or a
 transformers model's own plan read by its adapter (``models/hf/cuts.py``: the plan the training plugin
-applies, a built-in table for GPT-2 / OPT / BLOOM; an LM head gathers its output, a packed q|k|v weight is
-cut part by part, the table's head counts become one rank's share). Plain ``torch.distributed`` collectives:
-DTensor has no sharding rule for the int8 matmuls (docs/kernels.md, "Int8 inference").
+applies, a built-in table for GPT-2 / OPT / BLOOM / BERT; an LM head gathers its output, a packed q|k|v weight
+is cut part by part, the table's head counts become one rank's share, an ALiBi bias is sliced to its heads).
+Plain ``torch.distributed`` collectives: DTensor has no sharding rule for the int8 matmuls (docs/kernels.md,
+"Int8 inference").
 """
 
 from __future__ import annotations
@@ -147,13 +148,13 @@ def shard_int8_tp(model: nn.Module, group=None) -> nn.Module:
     """
     styles = _tp_styles(model)
     rank, world, group = _group_info(model, True if group is None else group)
+    if getattr(model, "_int8_tp_sharded", False):  # column slices are plain Int8Linears: mark the model itself
+        raise ValueError(f"shard_int8_tp: {type(model).__name__} is already sharded; shard only once")
     for name in styles:  # every linear checked before any is cut: a refused model is left as it was
         mod = model.get_submodule(name)
         if not isinstance(mod, Int8Linear) or isinstance(mod, (RowParallelInt8Linear, GatherColInt8Linear)):
             raise ValueError(f"shard_int8_tp: {name} is a {type(mod).__name__}; quantize the model "
                              "with quantize(model, 'int8') first (and shard only once)")
-    if getattr(model, "_int8_tp_sharded", False):  # column slices are plain Int8Linears: mark the model itself
-        raise ValueError(f"shard_int8_tp: {type(model).__name__} is already sharded; shard only once")
     for name, style in styles.items():
         mod = model.get_submodule(name)
         if mod.out_features * world == 0:
