@@ -2,7 +2,9 @@
 
 ``quantize(model, "int8")`` replaces every ``nn.Linear`` (and transformers' ``Conv1D``, GPT-2's linears, its
 ``(in, out)`` weight transposed) by :class:`Int8Linear` and, by default,
-every ``nn.Embedding`` by :class:`Int8Embedding`; tied weights stay one int8 tensor. Why weight-only
+every plain ``nn.Embedding`` by :class:`Int8Embedding` (a subclass with its own ``forward``, e.g. OPT's learned
+positions or a scaled word embedding, stays in full precision: a lookup alone would drop what it adds);
+tied weights stay one int8 tensor. Why weight-only
 and hand-built, and which matmul runs where: docs/kernels.md, "Int8 inference".
 """
 
@@ -164,7 +166,7 @@ def quantize(model: nn.Module, mode: str = "int8", *, embeddings: bool = True,
     if not linears:
         raise ValueError(f"quantize: {type(model).__name__} has no nn.Linear layers to quantize "
                          "(already quantized, or all skipped?)")
-    targets = linears + ([(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding) and n not in skip]
+    targets = linears + ([(n, m) for n, m in model.named_modules() if is_plain_embedding(m) and n not in skip]
                          if embeddings else [])
     for n, m in targets:
         w = m.weight
@@ -195,6 +197,11 @@ def _is_linear(m: nn.Module) -> bool:
     from ..models.hf.local_linear import is_conv1d
 
     return isinstance(m, nn.Linear) or is_conv1d(m)
+
+
+def is_plain_embedding(m: nn.Module) -> bool:
+    """An ``nn.Embedding`` whose forward is the plain lookup: what :class:`Int8Embedding` replaces exactly."""
+    return isinstance(m, nn.Embedding) and type(m).forward is nn.Embedding.forward
 
 
 def _out_in(m: nn.Module) -> torch.Tensor:

@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from ..lazy import default_init, is_lazy, lazy_init, materialize_module, meta_names
-from .int8 import Int8Embedding, Int8Linear, _is_linear, cast_unquantized, check_dtype, check_mode, quantize_weight
+from .int8 import (
+    Int8Embedding,
+    Int8Linear,
+    _is_linear,
+    cast_unquantized,
+    check_dtype,
+    check_mode,
+    is_plain_embedding,
+    quantize_weight,
+)
 
 PathLike = Union[str, os.PathLike]
 
@@ -53,6 +62,16 @@ class ShardReader:
             return None
         with self._open(str(f), framework="pt") as h:
             return h.get_tensor(name).clone()  # own memory, not a view of the mapping
+
+
+def _tied_names(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
+    """``{name: every name of that tensor}`` for tensors registered under several names (tied weights, an
+    MLM decoder's bias), the name asked for first."""
+    groups: Dict[int, List[str]] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for n, t in named:
+        groups.setdefault(id(t), []).append(n)
+    return {n: (n, *[m for m in names if m != n]) for names in groups.values() if len(names) > 1 for n in names}
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -107,9 +126,11 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
     memo: Dict[int, torch.Tensor] = {}
     qmemo: Dict[int, tuple] = {}
     persistent = set(model.state_dict().keys())
+    aliases = _tied_names(model)
 
     def load(name: str) -> Optional[torch.Tensor]:
-        t = reader(name)
+        # a tied tensor is saved under one of its names (save_pretrained keeps one): any of them will do
+        t = next((reader(n) for n in aliases.get(name, (name,)) if n in reader), None)
         if t is None and name in persistent:
             raise ValueError(f"load_quantized: checkpoint {checkpoint_path} has no tensor {name!r} "
                              f"(it holds e.g. {sorted(reader.where)[:3]})")
@@ -117,7 +138,7 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
 
     for name, module in list(model.named_modules()):
         kind = (Int8Linear if _is_linear(module) else
-                Int8Embedding if embeddings and isinstance(module, nn.Embedding) else None)
+                Int8Embedding if embeddings and is_plain_embedding(module) else None)
         if kind is None or name in skip:
             materialize_module(module, name, device, load, init, memo)
             continue
@@ -144,7 +165,8 @@ def load_quantized(model, checkpoint_path: PathLike, mode: str = "int8", *, devi
     if plan:
         from .tp import divide_heads
 
-        divide_heads(model, plan, world)
+        divide_heads(model, plan, world, rank)
+        model._int8_tp_sharded = True  # shard_int8_tp refuses it
     left = meta_names(model)
     if left:
         raise ValueError(f"load_quantized: tensors left unloaded: {left[:5]}")

@@ -3,9 +3,10 @@
 The model's plan names the column-parallel linears (output channels and their scales split) and the
 row-parallel ones (input channels split, outputs all-reduced): the model contract's ``tp_plan()``, or a
 transformers model's own plan read by its adapter (``models/hf/cuts.py``: the plan the training plugin
-applies, a built-in table for GPT-2 / OPT / BLOOM; an LM head gathers its output, a packed q|k|v weight is
-cut part by part, the table's head counts become one rank's share). Plain ``torch.distributed`` collectives:
-DTensor has no sharding rule for the int8 matmuls (docs/kernels.md, "Int8 inference").
+applies, a built-in table for GPT-2 / OPT / BLOOM / BERT; an LM head gathers its output, a packed q|k|v weight
+is cut part by part, the table's head counts become one rank's share, an ALiBi bias is sliced to its heads).
+Plain ``torch.distributed`` collectives: DTensor has no sharding rule for the int8 matmuls (docs/kernels.md,
+"Int8 inference").
 """
 
 from __future__ import annotations
@@ -126,15 +127,15 @@ def slice_for_tp(q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tens
     return m
 
 
-def divide_heads(model: nn.Module, styles: Dict[str, object], world: int) -> None:
-    """A transformers model's head-count attributes as one rank's share (the plugin's rule), once its
-    linears are sliced."""
+def divide_heads(model: nn.Module, styles: Dict[str, object], world: int, rank: int) -> None:
+    """A transformers model's head-count attributes as one rank's share and an ALiBi bias sliced to its
+    heads (the plugin's rule), once its linears are sliced."""
     from ..models.hf import reads_dict_plan
 
     if reads_dict_plan(model):
         from ..models.hf.cuts import divide_heads as divide
 
-        divide(model, styles, world)
+        divide(model, styles, world, rank)
 
 
 def shard_int8_tp(model: nn.Module, group=None) -> nn.Module:
@@ -147,13 +148,18 @@ def shard_int8_tp(model: nn.Module, group=None) -> nn.Module:
     """
     styles = _tp_styles(model)
     rank, world, group = _group_info(model, True if group is None else group)
-    for name, style in styles.items():
+    if getattr(model, "_int8_tp_sharded", False):  # column slices are plain Int8Linears: mark the model itself
+        raise ValueError(f"shard_int8_tp: {type(model).__name__} is already sharded; shard only once")
+    for name in styles:  # every linear checked before any is cut: a refused model is left as it was
         mod = model.get_submodule(name)
-        if not isinstance(mod, Int8Linear) or isinstance(mod, RowParallelInt8Linear):
+        if not isinstance(mod, Int8Linear) or isinstance(mod, (RowParallelInt8Linear, GatherColInt8Linear)):
             raise ValueError(f"shard_int8_tp: {name} is a {type(mod).__name__}; quantize the model "
                              "with quantize(model, 'int8') first (and shard only once)")
+    for name, style in styles.items():
+        mod = model.get_submodule(name)
         if mod.out_features * world == 0:
             continue
         model.set_submodule(name, slice_for_tp(mod.weight_int8, mod.scale, mod.bias, style, rank, world, group, name))
-    divide_heads(model, styles, world)
+    divide_heads(model, styles, world, rank)
+    model._int8_tp_sharded = True
     return model

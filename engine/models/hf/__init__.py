@@ -181,13 +181,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
                 raise ValueError(f"tensor parallelism: {names} are one tied weight, but tp_plan= sharded "
                                  f"{names[0]} and {name} differently; give both modules the same layout")
             setattr(model.get_submodule(owner), attr, first)
+    share_heads(model, parents, tp, tp_mesh.get_local_rank())
+    return model
+
+
+def share_heads(model: nn.Module, parents: set, tp: int, rank: int) -> None:
+    """Once the plan's linears under ``parents`` are cut: the table's head counts become one rank's share
+    and ALiBi attentions among them take only this rank's heads' bias (:mod:`.alibi`)."""
     _per_rank(model, parents, tp)
     alibi = _prefixed(model, dict.fromkeys(TABLES.get(getattr(model.config, "model_type", None), {}).get("alibi", ())))
     if alibi:  # ALiBi attentions whose heads the plan cut: each its rank's slice of the bias
         from .alibi import slice_alibi
 
-        slice_alibi(model, alibi, tp_mesh.get_local_rank(), tp, only=parents)
-    return model
+        slice_alibi(model, alibi, rank, tp, only=parents)
 
 
 def _per_rank(model: nn.Module, parents: set, tp: int) -> None:

@@ -84,9 +84,9 @@ def linear_cuts(model: nn.Module, user_plan: Optional[dict] = None, tp: int = 0)
     return out
 
 
-def divide_heads(model: nn.Module, names, tp: int) -> None:
-    """The built-in table's head-count attributes as one rank's share, on the modules holding ``names``
-    (the plugin's own rule, :func:`._per_rank`)."""
-    from . import _per_rank
+def divide_heads(model: nn.Module, names, tp: int, rank: int) -> None:
+    """The built-in table's head-count attributes as one rank's share, and an ALiBi bias sliced to
+    ``rank``'s heads, on the modules holding ``names`` (the plugin's own rule, :func:`.share_heads`)."""
+    from . import share_heads
 
-    _per_rank(model, {n.rpartition(".")[0] for n in names}, tp)
+    share_heads(model, {n.rpartition(".")[0] for n in names}, tp, rank)
