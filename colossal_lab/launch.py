@@ -10,7 +10,7 @@ import socket
 from typing import Any, Optional
 
 from .cluster import Cluster, LaunchConfig
-from .startup import check_launcher
+from .startup import check_launcher, check_reachable, route_address
 
 BACKENDS = ("auto", "gloo", "nccl")
 START_TIMEOUT = 120.0  # seconds for every engine to start and register (a batch queue may need more)
@@ -73,12 +73,15 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
             b = "nccl" if 0 < n <= gpus else "gloo"
         master_addr = master_addr or "127.0.0.1"
     else:
-        # Engines on other hosts must reach the store the notebook hosts: default to this
-        # host's address; pass master_addr= when that is not the interface they can reach.
-        master_addr = master_addr or socket.gethostbyname(socket.gethostname())
+        far = check_launcher(lname, n, ipp_kw)
+        # Engines on other hosts must reach the controller and the store this notebook hosts: by
+        # default this machine's address on the route to the first of them (where the launcher names
+        # them), else its hostname's; pass master_addr= when that is not the interface they reach.
+        if master_addr is None:
+            master_addr = (route_address(far[0]) if far else None) or socket.gethostbyname(socket.gethostname())
+        check_reachable(lname, master_addr, far)
         ipp_kw.setdefault("controller_ip", "*")
         ipp_kw.setdefault("controller_location", master_addr)
-        check_launcher(lname, n, ipp_kw)
     return LaunchConfig(n=n, backend=b, launcher=lname, timeout=float(timeout),
                         start_timeout=float(start_timeout), master_addr=master_addr,
                         threads=threads, failure_grace=float(failure_grace),
@@ -98,7 +101,9 @@ def launch(n: int, backend: str = "auto", launcher: str = "local", **kw) -> Clus
       start_timeout: seconds allowed for every engine to start and register with the controller
         (default 120); an engine that exits first is reported at once, with its log.
       master_addr: address ranks use to reach the rendezvous store hosted by this notebook
-        (default 127.0.0.1 for ``local``, this host's address otherwise).
+        (default 127.0.0.1 for ``local``; otherwise this host's address on the route to the first
+        SSH host, or its hostname's address; a loopback address with engines on other hosts is
+        refused).
       threads: OMP/torch threads per rank (default: cores / n for ``local``, unless
         ``OMP_NUM_THREADS`` is set).
       failure_grace / interrupt_grace: seconds to let other ranks finish after one fails, and

@@ -12,8 +12,10 @@ first one that exits ends the wait with the tail of its log. ``start_timeout`` i
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -27,8 +29,9 @@ _TAIL_LINES = 25
 
 
 # ---------------------------------------------------------------------- prerequisites
-def check_launcher(launcher: str, n: int, ipp_kw: Dict[str, Any]) -> None:
-    """Raise ``LauncherSetupError`` when ``launcher`` cannot start ``n`` engines from here.
+def check_launcher(launcher: str, n: int, ipp_kw: Dict[str, Any]) -> List[str]:
+    """Raise ``LauncherSetupError`` when ``launcher`` cannot start ``n`` engines from here; else
+    return the hosts other than this one that it will start engines on, where it names them (ssh).
 
     The launcher is configured exactly as ``Cluster.start`` will configure it (``ipp_kw``,
     including ``config=`` and the profile's own config), but nothing is started."""
@@ -39,8 +42,52 @@ def check_launcher(launcher: str, n: int, ipp_kw: Dict[str, Any]) -> None:
         _check_mpi(launcher, es)
     if isinstance(es, L.SSHLauncher):
         _check_ssh(launcher, es, n)
+        return far_hosts(getattr(es, "engines", None) or {})
     if isinstance(es, L.BatchSystemLauncher):
         _check_batch(launcher, es)
+    return []
+
+
+def far_hosts(hosts) -> List[str]:
+    """The hosts (``user@`` dropped) of an SSH engines setting that are not this machine."""
+    here = {"localhost", socket.gethostname(), socket.getfqdn()}
+    out = []
+    for entry in hosts:
+        host = str(entry).rpartition("@")[2]
+        if host not in here and not _is_loopback(host) and host not in out:
+            out.append(host)
+    return out
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def route_address(host: str) -> Optional[str]:
+    """This machine's address on the route to ``host`` (what the kernel would send from; a UDP
+    socket's ``connect`` picks it and sends nothing), or None when ``host`` does not resolve."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            addr = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if _is_loopback(addr) else addr
+
+
+def check_reachable(launcher: str, master_addr: str, far: List[str]) -> None:
+    """Engines on other hosts connect back to ``master_addr`` (the controller and the rendezvous
+    store): a loopback address there is this host only, on theirs."""
+    if far and _is_loopback(master_addr):
+        raise LauncherSetupError(
+            launcher, "an address the other hosts can reach",
+            "pass master_addr= with this machine's address on the network the hosts share (one of "
+            "`hostname -I`)",
+            detail=f"master_addr={master_addr!r} is a loopback address, which the engines on "
+                   f"{', '.join(far)} would take for their own host")
 
 
 def _engine_set(launcher: str, n: int, ipp_kw: Dict[str, Any]):

@@ -172,6 +172,32 @@ def test_ssh_without_an_ssh_client(tmp_path, monkeypatch):
         cl.launch(n=2, backend="gloo", launcher="ssh", config=c)
 
 
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client here (checked before the address)")
+def test_ssh_hosts_elsewhere_with_a_loopback_master_addr():
+    """Engines on another host connect back to master_addr: a loopback address is refused, naming it; by
+    default the address is this machine's on the route to the first host, never a loopback one."""
+    c = Config()
+    c.SSHEngineSetLauncher.engines = {"node1": 1, "root@192.0.2.7": 1}  # 192.0.2.0/24: documentation only
+    t = time.perf_counter()
+    with pytest.raises(cl.LauncherSetupError, match=r"launcher='ssh' needs an address the other hosts can reach: "
+                                                    r"master_addr='127\.0\.0\.1' is a loopback address.*"
+                                                    r"node1, 192\.0\.2\.7.*Fix: pass master_addr="):
+        cl.launch(n=2, backend="gloo", launcher="ssh", config=c, master_addr="127.0.0.1")
+    assert time.perf_counter() - t < 5
+    from colossal_lab.launch import make_config
+    from colossal_lab.startup import route_address
+
+    here = route_address("192.0.2.7")
+    c.SSHEngineSetLauncher.engines = {"192.0.2.7": 2}
+    if here is None:  # no route off this machine at all: the default is refused like the explicit loopback
+        with pytest.raises(cl.LauncherSetupError, match="loopback"):
+            make_config(2, "gloo", "ssh", config=c)
+    else:
+        assert make_config(2, "gloo", "ssh", config=c).master_addr == here
+    c.SSHEngineSetLauncher.engines = {"localhost": 2}  # all on this machine: any address will do
+    assert make_config(2, "gloo", "ssh", config=c, master_addr="127.0.0.1").master_addr == "127.0.0.1"
+
+
 def test_slurm_without_sbatch(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # a real PATH with no Slurm commands on it
     before = _children()
