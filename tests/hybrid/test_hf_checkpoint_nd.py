@@ -177,6 +177,10 @@ def test_load_model_restores_the_sharded_model(runs, mode):
 def test_loaded_model_continues_the_curve(runs, mode):
     (ref_first, ref_norms_first), (ref_then, ref_norms_then) = _reference(FAMILY[mode])
     assert ref_then[-1] < ref_first[0] and min(ref_norms_first + ref_norms_then) > CLIP
+    ref = ref_first + ref_norms_first + ref_then + ref_norms_then
+    worst = max(abs(g - e) / abs(e) for r in runs[mode][1]
+                for g, e in zip(r["first"][0] + r["first"][1] + r["then"][0] + r["then"][1], ref))
+    print(f"{mode}: loss and gradient norm curve max relative diff {worst:.3g}")
     for r in runs[mode][1]:
         assert_follows((mode, "trained"), *r["first"], ref_first, ref_norms_first)
         assert_follows((mode, "loaded"), *r["then"], ref_then, ref_norms_then)
