@@ -50,8 +50,10 @@ def _names(model) -> Dict[int, List[str]]:
 
 def _hf_view(model):
     """A view of the transformers model a hybrid model runs (``checkpoint_io/hf_layout.py``; under a
-    pipeline, of every stage: ``checkpoint_io/hf_stages.py``, a collective), or None."""
+    pipeline, of every stage: ``checkpoint_io/hf_stages.py``, a collective; under 2D/2.5D/3D, of its
+    grid blocks: ``checkpoint_io/hf_nd.py``), or None."""
     from ..checkpoint_io.hf_layout import ModuleView
+    from ..checkpoint_io.hf_nd import NdView
     from ..checkpoint_io.hf_stages import StagesView
     from ..models.hf import is_hf_model
 
@@ -60,7 +62,8 @@ def _hf_view(model):
         return None
     if len(inners) > 1 or getattr(model, "_plugin_pp", 1) > 1:
         return StagesView(inners)
-    return ModuleView(inners[0])
+    nd = getattr(model, "nd", None)
+    return ModuleView(inners[0]) if nd is None else NdView(inners[0], nd)
 
 
 class HybridCheckpointIO(GeneralCheckpointIO):
