@@ -111,10 +111,16 @@ def _by_value_function(obj: Any) -> Optional[types.FunctionType]:
 
 @functools.lru_cache(maxsize=None)
 def _pickler_class():
-    """cloudpickle's pickler, except that the notebook's IPython shell (and its bound methods,
-    such as the ``get_ipython`` in every notebook's namespace) becomes the rank's own shell: a
-    shell cannot be pickled, and on a rank ``get_ipython()`` must mean that rank's. Built on
-    first use, so importing this module needs no cloudpickle."""
+    """cloudpickle's pickler, except that
+
+    * the notebook's IPython shell (and its bound methods, such as the ``get_ipython`` in every
+      notebook's namespace) becomes the rank's own shell: a shell cannot be pickled, and on a rank
+      ``get_ipython()`` must mean that rank's;
+    * code keeps its file name: cloudpickle 3.1 renames all code it sends by value to
+      ``<dynamic-code>`` (for payloads that do not depend on where a function was defined), which
+      would cut a rank's traceback off the notebook cell's lines sent along with it.
+
+    Built on first use, so importing this module needs no cloudpickle."""
     import cloudpickle
 
     class _Pickler(cloudpickle.CloudPickler):
@@ -127,9 +133,19 @@ def _pickler_class():
                     return ipython_object, (None,)
                 if type(obj) is types.MethodType and obj.__self__ is shell:
                     return ipython_object, (obj.__func__.__name__,)
+            if type(obj) is types.CodeType:
+                return _named_code(self.dispatch_table[types.CodeType](obj), obj.co_filename)
             return super().reducer_override(obj)
 
     return _Pickler, cloudpickle.DEFAULT_PROTOCOL
+
+
+def _named_code(reduced: tuple, filename: str) -> tuple:
+    """cloudpickle's reduction of a code object, with its file name put back where it wrote its own
+    placeholder (``<dynamic-code>``; none in releases that keep the name)."""
+    make, args, *rest = reduced
+    args = tuple(filename if a == "<dynamic-code>" else a for a in args)
+    return (make, args, *rest)
 
 
 def _dumps(obj: Any) -> Tuple[bytes, list]:
