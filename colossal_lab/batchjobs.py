@@ -91,6 +91,33 @@ def waiting_note(ipp_cluster) -> str:
     return "".join(f"; {job_state(es)}" for es in slurm_jobs(ipp_cluster))
 
 
+SCRIPT_PREFIX = "colossal-lab-engines-"
+
+
+def place_job_script(ipp_cluster) -> None:
+    """Write the engines' job script into the profile's ``log/`` folder (beside the job's output)
+    rather than ipyparallel's default, the notebook's working folder, unless the user named it
+    (``batch_file_name``); :func:`remove_job_scripts` deletes it when the cluster stops."""
+    cfg = ipp_cluster.config
+    if any("batch_file_name" in cfg[section] for section in
+           ("BatchSystemLauncher", "SlurmLauncher", "SlurmEngineSetLauncher")):
+        return
+    log_dir = os.path.join(ipp_cluster.profile_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    cfg.BatchSystemLauncher.batch_file_name = os.path.join(
+        log_dir, f"{SCRIPT_PREFIX}{ipp_cluster.cluster_id}.sh")
+
+
+def remove_job_scripts(ipp_cluster) -> None:
+    """Delete the job scripts :func:`place_job_script` placed for ``ipp_cluster``."""
+    path = str(ipp_cluster.config.BatchSystemLauncher.get("batch_file_name", ""))
+    if os.path.basename(path).startswith(SCRIPT_PREFIX):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
 def forget_ended(ipp_cluster) -> None:
     """Drop from ``ipp_cluster`` the batch engine sets with no job left to cancel: never submitted
     (the scheduler refused them) or ended. ipyparallel keeps an engine set whose cancel failed and
@@ -123,8 +150,13 @@ def refused_submission(ipp_cluster, exc: BaseException) -> Optional[str]:
             said = (r.stderr + r.stdout).strip()
         except (OSError, subprocess.TimeoutExpired) as e:
             said = f"(asking it again with --test-only failed: {e})"
+        try:
+            with open(script, errors="replace") as f:
+                text = "".join(f.readlines()[:30]).rstrip()
+        except OSError:
+            text = "(not readable)"
         return (f"the Slurm job for the engines was refused: `{' '.join(map(str, exc.cmd))}` exited "
-                f"with {exc.returncode}; Slurm says: {said or '(nothing)'} [job script: {script}]")
+                f"with {exc.returncode}; Slurm says: {said or '(nothing)'}\nthe job script ({script}):\n{text}")
     return None
 
 

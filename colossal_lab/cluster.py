@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from .batchjobs import forget_ended
+from .batchjobs import forget_ended, place_job_script, remove_job_scripts
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
 from .startup import start_failure, wait_for_engines
 
@@ -146,6 +146,7 @@ class Cluster:
         kw.setdefault("delay", 0)  # engines wait for the controller's connection info anyway
         kw.setdefault("log_level", logging.WARNING)
         self._ipp = ipp.Cluster(n=cfg.n, engines=cfg.launcher, **kw)
+        place_job_script(self._ipp)  # a batch launcher's script: not into the notebook's folder
         _live.add(self)
         try:
             # start_and_connect_sync, minus the progress bar it draws in a notebook
@@ -258,6 +259,7 @@ class Cluster:
                 except Exception:
                     pass
                 forget_ended(ipp_cluster)
+                remove_job_scripts(ipp_cluster)
             self._kill(leftovers)
             self._ipp = None
             self._store = None

@@ -97,6 +97,8 @@ def test_ranks_are_the_jobs_tasks_and_train_on_the_one_process_curve(one_node):
 
     with cl.launch(n=2, backend="gloo", launcher="slurm", threads=1, start_timeout=120,
                    config=_config(timelimit="10")) as cluster:
+        script = cluster._ipp.config.BatchSystemLauncher.batch_file_name
+        assert os.path.isfile(script) and not os.path.exists("slurm_engine.sbatch")  # not in the cwd
         where = cluster.run(_where)
         assert [w["rank"] for w in where] == [0, 1]
         assert where[0]["job"] is not None and where[0]["job"] == where[1]["job"], where  # one job
@@ -109,6 +111,7 @@ def test_ranks_are_the_jobs_tasks_and_train_on_the_one_process_curve(one_node):
     assert losses[0] == losses[1]
     assert losses[0] == pytest.approx(ref, rel=1e-4), (losses[0], ref)
     assert _wait_no_jobs(one_node) == []  # stop cancelled the job
+    assert not os.path.exists(script)  # and removed its script
     import psutil
 
     assert [p for p in pids if psutil.pid_exists(p)] == []  # and its engines are gone
@@ -121,7 +124,7 @@ def test_more_ranks_than_the_node_has_is_reported_at_once_with_slurms_reason(one
     t = time.perf_counter()
     with pytest.raises(cl.EngineStartError, match=r"Slurm job \d+ is PENDING \(PartitionConfig\): Slurm will not run"):
         cl.launch(n=n, backend="gloo", launcher="slurm", threads=1, start_timeout=120)
-    assert time.perf_counter() - t < 30, "reported when Slurm gave its reason, not after start_timeout"
+    assert time.perf_counter() - t < 60, "reported when Slurm gave its reason, not after start_timeout=120"
     assert _wait_no_jobs(one_node) == []  # the queued job was cancelled with the launch
 
 
@@ -130,8 +133,8 @@ def test_a_job_slurm_refuses_is_reported_with_slurms_words(one_node):
     with pytest.raises(cl.EngineStartError, match=r"refused.*sbatch.*exited with 1.*[Ii]nvalid partition") as e:
         cl.launch(n=2, backend="gloo", launcher="slurm", threads=1, start_timeout=120,
                   config=_config(queue="nosuchpartition"))
-    assert time.perf_counter() - t < 20
-    assert "slurm_engine.sbatch" in str(e.value)  # the job script, to look at
+    assert time.perf_counter() - t < 60  # at submission, not after start_timeout=120
+    assert "#SBATCH --partition=nosuchpartition" in str(e.value)  # the job script as submitted
     assert _wait_no_jobs(one_node) == []
 
 
@@ -140,7 +143,7 @@ def test_a_job_waiting_in_the_queue_times_out_naming_its_state(one_node):
     with pytest.raises(TimeoutError, match=r"Slurm job \d+ is PENDING \(BeginTime\)") as e:
         cl.launch(n=2, backend="gloo", launcher="slurm", threads=1, start_timeout=6,
                   config=_config(submit_command=["sbatch", "--begin=now+3600"]))
-    assert time.perf_counter() - t < 30
+    assert time.perf_counter() - t < 60
     assert "start_timeout=6" in str(e.value)
     assert _wait_no_jobs(one_node) == []  # the waiting job was cancelled with the launch
 
@@ -157,6 +160,6 @@ def test_a_job_whose_engines_exit_is_reported_at_once_with_its_output(one_node, 
     with pytest.raises(cl.EngineStartError, match=r"Slurm job \d+ ended") as e:
         cl.launch(n=2, backend="gloo", launcher="slurm", threads=1, start_timeout=120,
                   config=_config(engine_cmd=[sys.executable, str(crash)]))
-    assert time.perf_counter() - t < 30, "reported when the job ended, not after start_timeout"
+    assert time.perf_counter() - t < 60, "reported when the job ended, not after start_timeout=120"
     assert "engine start failed: no GPU here" in str(e.value)  # the job's own output
     assert _wait_no_jobs(one_node) == []
