@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
+from .batchjobs import forget_ended, place_job_script, remove_job_scripts
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
-from .startup import wait_for_engines
+from .startup import start_failure, wait_for_engines
 
 _current: Optional["Cluster"] = None
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -145,10 +146,17 @@ class Cluster:
         kw.setdefault("delay", 0)  # engines wait for the controller's connection info anyway
         kw.setdefault("log_level", logging.WARNING)
         self._ipp = ipp.Cluster(n=cfg.n, engines=cfg.launcher, **kw)
+        place_job_script(self._ipp)  # a batch launcher's script: not into the notebook's folder
         _live.add(self)
         try:
             # start_and_connect_sync, minus the progress bar it draws in a notebook
-            self._ipp.start_cluster_sync()
+            try:
+                self._ipp.start_cluster_sync()
+            except Exception as e:
+                better = start_failure(self._ipp, e)
+                if better is None:
+                    raise
+                raise better from e
             self._client = self._ipp.connect_client_sync()
             wait_for_engines(self._ipp, self._client, cfg.n, cfg.start_timeout, cfg.launcher)
             self._store = dist.TCPStore(self.master_addr, 0,
@@ -250,6 +258,8 @@ class Cluster:
                     ipp_cluster.stop_cluster_sync()
                 except Exception:
                     pass
+                forget_ended(ipp_cluster)
+                remove_job_scripts(ipp_cluster)
             self._kill(leftovers)
             self._ipp = None
             self._store = None

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from . import batchjobs
 from .errors import EngineStartError, LauncherSetupError
 
 MPI_FIX = 'pip install "colossal-lab[mpi]"'
@@ -181,6 +182,16 @@ def _check_batch(launcher: str, es) -> None:
                 f"run the notebook on a host where the scheduler's commands work (e.g. a login node; "
                 f"{client}), or set {_config_name(es)}.{trait} (config=)",
                 detail=f"'{cmd}' (to {purpose}) is not on the PATH")
+    options = getattr(es, "options", "")
+    template = getattr(es, "batch_template", "") or getattr(es, "default_template", "")
+    if options and "{options}" not in template:
+        raise LauncherSetupError(
+            launcher, "its Slurm options in the job script",
+            f"put them on the submit command instead: {_config_name(es)}.submit_command = "
+            f"['sbatch', {', '.join(repr(o) for o in str(options).split())}] (or write them into "
+            f"{_config_name(es)}.batch_template as #SBATCH lines)",
+            detail=f"ipyparallel's Slurm job script has no place for {_config_name(es)}.options = {options!r}: "
+                   f"it would be dropped without a word")
 
 
 # ---------------------------------------------------------------------- waiting for engines
@@ -191,6 +202,7 @@ def wait_for_engines(ipp_cluster, client, n: int, start_timeout: float, launcher
     ``mpiexec``, the controller) has exited, with the end of its log; ``TimeoutError`` naming
     ``start_timeout`` when the engines are not all there in time."""
     deadline = time.monotonic() + start_timeout
+    next_job_look = 0.0  # a batch job is asked about once a second (a scheduler query, not a poll)
     while True:
         ready = len(client.ids)
         if ready >= n:
@@ -202,14 +214,50 @@ def wait_for_engines(ipp_cluster, client, n: int, start_timeout: float, launcher
                 f"{label} exited during start-up, before all engines were ready ({ready} of {n} "
                 f"registered, launcher={launcher!r}); the end of its log:\n{_indent(tail)}",
                 log_tail=tail)
+        if time.monotonic() >= next_job_look:
+            next_job_look = time.monotonic() + 1.0
+            _raise_if_job_ended(ipp_cluster, client, n, launcher)
         if time.monotonic() > deadline:
             logs = _log_tails(ipp_cluster)
             raise TimeoutError(
                 f"{n - ready} of {n} engines were not ready within start_timeout={start_timeout:g}s "
-                f"({ready} ready, launcher={launcher!r}): pass a larger start_timeout= if they are "
-                f"slow to start (e.g. a batch queue)" + (", else see the engines' logs below" if logs else "")
+                f"({ready} ready, launcher={launcher!r}{batchjobs.waiting_note(ipp_cluster)}): pass a larger "
+                f"start_timeout= if they are slow to start (e.g. a batch queue)"
+                + (", else see the engines' logs below" if logs else "")
                 + " (timeout= is the collective timeout, not this wait)" + (f"\n{logs}" if logs else ""))
         time.sleep(0.1)
+
+
+def _raise_if_job_ended(ipp_cluster, client, n: int, launcher: str) -> None:
+    """``EngineStartError`` when the engines' batch job will start no engine any more: it has ended
+    (its engines exited, or the scheduler ended it; with the job's own output) or it waits in the
+    queue for a reason that will not change (with Slurm's reason and what to change)."""
+    stuck = batchjobs.stuck_job(ipp_cluster)
+    if stuck is None or len(client.ids) >= n:  # none, or the last engine registered meanwhile
+        return
+    st, output = stuck
+    ready = f"{len(client.ids)} of {n} registered, launcher={launcher!r}"
+    if st.hopeless:
+        raise EngineStartError(
+            f"{st}: Slurm will not run the engines' job as submitted ({ready}); ask for what the partition "
+            f"offers (fewer ranks, a shorter time limit) or another partition "
+            f"(SlurmEngineSetLauncher.queue, through config=); `scontrol show partition` says what it offers")
+    try:
+        with open(output, errors="replace") as f:
+            tail = _last_lines(f.read()) or "(the output is empty)"
+    except OSError:
+        tail = "(no output file)"
+    raise EngineStartError(
+        f"Slurm job {st.job_id} ended ({st.state}{', ' + st.reason if st.reason not in ('', 'None') else ''}) "
+        f"before all engines were ready ({ready}); the end of its output [{output}]:\n{_indent(tail)}",
+        log_tail=tail)
+
+
+def start_failure(ipp_cluster, exc: BaseException) -> Optional[EngineStartError]:
+    """The error to raise instead of ``exc`` when starting the controller or engines failed in a way
+    a user can act on (a batch job the scheduler refused, with its reason); None otherwise."""
+    why = batchjobs.refused_submission(ipp_cluster, exc)
+    return EngineStartError(why, log_tail=why) if why else None
 
 
 def _process_launchers(ipp_cluster) -> List[Tuple[str, Any]]:

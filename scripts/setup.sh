@@ -2,6 +2,9 @@
 # Idempotent set-up on a fresh machine that has nothing but Python 3.10+.
 #   bash scripts/setup.sh            # venv + torch + colossal-lab (editable) + test tools
 #   bash scripts/setup.sh --browser  # ... plus Debian's chromium for the browser tests
+#   bash scripts/setup.sh --hosts    # ... plus what the launcher tests start as root: Debian's Slurm
+#                                    # (slurmctld, slurmd, client, munge), for a one-node Slurm
+# (flags combine: scripts/test.sh passes both).
 # Why torch first: a bare `torch` requirement with nothing installed pulls a multi-GB CUDA
 # build. We install torch==2.13.0 only when no torch is importable (or the importable one is
 # below the engine's floor), so a machine's own build (CUDA or CPU, seen through
@@ -28,9 +31,22 @@ if ! "$VPY" -c "import runpy, torch; runpy.run_path('engine/__init__.py')" 2>/de
 fi
 "$VPY" -m pip install -q -e ".[test]"
 
-if [ "${1:-}" = "--browser" ] && ! command -v chromium >/dev/null 2>&1; then
+BROWSER=(); HOSTS=()  # Debian packages the flags ask for and this machine lacks
+for flag in "$@"; do
+  case "$flag" in
+    --browser) command -v chromium >/dev/null 2>&1 || BROWSER=(chromium) ;;
+    --hosts) for p in slurmctld slurmd slurm-client munge; do
+               dpkg -s "$p" >/dev/null 2>&1 || HOSTS+=("$p")
+             done ;;
+    *) echo "setup: unknown flag $flag (known: --browser, --hosts)" >&2; exit 2 ;;
+  esac
+done
+if [ $((${#BROWSER[@]} + ${#HOSTS[@]})) -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+  [ ${#BROWSER[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${BROWSER[@]}" >/dev/null
+  # the daemons only: no documentation, no plugins they do not load
+  [ ${#HOSTS[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${HOSTS[@]}" >/dev/null
 fi
 echo "colossal-lab set up in .venv ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

@@ -3,7 +3,7 @@
 # real notebooks, a real JupyterLab in headless Chromium), after ruff. GPU tests skip without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --browser
+bash scripts/setup.sh --browser --hosts
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check .  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
 exec .venv/bin/python -m pytest -ra "$@"
