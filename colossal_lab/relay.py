@@ -357,7 +357,11 @@ class Relay:
         self._stop = threading.Event()
         # its own context: the authenticator guards every socket of the context it is given
         self._ctx = zmq.Context()
-        self.auth: Optional[RelayAuth] = RelayAuth(self._ctx) if config.auth == "curve" else None
+        try:
+            self.auth: Optional[RelayAuth] = RelayAuth(self._ctx) if config.auth == "curve" else None
+        except BaseException:
+            self._ctx.term()
+            raise
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
         self._sock.setsockopt(zmq.LINGER, 0)
