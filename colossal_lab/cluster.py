@@ -9,8 +9,9 @@ groups). What we add, and why:
   GPU index are right across machines) and keep a rank -> engine map. Everything returns and
   reports by rank.
 * **Rendezvous without a port race.** The kernel hosts the TCPStore on port 0 (the OS picks and
-  keeps a free port); ranks join it as clients and namespace their keys by a *generation*, so
-  a process group rebuilt after a failure never sees stale keys.
+  keeps a free port), listening on ``master_addr`` only (``listen.py``); ranks join it as
+  clients and namespace their keys by a *generation*, so a process group rebuilt after a
+  failure never sees stale keys.
 * **Failures never leave ranks hung.** A rank that raises is usually followed by its peers
   blocking in the next collective. A gloo/NCCL collective cannot be interrupted from Python
   (the signal waits until the C++ call returns) and ``abort`` does not unblock gloo, so after a
@@ -42,6 +43,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from .batchjobs import forget_ended, place_job_script, remove_job_scripts
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
+from .listen import store_listener
 from .startup import start_failure, wait_for_engines
 
 _current: Optional["Cluster"] = None
@@ -159,9 +161,7 @@ class Cluster:
                 raise better from e
             self._client = self._ipp.connect_client_sync()
             wait_for_engines(self._ipp, self._client, cfg.n, cfg.start_timeout, cfg.launcher)
-            self._store = dist.TCPStore(self.master_addr, 0,
-                                        cfg.n + 1, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=cfg.timeout))
+            self._store = self._host_store(dist, cfg)
             self.master_port = self._store.port
             _register_atexit()  # after ipyparallel's own handler, so ours runs first (LIFO)
             self._assign_ranks(self._client.ids)
@@ -171,6 +171,18 @@ class Cluster:
             raise
         _set_current(self)
         return self
+
+    def _host_store(self, dist, cfg: LaunchConfig):
+        """The rendezvous store, listening on ``master_addr`` only (``TCPStore`` itself would
+        bind every interface; ``listen.store_listener`` binds the one the ranks use)."""
+        fd, port = store_listener(self.master_addr)
+        try:
+            return dist.TCPStore(self.master_addr, port, cfg.n + 1, is_master=True,
+                                 wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout),
+                                 master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _assign_ranks(self, engine_ids: Sequence[int]) -> None:
         """Probe engines and give them ranks: grouped by host, then by engine id."""

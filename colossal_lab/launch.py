@@ -10,6 +10,7 @@ import socket
 from typing import Any, Optional
 
 from .cluster import Cluster, LaunchConfig
+from .listen import bind_ip
 from .startup import check_launcher, check_reachable, route_address
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -80,8 +81,11 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
         if master_addr is None:
             master_addr = (route_address(far[0]) if far else None) or socket.gethostbyname(socket.gethostname())
         check_reachable(lname, master_addr, far)
-        ipp_kw.setdefault("controller_ip", "*")
         ipp_kw.setdefault("controller_location", master_addr)
+    # the controller, the rendezvous store and the relay listen on master_addr's address only,
+    # never on every interface (listen.py); the controller of a local launch on loopback
+    ip = bind_ip(master_addr)
+    ipp_kw.setdefault("controller_ip", "127.0.0.1" if lname == "local" else ip)
     return LaunchConfig(n=n, backend=b, launcher=lname, timeout=float(timeout),
                         start_timeout=float(start_timeout), master_addr=master_addr,
                         threads=threads, failure_grace=float(failure_grace),
@@ -103,7 +107,8 @@ def launch(n: int, backend: str = "auto", launcher: str = "local", **kw) -> Clus
       master_addr: address ranks use to reach the rendezvous store hosted by this notebook
         (default 127.0.0.1 for ``local``; otherwise this host's address on the route to the first
         SSH host, or its hostname's address; a loopback address with engines on other hosts is
-        refused).
+        refused). The notebook's controller, rendezvous store and relay listen on this address
+        only (loopback for ``local``); it must be one of this machine's.
       threads: OMP/torch threads per rank (default: cores / n for ``local``, unless
         ``OMP_NUM_THREADS`` is set).
       failure_grace / interrupt_grace: seconds to let other ranks finish after one fails, and

@@ -40,6 +40,14 @@ Addresses: the PULL socket binds on, and the ranks connect to, ``host``: by defa
 cluster's ``master_addr`` (the address ranks already use to reach the rendezvous store that
 this kernel hosts: ``127.0.0.1`` for local ranks, this host's address for ``ssh``/``slurm``
 launches), else ``127.0.0.1``. Pass ``attach(cluster, host="10.0.0.5")`` to override.
+The socket binds that one address, never all interfaces.
+
+Who may send: only the cluster's own ranks. The PULL socket is a ZeroMQ CURVE server with a
+keypair made for this relay, and its authenticator admits one client key, made with it and
+handed to the ranks with the address (``relay_auth.py``); anything else that reaches the
+port cannot finish the handshake, so its rows never arrive. ``attach(cluster, auth=None)``
+turns this off (for a libzmq built without CURVE, or to measure what it costs:
+``bench/relay_auth.py``).
 
 Memory: attaching also starts a :class:`~colossal_lab.engine.telemetry.memory.MemorySampler`
 on every rank (every ``memory_interval`` seconds, 0.5 by default; ``memory_interval=None``
@@ -72,6 +80,8 @@ import zmq
 
 from colossal_lab.engine import telemetry
 
+from .relay_auth import ClientKeys, RelayAuth, require_curve, secure_client
+
 WIRE_VERSION = 2  # frame 0 of every message: b"<version> <events folded in>"
 
 
@@ -83,6 +93,7 @@ class RelayConfig:
     interval: float = 0.2    # seconds between a rank's batches
     coalesce: bool = True    # fold what a batch holds to what the widgets draw
     memory_interval: Optional[float] = 0.5  # seconds between a rank's memory samples; None: no sampler
+    auth: Optional[str] = "curve"  # "curve": only this cluster's ranks may send; None: anyone
 
 
 # ---------------------------------------------------------------- the wire (both sides)
@@ -185,8 +196,10 @@ class _RankSink:
     HWM_BATCH = 256     # events per message assumed when turning ``sndhwm`` into messages
     MAX_EVENTS = 4096   # events folded into one message at most
 
-    def __init__(self, address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = True):
+    def __init__(self, address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = True,
+                 keys: Optional[ClientKeys] = None):
         self.address = address
+        self.keys = keys
         self.interval = interval
         self.coalesce = coalesce
         self.enqueued = 0
@@ -202,6 +215,8 @@ class _RankSink:
         # ``sndhwm`` events wait for a slow notebook before the oldest are dropped
         self._sock.setsockopt(zmq.SNDHWM, max(2, sndhwm // self.HWM_BATCH))
         self._sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            secure_client(self._sock, keys)
         self._sock.connect(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="colossal-relay-send", daemon=True)
@@ -291,17 +306,18 @@ def _ensure_sampler(memory_interval: Optional[float]) -> Optional[int]:
 
 
 def _install(address: str, sndhwm: int, interval: float = 0.2, coalesce: bool = True,
-             memory_interval: Optional[float] = None) -> Dict[str, Any]:
-    """Run on each rank: (re)point this process's relay sink at ``address`` and keep one
-    memory sampler running at ``memory_interval`` (``None``: none)."""
+             memory_interval: Optional[float] = None, keys: Optional[ClientKeys] = None) -> Dict[str, Any]:
+    """Run on each rank: (re)point this process's relay sink at ``address`` (a CURVE client
+    with ``keys``, the relay's, unless ``None``) and keep one memory sampler running at
+    ``memory_interval`` (``None``: none)."""
     global _rank_sink
     with _rank_lock:
-        if _rank_sink is not None and \
-                (_rank_sink.address, _rank_sink.interval, _rank_sink.coalesce) != (address, interval, coalesce):
+        if _rank_sink is not None and (_rank_sink.address, _rank_sink.interval, _rank_sink.coalesce,
+                                       _rank_sink.keys) != (address, interval, coalesce, keys):
             _rank_sink.close()
             _rank_sink = None
         if _rank_sink is None:
-            _rank_sink = _RankSink(address, sndhwm, interval, coalesce)
+            _rank_sink = _RankSink(address, sndhwm, interval, coalesce, keys)
         _ensure_sampler(memory_interval)
         import socket
 
@@ -339,13 +355,22 @@ class Relay:
         self.bad = 0
         self.cpu_s = 0.0  # CPU seconds of the receiver thread (time.thread_time), for the bench
         self._stop = threading.Event()
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        # its own context: the authenticator guards every socket of the context it is given
+        self._ctx = zmq.Context()
+        try:
+            self.auth: Optional[RelayAuth] = RelayAuth(self._ctx) if config.auth == "curve" else None
+        except BaseException:
+            self._ctx.term()
+            raise
+        self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, config.rcvhwm)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self.auth is not None:
+            self.auth.secure(self._sock)
         try:
             self._sock.bind(f"tcp://{config.host}:*")
         except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
+            self._close_socket()
             raise ValueError(f"attach(host={config.host!r}): cannot bind there ({exc}); pass an "
                              "address of this machine that the engines can reach") from None
         self.address: str = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -416,12 +441,23 @@ class Relay:
         self.attached = False
         self._unhook()
         self._stop.set()
-        self._sock.close(linger=0)
+        self._close_socket()
         _relays.pop(id(self.cluster), None)
+
+    def _close_socket(self) -> None:
+        self._sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        self._ctx.term()
+
+    @property
+    def keys(self) -> Optional[ClientKeys]:
+        """What the ranks connect with (``None`` without CURVE)."""
+        return None if self.auth is None else self.auth.client
 
     def _install_on_ranks(self) -> List[Dict[str, Any]]:
         out = self.cluster.run(_install, self.address, self.config.sndhwm, self.config.interval,
-                               self.config.coalesce, self.config.memory_interval)
+                               self.config.coalesce, self.config.memory_interval, self.keys)
         self.attached = True
         self._step_back(out)
         return out
@@ -486,12 +522,13 @@ class Relay:
             self._stop.set()
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=2)
-            self._sock.close(linger=0)
+            self._close_socket()
             _relays.pop(id(self.cluster), None)
 
     def __repr__(self) -> str:
         state = "attached" if self.active else "detached"
-        return f"Relay({state}, {self.address}, received={self.received})"
+        secured = "curve" if self.auth is not None else "no auth"
+        return f"Relay({state}, {self.address}, {secured}, received={self.received})"
 
 
 _relays: Dict[int, Relay] = {}
@@ -500,7 +537,7 @@ _relays_lock = threading.Lock()
 
 def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
            rcvhwm: int = 100_000, interval: float = 0.2, coalesce: bool = True,
-           memory_interval: Optional[float] = 0.5) -> Relay:
+           memory_interval: Optional[float] = 0.5, auth: Optional[str] = "curve") -> Relay:
     """Carry telemetry from every rank of ``cluster`` to this process's bus (idempotent).
 
     ``cluster`` is a :class:`colossal_lab.Cluster` (anything with ``run(fn, *args)`` that runs
@@ -514,6 +551,8 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
     ``memory_interval``: seconds between each rank's memory samples (one sampler thread per
     rank, see the module docstring); ``None`` starts none (and stops one a previous attach
     started).
+    ``auth``: ``"curve"`` (only this cluster's ranks can send rows, see the module docstring)
+    or ``None`` (anyone who reaches the address can). Fixed when the relay is created.
     """
     if cluster is None or not callable(getattr(cluster, "run", None)):
         raise TypeError(f"attach(cluster={cluster!r}): expected a running colossal_lab.Cluster "
@@ -532,6 +571,11 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
                                             and 0 < memory_interval <= 3600):
         raise ValueError(f"attach(memory_interval={memory_interval!r}): must be seconds in "
                          "(0, 3600] between a rank's memory samples, e.g. 0.5, or None for no sampler")
+    if auth not in ("curve", None):
+        raise ValueError(f"attach(auth={auth!r}): must be 'curve' (only this cluster's ranks may "
+                         "send rows) or None (anyone who reaches the address may)")
+    if auth == "curve":
+        require_curve("relay.attach(auth='curve')")
     if getattr(cluster, "running", True) is False:
         raise RuntimeError(f"attach(cluster={cluster!r}): the cluster is stopped; launch one with "
                            "cl.launch(n=...)")
@@ -542,7 +586,7 @@ def attach(cluster, host: Optional[str] = None, sndhwm: int = 10_000,
         if relay is None or relay.cluster is not cluster or not relay.active:
             relay = Relay(cluster, RelayConfig(host=host, sndhwm=sndhwm, rcvhwm=rcvhwm,
                                                interval=interval, coalesce=coalesce,
-                                               memory_interval=memory_interval))
+                                               memory_interval=memory_interval, auth=auth))
         relay.config.interval, relay.config.coalesce = interval, coalesce
         relay.config.memory_interval = memory_interval
         try:
