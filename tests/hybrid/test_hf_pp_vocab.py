@@ -8,7 +8,7 @@ blocks, and loss and gradient norm follow the single-process curve within 1e-4 r
 ``outputs.logits`` gets them whole and follows the same curve; ``return_outputs=True`` hands back whole logits
 equal to the gathered run's; ``loss_parallel=False`` keeps the gathered head (whole ``V`` on the stage's output;
 its 5-step curve is ``tests/hybrid/test_hf_pp.py``'s ``tp2_pp2``, one step here; the criterion reading
-``outputs.logits``, 2 steps).
+``outputs.logits``, 2 steps). An odd vocabulary (257: blocks of 129 and 128 columns) follows its curve (2 steps).
 The last stage's peak CPU bytes (``colossal_lab.engine.planner.memory.measure``) over one step with a larger
 vocabulary drop with the sharded head.
 """
@@ -28,6 +28,7 @@ from support.engine import assert_follows, batch, param_groups  # noqa: E402
 
 STEPS, LR, CLIP, LAYERS = 5, 1e-2, 0.5, 4
 BIG_VOCAB = 8192  # the memory case: logits dominate the last stage's peak
+ODD_VOCAB = 257  # blocks of 129 and 128 columns
 
 
 def _x(step):
@@ -52,10 +53,10 @@ def _boosted(loss_parallel=True, **model_kw):
     return plugin, booster, model, opt
 
 
-def _train(criterion=None, loss_parallel=True, steps=STEPS):
+def _train(criterion=None, loss_parallel=True, steps=STEPS, **model_kw):
     """``steps`` steps; the losses (last stage; None elsewhere), norms, the last stage's output widths, and the
     outputs handed back at the first step."""
-    plugin, booster, model, opt = _boosted(loss_parallel)
+    plugin, booster, model, opt = _boosted(loss_parallel, **model_kw)
     widths = set()
     hooks = [m.register_forward_hook(lambda mod, a, out: widths.add(out.shape[-1])) for m in model.stage_modules
              if m.inner.stage_index == 1]
@@ -97,7 +98,7 @@ def _peak(loss_parallel):
 def _world(rank, world):
     # the gathered head's curve is test_hf_pp.py's tp2_pp2: one step here, for its widths and outputs
     out = {"sharded": _train(), "by_hand": _train(_own_loss_by_hand, steps=2),
-           "gathered": _train(loss_parallel=False, steps=1),
+           "gathered": _train(loss_parallel=False, steps=1), "odd": _train(steps=2, vocab_size=ODD_VOCAB),
            "peak_gathered": _peak(False), "peak_sharded": _peak(True)}
     dist.barrier()
     return out
@@ -108,13 +109,12 @@ def runs():
     return run_distributed(_world, 4, timeout=900)
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference(steps=STEPS, **model_kw):
     """The plain HF loop in one process: losses and gradient norms before clipping."""
-    model = hf.llama(layers=LAYERS)
+    model = hf.llama(layers=LAYERS, **model_kw)
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     losses, norms = [], []
-    for s in range(STEPS):
+    for s in range(steps):
         x = _x(s)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -123,6 +123,11 @@ def reference():
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
 
 
 def _last(runs, case):
@@ -143,6 +148,15 @@ def test_pipeline_follows_the_single_process_curve(runs, reference, case):
         assert_follows(case, r["losses"], r["norms"], ref, ref_norms)
     for r in runs:
         assert r[case]["norms"] == pytest.approx(ref_norms, rel=1e-4)
+
+
+def test_odd_vocabulary_follows_the_curve(runs):
+    ref, ref_norms = _reference(steps=2, vocab_size=ODD_VOCAB)
+    last = _last(runs, "odd")
+    for r in last:
+        assert r["widths"] in ([128], [129])  # uneven blocks
+        assert_follows("odd vocabulary", r["losses"], r["norms"], ref, ref_norms)
+    assert sorted(r["widths"][0] for r in last) == [128, 129]
 
 
 def test_last_stage_keeps_its_logits_sharded(runs):

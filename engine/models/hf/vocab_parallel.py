@@ -38,6 +38,9 @@ _INSTALLED = [0]  # models with a vocabulary-parallel head in this process (back
 def head_names(model: nn.Module, plan: Dict[str, object]) -> List[str]:
     """Names (in ``plan``) of the model's output embedding when the plan gathers it: an ``nn.Linear``
     that ``model.get_output_embeddings()`` returns, styled ``colwise_gather_output`` / ``colwise_rep``."""
+    stage = getattr(model, "_cl_stage", None)
+    if stage is not None and not stage[1]:  # a pipeline stage before the last: its head is a stand-in (or None)
+        return []
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not isinstance(head, nn.Linear):
@@ -105,6 +108,7 @@ def install_stage(model: nn.Module, name: str) -> None:
         return output.to_local() if isinstance(output, DTensor) else output
 
     model._cl_vocab_mesh = head.weight.device_mesh
+    model._cl_vocab_size = head.weight.shape[0]  # the whole vocabulary (the DTensor's global rows)
     model.register_forward_hook(local, with_kwargs=True)
     _INSTALLED[0] += 1
 
@@ -117,7 +121,9 @@ def sharded_logits(stage: nn.Module, logits):
         return None
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False)
+    shape = (*logits.shape[:-1], stage._cl_vocab_size)  # an odd vocabulary's blocks differ by one column
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def backward_context():
