@@ -119,7 +119,10 @@ class GeneralCheckpointIO(CheckpointIO):
         # The template initialises empty state (a zero-lr step) so DCP knows shapes and keys.
         osd = get_optimizer_state_dict(module, optim, options=self._OPTS)
         saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        missing = [k for k in osd if f"optimizer.{k}" not in saved]
+        # HybridParallelPlugin writes the same flattened keys at the top level (no "optimizer." prefix):
+        # its checkpoints resume here too, in one process or under DDP / ZeRO
+        top = not any(k.startswith("optimizer.") for k in saved)
+        missing = [k for k in osd if ("" if top else "optimizer.") + k not in saved]
         lost_state = [k for k in missing if not k.startswith("param_groups.")]
         if lost_state:
             raise RuntimeError(f"load_optimizer({path}): the checkpoint has no optimizer state for "
@@ -127,7 +130,7 @@ class GeneralCheckpointIO(CheckpointIO):
         # a hyper-parameter the checkpoint lacks (e.g. initial_lr: scheduler added since) keeps
         # its current value
         kept = {k: osd.pop(k) for k in missing}
-        state = {"optimizer": osd}
+        state = dict(osd) if top else {"optimizer": osd}
         scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None and "loss_scaler.scale" in saved:
             state["loss_scaler"] = {k: torch.tensor(0.0) for k in scaler.state_dict()}
@@ -137,9 +140,11 @@ class GeneralCheckpointIO(CheckpointIO):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        set_optimizer_state_dict(module, optim, {**state["optimizer"], **kept}, options=self._OPTS)
-        if "loss_scaler" in state:
-            scaler.load_state_dict({k: v.item() for k, v in state["loss_scaler"].items()})
+        scaled = state.pop("loss_scaler", None)
+        set_optimizer_state_dict(module, optim, {**(state if top else state["optimizer"]), **kept},
+                                 options=self._OPTS)
+        if scaled is not None:
+            scaler.load_state_dict({k: v.item() for k, v in scaled.items()})
         if hasattr(optimizer, "after_load"):
             optimizer.after_load()
 

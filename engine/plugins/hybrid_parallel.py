@@ -323,7 +323,12 @@ class HybridParallelPlugin(Plugin):
             if model.cp is not None:
                 out = self._run_cp(model, batch, criterion, m, return_outputs)
             elif model.nd is None:
-                out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs, stage_keys=keys)
+                from ..models.hf.vocab_parallel import backward_context
+
+                with backward_context():  # a vocabulary-parallel loss: its forward and backward run in the schedule
+                    out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs, stage_keys=keys)
+                if self._hf and out["outputs"] is not None:
+                    out["outputs"] = hf.whole_outputs(model.stage_modules[-1].inner, out["outputs"])
             else:
                 out = self._run_nd(model, batch, criterion, m, return_outputs, keys)
         finally:

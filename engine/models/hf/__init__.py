@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch.nn as nn
 
 from .export import export_llama
-from .loss import check_batch, pipeline_criterion
+from .loss import check_batch, pipeline_criterion, whole_outputs
 from .pipeline import num_layers, pipeline_stage
 from .plan import (
     _prefixed,
@@ -41,7 +41,7 @@ from .tables import TABLES
 
 __all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "export_llama", "is_hf_model",
            "nd_plan", "num_layers",
-           "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan"]
+           "pipeline_criterion", "pipeline_stage", "reads_dict_plan", "resolve_plan", "whole_outputs"]
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -171,8 +171,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
     parallelize_module(model, tp_mesh, styles)
     if hooks:
         register(hooks, "post")
-    for name in heads:
-        vocab_parallel.install(model, name)
+    for name in heads:  # a pipeline's last stage (pipeline.py marks it) hands its schedule the logits block
+        stage = getattr(model, "_cl_stage", None)
+        (vocab_parallel.install_stage if stage is not None else vocab_parallel.install)(model, name)
     for names in ties:
         first = model.get_parameter(names[0])
         for name in names[1:]:

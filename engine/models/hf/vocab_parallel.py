@@ -10,6 +10,12 @@ plain tensor; ``outputs.logits`` stays the sharded DTensor (``.full_tensor()`` g
 ``labels`` (evaluation, ``generate``) gets its logits gathered whole, as the plan says. Backward must run
 inside ``loss_parallel()`` too: ``HybridParallelPlugin.backward`` enters :func:`backward_context`.
 
+Under a pipeline the last stage's head is the same sharded head, always (:func:`install_stage`): the stage
+hands torch's schedule its logits block (``B x T x V/tp``, a plain tensor) and the criterion
+(:func:`.loss.pipeline_criterion`) puts it back into a ``Shard(-1)`` DTensor (:func:`sharded_logits`); the model's
+own loss runs on it inside ``loss_parallel()`` (``HybridParallelPlugin.execute_pipeline`` runs the schedule, forward
+and backward, in :func:`backward_context`), and a criterion that reads ``outputs.logits`` gets them gathered whole.
+
 Built on torch's ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` and
 ``torch.distributed.tensor.parallel.loss_parallel``; written here: which module is the head, and the hooks
 that choose per call between sharded and gathered logits.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, List
 
+import torch
 import torch.nn as nn
 
 #: styles that gather a colwise head's output whole: the heads this module keeps sharded instead
@@ -31,6 +38,9 @@ _INSTALLED = [0]  # models with a vocabulary-parallel head in this process (back
 def head_names(model: nn.Module, plan: Dict[str, object]) -> List[str]:
     """Names (in ``plan``) of the model's output embedding when the plan gathers it: an ``nn.Linear``
     that ``model.get_output_embeddings()`` returns, styled ``colwise_gather_output`` / ``colwise_rep``."""
+    stage = getattr(model, "_cl_stage", None)
+    if stage is not None and not stage[1]:  # a pipeline stage before the last: its head is a stand-in (or None)
+        return []
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not isinstance(head, nn.Linear):
@@ -84,6 +94,36 @@ def install(model: nn.Module, name: str) -> None:
     model.register_forward_hook(leave, with_kwargs=True, always_call=True)
     head.register_forward_hook(gather)
     _INSTALLED[0] += 1
+
+
+def install_stage(model: nn.Module, name: str) -> None:
+    """A pipeline's last stage ``model`` (its head ``name`` parallelized with :func:`head_style`): every call
+    returns the head's logits block as a plain tensor (what torch's schedule carries; its gradient goes back
+    to the ``Shard(-1)`` DTensor), and the stage knows its tp mesh for :func:`sharded_logits`."""
+    from torch.distributed.tensor import DTensor
+
+    head = model.get_submodule(name)
+
+    def local(module, args, kwargs, output):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    model._cl_vocab_mesh = head.weight.device_mesh
+    model._cl_vocab_size = head.weight.shape[0]  # the whole vocabulary (the DTensor's global rows)
+    model.register_forward_hook(local, with_kwargs=True)
+    _INSTALLED[0] += 1
+
+
+def sharded_logits(stage: nn.Module, logits):
+    """``logits`` (the last stage's output) as the ``Shard(-1)`` DTensor they are a block of, where ``stage``
+    has a vocabulary-parallel head (:func:`install_stage`); else None."""
+    mesh = getattr(stage, "_cl_vocab_mesh", None)
+    if mesh is None or not isinstance(logits, torch.Tensor) or hasattr(logits, "placements"):
+        return None
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (*logits.shape[:-1], stage._cl_vocab_size)  # an odd vocabulary's blocks differ by one column
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def backward_context():

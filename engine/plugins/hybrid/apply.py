@@ -56,7 +56,7 @@ def apply_tp(part: nn.Module, dims: ParallelDims, grid, tp_plan: Optional[dict],
              nd_params: dict, loss_parallel: bool = False) -> nn.Module:
     """This part's planned modules in their N-d grid form (their specs added to ``nd_params``), or
     DTensor's 1D tensor parallelism over the tp mesh (``loss_parallel``: a vocabulary-parallel LM head
-    and loss where the model's plan allows, without a pipeline)."""
+    and loss where the model's plan allows; under a pipeline, on the last stage)."""
     if grid is not None:
         from ...models import hf
         from ...tp_nd import convert, resolve_plan
@@ -71,7 +71,7 @@ def apply_tp(part: nn.Module, dims: ParallelDims, grid, tp_plan: Optional[dict],
     from ...tensor_parallel import apply_tensor_parallel
 
     return apply_tensor_parallel(part, dims.tp_mesh, tp_plan, sequence_parallel,
-                                 loss_parallel=loss_parallel and dims.pp == 1)
+                                 loss_parallel=loss_parallel)
 
 
 def apply_checkpoint_wrappers(part: nn.Sequential) -> None:
