@@ -1,6 +1,6 @@
 """The two-host rig (``support.hosts.Rig``) for this folder's tests: made once per session, torn
 down after. It skips only where a rig cannot exist (not root, no network namespaces, a program
-missing: ``bash scripts/setup.sh --multihost`` installs them); under CI it runs."""
+missing: ``bash scripts/setup.sh --hosts`` installs them); under CI it runs."""
 
 import pytest
 

@@ -72,7 +72,7 @@ def mpi(rig):
     """Three ranks through the MPI launcher: Open MPI's mpiexec on host A with a hostfile, starting
     host B's share over ssh (its plm_rsh_agent); one rank on A, two on B."""
     if not W.open_mpi():
-        pytest.skip("launcher='mpi' on the rig needs Open MPI's mpiexec (bash scripts/setup.sh --multihost)")
+        pytest.skip("launcher='mpi' on the rig needs Open MPI's mpiexec (bash scripts/setup.sh --hosts)")
     t = time.monotonic()
     d = rig.launch("mpi", {rig.a.name: 1, rig.b.name: 2})
     try:

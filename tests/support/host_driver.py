@@ -9,8 +9,10 @@ its cells. A command that fails on the ranks answers with the error instead of a
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -89,7 +91,7 @@ def answer(cluster, cmd: dict):
         return _relay(cluster, cmd["steps"])
     if name == "steps":
         print(json.dumps({"started": time.time()}), flush=True)
-        return cluster.run(W.steps_for, cmd["seconds"])
+        return cluster.run(W.steps_for, cmd["seconds"], cmd["started"])
     if name == "stop":
         cluster.stop()
         return "stopped"
@@ -97,6 +99,7 @@ def answer(cluster, cmd: dict):
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks when we hang
     spec = json.loads(sys.argv[1])
     t0 = time.monotonic()
     cluster = cl.launch(n=sum(spec["hosts"].values()), backend="gloo", launcher=spec["launcher"],

@@ -123,12 +123,15 @@ def emit_steps(n: int) -> str:
     return socket.gethostname()
 
 
-def steps_for(seconds: float) -> int:
-    """Training-like steps (an all_reduce every few ms) for ``seconds``: a rank to kill mid-step."""
+def steps_for(seconds: float, started: str) -> int:
+    """Training-like steps (an all_reduce every few ms) for ``seconds``: a rank to kill or interrupt
+    mid-step. Each rank writes ``started/<rank>`` once it is in the loop (the hosts share files)."""
     end, n = time.monotonic() + seconds, 0
     while time.monotonic() < end:
         x = torch.ones(1000)
         dist.all_reduce(x)
+        if n == 0:
+            open(os.path.join(started, str(dist.get_rank())), "w").close()
         n += 1
         time.sleep(0.005)
     return n

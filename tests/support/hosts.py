@@ -16,7 +16,7 @@ creator is gone (a crashed run) is removed by the next ``Rig``. ``Rig.close`` ki
 in both namespaces (``ip netns pids``) and deletes them.
 
 What a machine needs (``missing()`` says which is absent): root, ``ip`` (iproute2), ``unshare``
-(util-linux), ``sshd``/``ssh`` (openssh-server/-client); ``scripts/setup.sh --multihost``
+(util-linux), ``sshd``/``ssh`` (openssh-server/-client); ``scripts/setup.sh --hosts``
 installs them on Debian.
 """
 
@@ -50,7 +50,7 @@ def missing() -> Optional[str]:
     for prog, pkg in (("ip", "iproute2"), ("unshare", "util-linux"), ("ssh", "openssh-client"),
                       ("ssh-keygen", "openssh-client"), (SSHD, "openssh-server")):
         if shutil.which(prog) is None:
-            return f"needs {prog} ({pkg}; bash scripts/setup.sh --multihost installs it)"
+            return f"needs {prog} ({pkg}; bash scripts/setup.sh --hosts installs it)"
     probe = f"{PREFIX}probe{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
@@ -258,6 +258,9 @@ class Driver:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
+            if self.proc.poll() is None:  # its threads' stacks into its log (faulthandler)
+                os.kill(self.proc.pid, signal.SIGUSR1)
+                time.sleep(1)
             raise AssertionError(f"the driver said nothing for {timeout}s; its log:\n{self.stderr()}") from None
         if line is None:
             raise AssertionError(f"the driver exited ({self.proc.wait()}); its log:\n{self.stderr()}")
