@@ -11,7 +11,7 @@ import pytest
 from support.hosts import cmdline
 
 KILL_TO_ERROR_S = 150  # kill -> RankError, including the restart over ssh (see the measured times printed)
-INTERRUPT_S = 30  # Ctrl-C -> KeyboardInterrupt with every rank stopped
+INTERRUPT_S = 150  # Ctrl-C -> KeyboardInterrupt, every rank stopped (a restart over ssh included)
 GONE_S = 60  # driver killed -> nothing left on either host
 
 
@@ -47,15 +47,21 @@ def test_ctrl_c_stops_the_ranks_on_both_hosts(rig, driver, tmp_path):
     _start_steps(driver, tmp_path)
     t = time.monotonic()
     os.kill(driver.pid, signal.SIGINT)  # what Jupyter's interrupt sends the kernel
-    out = driver.line(timeout=INTERRUPT_S + 30)
+    out = driver.line(timeout=INTERRUPT_S + 60)
     took = time.monotonic() - t
-    print(f"Ctrl-C -> KeyboardInterrupt: {took:.1f}s")
+    print(f"Ctrl-C -> KeyboardInterrupt: {took:.1f}s ({out['error'].split('. ', 1)[-1][:60]})")
     assert out["type"] == "KeyboardInterrupt" and "interrupted on ranks [0, 1]" in out["error"], out
     assert took < INTERRUPT_S
-    # both ranks left the 120 s loop: they answer at once, the same processes (interrupted, not replaced)
+    # both ranks left the 120 s loop: they answer at once. Either both took the interrupt (the same
+    # processes, the process group rebuilt), or one was left blocked in an all_reduce by its peer's
+    # interrupt and both were replaced: then neither old process is left on either host
     t = time.monotonic()
-    assert _pids(driver) == before
+    after = _pids(driver)
     assert time.monotonic() - t < 30
+    if "restarted" in out["error"]:
+        assert not (set(before) & (set(rig.a.pids()) | set(rig.b.pids()))), before
+    else:
+        assert "were interrupted" in out["error"] and after == before, (out, before, after)
 
 
 def test_far_rank_killed_mid_step_is_named_with_its_host(rig, driver, tmp_path):

@@ -62,8 +62,7 @@ def test_both_hosts_telemetry_reaches_the_dashboard(rig, ssh):
     assert out["hosts"] == [rig.a.name, rig.b.name]
     assert out["rows"] == [[r, s] for r in (0, 1) for s in range(10)]  # every row from both hosts
     assert out["dash_ranks"] == [0, 1]
-    assert [s["host"] for s in out["stats"]] == [rig.a.name, rig.b.name]
-    assert [s["dropped"] for s in out["stats"]] == [0, 0]
+    assert [s["dropped"] for s in out["stats"]] == [0, 0] and all(s["sent"] >= 10 for s in out["stats"])
     assert out["address"].startswith(f"tcp://{rig.a.addr}:")  # the PULL socket on the address B reaches
 
 

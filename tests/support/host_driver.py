@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 
@@ -71,7 +72,7 @@ def _relay(cluster, steps: int) -> dict:
             time.sleep(0.05)
         dash.flush()
         return {"rows": rows, "hosts": hosts, "address": relay.address, "dash_ranks": sorted(dash.metrics.ranks),
-                "stats": [{k: s[k] for k in ("host", "sent", "dropped")} for s in stats]}
+                "stats": [{k: s[k] for k in ("sent", "dropped")} for s in stats]}
     finally:
         dash.close()
         unsub()
@@ -115,6 +116,8 @@ def main() -> None:
             out = {"error": str(e), "type": "RankError", "ranks": e.ranks, "hosts": e.hosts}
         except KeyboardInterrupt as e:
             out = {"error": str(e), "type": "KeyboardInterrupt"}
+        except Exception:  # anything else is the test's to show, with where it came from
+            out = {"error": traceback.format_exc(), "type": "Exception"}
         out.update(at=time.time(), took=time.monotonic() - t)
         print(json.dumps(out), flush=True)
 
