@@ -9,7 +9,8 @@ key authentication with a key made for the run, root allowed, no PAM), and an ss
 (``ssh -F``) names both hosts. The filesystem is shared, so one ``.venv`` serves both hosts.
 
 The driver — the process that calls ``cl.launch``, standing in for a notebook kernel — runs on
-host A (``Rig.driver``): a Python script whose last stdout line is its JSON result.
+host A (``Rig.launch`` starts ``host_driver.py`` there; ``Driver`` sends it one JSON command a line
+and reads one JSON line back, like notebook cells).
 
 Everything is named after the creating process's pid, so parallel runs never collide; a rig whose
 creator is gone (a crashed run) is removed by the next ``Rig``. ``Rig.close`` kills every process
