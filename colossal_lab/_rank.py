@@ -35,18 +35,23 @@ def probe() -> Dict[str, Any]:
 
 def setup(rank: int, world_size: int, local_rank: int, master_addr: str, master_port: int,
           backend: str, timeout_s: float, generation: int, cwd: Optional[str],
-          sys_path: List[str], threads: Optional[int], watch: Optional[tuple] = None) -> Dict[str, Any]:
+          sys_path: List[str], threads: Optional[int], watch: Optional[tuple] = None,
+          watch_kernel_store: bool = False) -> Dict[str, Any]:
     """Set the rank's environment, pick its device and join the default process group.
 
     ``generation`` namespaces the store keys, so a process group rebuilt after a failure
     never reads keys left by the previous one.
-    ``watch``: (kernel pid, kernel start time, pids to kill) for ``watch_parent``.
+    ``watch``: (kernel pid, kernel start time, pids to kill) for ``watch_parent``;
+    ``watch_kernel_store``: exit when the kernel's store is gone (``watch_store``), for ranks that
+    may be on another host than the kernel.
     """
     import torch
     import torch.distributed as dist
 
     if watch:
         watch_parent(*watch)
+    if watch_kernel_store:
+        watch_store(master_addr, master_port)
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)  # the notebook's folder: relative paths mean the same thing on every rank
     for p in reversed(sys_path):
@@ -83,37 +88,87 @@ def watch_parent(pid: int, create_time: float, also_kill: Optional[List[int]] = 
     Only used with the ``local`` launcher, where the kernel's pid means something here.
     """
     import threading
-    import time
-
-    import psutil
-
-    def alive() -> bool:
-        try:
-            return abs(psutil.Process(pid).create_time() - create_time) < 1.0
-        except psutil.Error:
-            return False
 
     def loop() -> None:
-        while alive():
-            time.sleep(1.0)
-        for other in also_kill or []:
-            # the controller's own children (its schedulers) first: once it is dead they are
-            # init's, and nothing would find them
-            try:
-                proc = psutil.Process(other)
-                tree = proc.children(recursive=True) + [proc]
-            except psutil.Error:
-                continue
-            for p in tree:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
+        wait_for_kernel(pid, create_time, also_kill)
         os._exit(3)
 
     if not getattr(watch_parent, "_started", False):
         watch_parent._started = True
         threading.Thread(target=loop, name="colossal-watch-kernel", daemon=True).start()
+
+
+def wait_for_kernel(pid: int, create_time: float, also_kill: Optional[List[int]] = None,
+                    until_they_exit: bool = False) -> bool:
+    """Block while the process ``pid`` (started at ``create_time``) lives; then kill ``also_kill``
+    and their children (the controller's own children first: once it is dead they are init's,
+    and nothing would find them) and return True. With ``until_they_exit``, return False as soon
+    as every ``also_kill`` process has exited by itself (the cluster was stopped)."""
+    import time
+
+    import psutil
+
+    def alive() -> bool:  # a zombie (killed, not yet reaped by its parent) is gone too
+        try:
+            p = psutil.Process(pid)
+            return abs(p.create_time() - create_time) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def any_left() -> bool:
+        return any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in also_kill or [])
+
+    while alive():
+        if until_they_exit and not any_left():
+            return False
+        time.sleep(1.0)
+    for other in also_kill or []:
+        try:
+            proc = psutil.Process(other)
+            tree = proc.children(recursive=True) + [proc]
+        except psutil.Error:
+            continue
+        for p in tree:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    return True
+
+
+def watch_store(addr: str, port: int, misses: int = 3) -> None:
+    """Exit this rank when the rendezvous store the notebook kernel hosts refuses connections:
+    the kernel is gone (killed without cleanup), as seen from any host.
+
+    Ranks on other hosts cannot look the kernel's pid up, but its store's port is refused once
+    the kernel's process has died. Polled once a second from a thread, so a rank busy in a
+    computation or blocked in a collective goes too; ``misses`` refusals in a row, so one
+    dropped connection is not taken for a dead kernel."""
+    import threading
+    import time
+
+    watch_store.target = (addr, port)  # a rebuilt process group may move the store: follow it
+
+    def refused() -> bool:
+        try:
+            with socket.create_connection(watch_store.target, timeout=5):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a timeout, or the kernel's host unreachable: not taken as proof
+            return False
+
+    def loop() -> None:
+        gone = 0
+        while gone < misses:
+            time.sleep(1.0)
+            gone = gone + 1 if refused() else 0
+        os._exit(3)
+
+    if not getattr(watch_store, "_started", False):
+        watch_store._started = True
+        threading.Thread(target=loop, name="colossal-watch-store", daemon=True).start()
 
 
 def _destroy() -> None:

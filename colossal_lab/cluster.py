@@ -105,6 +105,7 @@ class Cluster:
         # called with the cluster after every restart (explicit or after a stuck failure), so
         # rank-side state others installed (e.g. the telemetry relay) can be re-installed
         self.restart_hooks: List[Callable[["Cluster"], None]] = []
+        self._warden = None  # subprocess.Popen of colossal_lab._warden (launchers other than local)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -159,6 +160,7 @@ class Cluster:
                 if better is None:
                     raise
                 raise better from e
+            self._start_warden()
             self._client = self._ipp.connect_client_sync()
             wait_for_engines(self._ipp, self._client, cfg.n, cfg.start_timeout, cfg.launcher)
             self._store = self._host_store(dist, cfg)
@@ -205,6 +207,24 @@ class Cluster:
                 raise ValueError(f"backend='nccl' needs one GPU per rank, but ranks {short} have none on "
                                  f"their host; launch fewer ranks per host or use backend='gloo'")
 
+    def _start_warden(self) -> None:
+        """With ranks possibly on other hosts (any launcher but ``local``), a process beside the
+        controller takes it down if this kernel is killed without cleanup (``_warden.py``)."""
+        if self.config.launcher == "local":
+            return
+        import subprocess
+
+        import psutil
+
+        try:
+            ctl = self._ipp.controller.process.pid
+        except Exception:  # a controller this host does not run (e.g. started over ssh)
+            return
+        me = psutil.Process()
+        self._warden = subprocess.Popen(
+            [sys.executable, "-m", "colossal_lab._warden", str(me.pid), repr(me.create_time()), str(ctl)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+
     def _watch_args(self, rank: int):
         """(kernel pid, its start time, pids to take down) for ranks watching this kernel
         (local launcher only): a kernel killed without cleanup still leaves no process."""
@@ -232,7 +252,7 @@ class Cluster:
         ars = {r: self._client[eid].apply_async(
                    _rank_fn("setup"), r, cfg.n, self._local_rank[r], self.master_addr, self.master_port,
                    self.backend, cfg.timeout, self._generation, os.getcwd(), path, threads,
-                   self._watch_args(r))
+                   self._watch_args(r), cfg.launcher != "local")
                for r, eid in enumerate(self._engines)}
         deadline = time.monotonic() + cfg.timeout + 30
         for r, ar in ars.items():
@@ -273,6 +293,10 @@ class Cluster:
                 forget_ended(ipp_cluster)
                 remove_job_scripts(ipp_cluster)
             self._kill(leftovers)
+            if self._warden is not None:
+                self._warden.kill()  # it would exit by itself now the controller is gone
+                self._warden.wait()
+                self._warden = None
             self._ipp = None
             self._store = None
             self._engines = []
@@ -483,17 +507,29 @@ class Cluster:
         # victims: ranks we are about to kill; an interrupted rank that raised is still shown
         collateral = set(stuck)
         if dead:
+            where = self._where(dead)
             self.restart()
-            return (f"The process of ranks {dead} died; the cluster was restarted with fresh processes, "
+            return (f"The process of {where} died; the cluster was restarted with fresh processes, "
                     f"so variables defined on the ranks are gone."), collateral
         if stuck:
+            where = self._where(stuck)
             self.restart()
-            return (f"Ranks {stuck} did not respond to an interrupt within {self.config.interrupt_grace:g}s "
+            return (f"R{where[1:]} did not respond to an interrupt within {self.config.interrupt_grace:g}s "
                     f"(most likely blocked in a collective); the cluster was restarted with fresh processes, "
                     f"so variables defined on the ranks are gone."), collateral
         self._init_dist()
         return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
                 f"bound to the old one, e.g. DDP models or device meshes)."), set()
+
+    def _host_of(self, rank: int) -> str:
+        """The host rank ``rank`` ran on (as its probe saw it), '' when not known."""
+        return self._info[rank].get("host", "") if rank < len(self._info) else ""
+
+    def _where(self, ranks: List[int]) -> str:
+        """``ranks [1] (on hostb)``: ranks with their hosts, for recovery notes."""
+        hosts = sorted({self._host_of(r) for r in ranks} - {""})
+        spans = len({self._host_of(r) for r in self.ranks}) > 1
+        return f"ranks {ranks}" + (f" (on {', '.join(hosts)})" if hosts and spans else "")
 
     @staticmethod
     def _dead(ars: Dict[int, Any]) -> List[int]:
@@ -515,7 +551,7 @@ class Cluster:
         for r in sorted(ars):
             a = ars[r]
             if not a.ready():
-                failures[r] = RankFailure(r, "Unfinished", "did not finish", "")
+                failures[r] = RankFailure(r, "Unfinished", "did not finish", "", host=self._host_of(r))
                 continue
             if a.successful():
                 results.append(a.get())
@@ -527,11 +563,13 @@ class Cluster:
             if isinstance(tb, list):
                 tb = "\n".join(tb)
             failures[r] = RankFailure(r, ename, evalue, clean_traceback(tb or f"{ename}: {evalue}"),
-                                      collective_timeout=is_collective_timeout(ename, evalue))
+                                      collective_timeout=is_collective_timeout(ename, evalue),
+                                      host=self._host_of(r))
         if failures:
             first = {r: f for r, f in failures.items() if r not in collateral
                      and f.ename not in ("KeyboardInterrupt", "Unfinished")}
-            raise RankError(first or failures, note=note, timeout_s=self.config.timeout)
+            raise RankError(first or failures, note=note, timeout_s=self.config.timeout,
+                            name_hosts=len({self._host_of(r) for r in self.ranks}) > 1)
         return results
 
 

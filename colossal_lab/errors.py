@@ -31,6 +31,7 @@ class RankFailure:
     evalue: str
     traceback: str
     collective_timeout: bool = False
+    host: str = ""  # the host the rank ran on ('' when not known)
 
 
 def is_collective_timeout(ename: str, evalue: str) -> bool:
@@ -41,13 +42,16 @@ class RankError(RuntimeError):
     """Raised in the notebook when one or more ranks raised.
 
     ``failures`` maps rank -> ``RankFailure``; ``note`` says what the cluster did to recover
-    (interrupted the other ranks, rebuilt the process group, restarted the engines).
+    (interrupted the other ranks, rebuilt the process group, restarted the engines). When the
+    ranks span hosts (``name_hosts``) each failing rank is named with its host.
     """
 
-    def __init__(self, failures: Dict[int, RankFailure], note: str = "", timeout_s: Optional[float] = None):
+    def __init__(self, failures: Dict[int, RankFailure], note: str = "", timeout_s: Optional[float] = None,
+                 name_hosts: bool = False):
         self.failures = dict(sorted(failures.items()))
         self.note = note
         self.timeout_s = timeout_s
+        self.name_hosts = name_hosts  # the ranks span hosts: each failing rank is named with its host
         super().__init__(self._message())
 
     def _render_traceback_(self) -> List[str]:
@@ -58,21 +62,29 @@ class RankError(RuntimeError):
     def ranks(self) -> List[int]:
         return list(self.failures)
 
+    @property
+    def hosts(self) -> Dict[int, str]:
+        """rank -> the host it ran on, for the failing ranks whose host is known."""
+        return {r: f.host for r, f in self.failures.items() if f.host}
+
     def _message(self) -> str:
         heads = []
         for r, f in self.failures.items():
+            on = f" on {f.host}" if f.host and self.name_hosts else ""
+            who = f"rank {r}{on}"
             if f.collective_timeout:
                 after = f" after {self.timeout_s:g}s" if self.timeout_s else ""
-                heads.append(f"rank {r}: a torch.distributed collective timed out{after} — most likely "
+                heads.append(f"{who}: a torch.distributed collective timed out{after} — most likely "
                              f"another rank failed or not every rank called the same collective "
                              f"({f.ename}: {_first_line(f.evalue)})")
             else:
-                heads.append(f"rank {r}: {f.ename}: {_first_line(f.evalue)}")
+                heads.append(f"{who}: {f.ename}: {_first_line(f.evalue)}")
         lines = [f"{len(self.failures)} rank(s) failed: ranks {self.ranks}"] + ["  " + h for h in heads]
         if self.note:
             lines.append(self.note)
         for r, f in self.failures.items():
-            lines.append(f"\n----- rank {r} traceback -----\n{f.traceback.rstrip()}")
+            on = f" on {f.host}" if f.host and self.name_hosts else ""
+            lines.append(f"\n----- rank {r}{on} traceback -----\n{f.traceback.rstrip()}")
         return "\n".join(lines)
 
 

@@ -33,6 +33,37 @@ def _local_gpus() -> int:
         return 0
 
 
+# ipyparallel's heartbeats, for engines the notebook cannot watch as local processes: the controller
+# pings every second and takes an engine that misses 5 pings for dead (its pending calls fail with
+# EngineError: a rank killed on another host is reported in seconds, not ipyparallel's 30 s); an idle
+# engine whose controller is gone for 10 checks (1.5 s each) exits. A setting of the caller's wins.
+HEARTBEAT_CONTROLLER_ARGS = ["--HeartMonitor.period=1000", "--HeartMonitor.max_heartmonitor_misses=5"]
+HEARTBEAT_ENGINE_ARGS = ["--IPEngine.max_heartbeat_misses=10"]
+# ipyparallel hands its MPI engines where the controller is through the environment (IPP_*); Open
+# MPI's mpiexec passes its environment only to the ranks on its own host, unless told which
+# variables to forward (mca_base_env_list, read from mpiexec's environment; other MPIs forward all)
+IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
+
+
+def _far_engine_config(launcher: str, ipp_kw: dict) -> None:
+    """ipyparallel settings for engines that may run on other hosts (the caller's own win): the
+    heartbeats above, and for ``mpi`` Open MPI forwarding ipyparallel's variables to every host."""
+    import copy
+
+    from traitlets.config import Config
+
+    ipp_kw["controller_args"] = HEARTBEAT_CONTROLLER_ARGS + list(ipp_kw.get("controller_args") or [])
+    cfg = Config(copy.deepcopy(ipp_kw.get("config") or Config()))
+    if "engine_args" not in cfg.EngineLauncher:
+        cfg.EngineLauncher.engine_args = list(HEARTBEAT_ENGINE_ARGS)
+    if launcher == "mpi":
+        env = dict(cfg.MPIEngineSetLauncher.get("environment") or {})
+        listed = [v for v in env.get("OMPI_MCA_mca_base_env_list", "").split(";") if v]
+        env["OMPI_MCA_mca_base_env_list"] = ";".join(listed + [v for v in IPP_ENV if v not in listed])
+        cfg.MPIEngineSetLauncher.environment = env
+    ipp_kw["config"] = cfg
+
+
 def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeout: float = 300.0,
                 start_timeout: float = START_TIMEOUT, master_addr: Optional[str] = None,
                 threads: Optional[int] = None, failure_grace: float = 2.0, interrupt_grace: float = 5.0,
@@ -82,6 +113,7 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
             master_addr = (route_address(far[0]) if far else None) or socket.gethostbyname(socket.gethostname())
         check_reachable(lname, master_addr, far)
         ipp_kw.setdefault("controller_location", master_addr)
+        _far_engine_config(lname, ipp_kw)
     # the controller, the rendezvous store and the relay listen on master_addr's address only,
     # never on every interface (listen.py); the controller of a local launch on loopback
     ip = bind_ip(master_addr)

@@ -3,7 +3,9 @@
 #   bash scripts/setup.sh            # venv + torch + colossal-lab (editable) + test tools
 #   bash scripts/setup.sh --browser  # ... plus Debian's chromium for the browser tests
 #   bash scripts/setup.sh --hosts    # ... plus what the launcher tests start as root: Debian's Slurm
-#                                    # (slurmctld, slurmd, client, munge), for a one-node Slurm
+#                                    # (slurmctld, slurmd, client, munge), for a one-node Slurm; sshd,
+#                                    # ssh, iproute2 and Open MPI with the [mpi] extra (mpi4py), for the
+#                                    # two hosts tests/multihost makes of network namespaces
 # (flags combine: scripts/test.sh passes both).
 # Why torch first: a bare `torch` requirement with nothing installed pulls a multi-GB CUDA
 # build. We install torch==2.13.0 only when no torch is importable (or the importable one is
@@ -29,15 +31,14 @@ if ! "$VPY" -c "import runpy, torch; runpy.run_path('engine/__init__.py')" 2>/de
     "$VPY" -m pip install -q "$TORCH_SPEC"
   fi
 fi
-"$VPY" -m pip install -q -e ".[test]"
-
-BROWSER=(); HOSTS=()  # Debian packages the flags ask for and this machine lacks
+BROWSER=(); HOSTS=(); EXTRAS=test  # Debian packages the flags ask for and this machine lacks
 for flag in "$@"; do
   case "$flag" in
     --browser) command -v chromium >/dev/null 2>&1 || BROWSER=(chromium) ;;
-    --hosts) for p in slurmctld slurmd slurm-client munge; do
+    --hosts) for p in slurmctld slurmd slurm-client munge openssh-server openssh-client iproute2 openmpi-bin; do
                dpkg -s "$p" >/dev/null 2>&1 || HOSTS+=("$p")
-             done ;;
+             done
+             EXTRAS=test,mpi ;;
     *) echo "setup: unknown flag $flag (known: --browser, --hosts)" >&2; exit 2 ;;
   esac
 done
@@ -49,4 +50,5 @@ if [ $((${#BROWSER[@]} + ${#HOSTS[@]})) -gt 0 ]; then
   [ ${#HOSTS[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     "${HOSTS[@]}" >/dev/null
 fi
+"$VPY" -m pip install -q -e ".[$EXTRAS]"  # after the system packages (mpi4py uses the MPI)
 echo "colossal-lab set up in .venv ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

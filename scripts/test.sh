@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up everything, then run the whole suite (CPU, gloo, real processes,
-# real notebooks, a real JupyterLab in headless Chromium), after ruff. GPU tests skip without CUDA.
+# real notebooks, a real JupyterLab in headless Chromium, a one-node Slurm, two hosts made of network
+# namespaces running sshd and Open MPI), after ruff. GPU tests skip without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --browser --hosts

@@ -1,0 +1,93 @@
+"""Ranks on two hosts through ipyparallel's SSH and MPI launchers, on the rig's two network
+namespaces (``support.hosts``): each rank's host, LOCAL_RANK counted per host, the rendezvous and
+gloo crossing the hosts' addresses, DDP and a 2-stage pipeline (one stage per host) on the
+one-process curve, and both hosts' telemetry through the relay. One cluster per launcher, driven
+like a notebook by ``support.host_driver`` on host A."""
+
+import time
+
+import pytest
+from support import host_work as W
+from support.engine import reference_losses
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def ssh(rig):
+    """Two ranks, one per host, through the SSH launcher (sshd on both hosts)."""
+    t = time.monotonic()
+    d = rig.launch("ssh", {rig.a.name: 1, rig.b.name: 1})
+    try:
+        ready = d.line(timeout=300)
+        print(f"ssh launch: {ready['start_s']:.1f}s")
+        yield d
+    finally:
+        d.close()
+        print(f"ssh cluster, launch to stop: {time.monotonic() - t:.1f}s")
+
+
+def test_ssh_ranks_on_both_hosts_and_gloo_across(rig, ssh):
+    out = ssh.result("where")
+    ranks = out["ranks"]
+    assert [(r["host"], r["addr"]) for r in ranks] == [(rig.a.name, rig.a.addr), (rig.b.name, rig.b.addr)]
+    assert out["local_rank"] == [0, 0] == [r["local_rank"] for r in ranks]
+    # master_addr defaulted to host A's address on the route to host B, which B reaches
+    assert out["master_addr"] == rig.a.addr and {r["master_addr"] for r in ranks} == {rig.a.addr}
+    assert [r["sum"] for r in ranks] == [3.0, 3.0]  # 1 + 2: gloo between 10.250.x.1 and .2
+    assert ranks[0]["pid"] in rig.a.pids() and ranks[1]["pid"] in rig.b.pids()
+
+
+def test_ddp_across_hosts_follows_one_process(ssh):
+    ref = reference_losses(STEPS)
+    got = ssh.result("ddp", steps=STEPS)
+    for rank_losses in got:
+        assert rank_losses == pytest.approx(ref, rel=1e-4), (rank_losses, ref)
+    print("ddp worst relative difference:",
+          max(abs(a - b) / abs(b) for r in got for a, b in zip(r, ref)))
+
+
+def test_pipeline_one_stage_per_host_follows_one_process(rig, ssh):
+    ref = W.pp_reference(STEPS)
+    got = ssh.result("pp", steps=STEPS)
+    assert [(g["host"], g["stage"]) for g in got] == [(rig.a.name, 0), (rig.b.name, 1)]
+    assert got[0]["losses"] == [None] * STEPS  # the first stage computes no loss
+    assert got[1]["losses"] == pytest.approx(ref, rel=1e-4), (got[1]["losses"], ref)
+    assert ref[-1] < ref[0]  # it trained
+    print("pp worst relative difference:", max(abs(a - b) / abs(b) for a, b in zip(got[1]["losses"], ref)))
+
+
+def test_both_hosts_telemetry_reaches_the_dashboard(rig, ssh):
+    out = ssh.result("relay", steps=10)
+    assert out["hosts"] == [rig.a.name, rig.b.name]
+    assert out["rows"] == [[r, s] for r in (0, 1) for s in range(10)]  # every row from both hosts
+    assert out["dash_ranks"] == [0, 1]
+    assert [s["dropped"] for s in out["stats"]] == [0, 0] and all(s["sent"] >= 10 for s in out["stats"])
+    assert out["address"].startswith(f"tcp://{rig.a.addr}:")  # the PULL socket on the address B reaches
+
+
+@pytest.fixture(scope="module")
+def mpi(rig):
+    """Three ranks through the MPI launcher: Open MPI's mpiexec on host A with a hostfile, starting
+    host B's share over ssh (its plm_rsh_agent); one rank on A, two on B."""
+    if not W.open_mpi():
+        pytest.skip("launcher='mpi' on the rig needs Open MPI's mpiexec (bash scripts/setup.sh --hosts)")
+    t = time.monotonic()
+    d = rig.launch("mpi", {rig.a.name: 1, rig.b.name: 2})
+    try:
+        ready = d.line(timeout=300)
+        print(f"mpi launch: {ready['start_s']:.1f}s")
+        yield d
+    finally:
+        d.close()
+        print(f"mpi cluster, launch to stop: {time.monotonic() - t:.1f}s")
+
+
+def test_mpi_ranks_on_both_hosts_local_rank_per_host(rig, mpi):
+    out = mpi.result("where")
+    ranks = out["ranks"]
+    assert [(r["host"], r["addr"]) for r in ranks] == [(rig.a.name, rig.a.addr)] + [(rig.b.name, rig.b.addr)] * 2
+    assert out["local_rank"] == [0, 0, 1] == [r["local_rank"] for r in ranks]  # counted per host
+    assert {r["master_addr"] for r in ranks} == {rig.a.addr}
+    assert [r["sum"] for r in ranks] == [6.0] * 3
+    assert ranks[0]["pid"] in rig.a.pids() and {r["pid"] for r in ranks[1:]} <= set(rig.b.pids())
