@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --browser --hosts
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/ruff check .  # lint first (pyproject.toml [tool.ruff]): a finding fails the run in seconds
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=40 "$@"  # the 40 slowest tests named in every log

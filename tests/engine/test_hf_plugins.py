@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
-from support.engine import batch, global_mean, param_groups  # noqa: E402
+from support.engine import batch, param_groups  # noqa: E402
 
 STEPS = 5
 LR = 1e-2
@@ -53,30 +53,10 @@ def _plugin(name, nvme_dir):
                                                 nvme_offload_frac=1.0, chunk_size_mb=CHUNK_MB)}[name]()
 
 
-def _loop(model, opt, booster, rank, world, split, clip=CLIP):
-    """The plain HF loop; ``split``: each rank its slice of the batch (data parallel). Returns the
-    losses and the gradient norms before clipping (every gradient, whole, in one number per step)."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = (batch(s, rank, world)[0] if split else batch(s)[0]).contiguous()  # BERT's loss views its labels
-        loss = model(input_ids=x, labels=x).loss
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, clip)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss) if split else loss.item())
-        norms.append(float(norm))
-    return losses, norms
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(family):
     model = MODELS[family]()
-    losses, norms = _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None, 0, 1, False)
+    losses, norms = hf.loop(model, torch.optim.AdamW(param_groups(model), lr=LR), steps=STEPS, clip=CLIP)
     with torch.no_grad():
         logits = model.eval()(input_ids=batch(0)[0].contiguous()).logits
     return losses, norms, logits
@@ -91,7 +71,7 @@ def _train(rank, world, family, plugin_name, root):
     model = MODELS[family]()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
-    losses, norms = _loop(model, opt, booster, rank, world, split=True)
+    losses, norms = hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, split=(rank, world))
     out = {"losses": losses, "norms": norms}
     if plugin_name == "zero2":  # FSDP2 units: every decoder (encoder) layer, and the root
         out["fsdp_units"] = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
@@ -138,7 +118,7 @@ def _lora_reference(family):
     torch.manual_seed(1)
     model = peft.get_peft_model(base, _lora_config(family))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    return _loop(model, opt, None, 0, 1, False, LORA_CLIP)
+    return hf.loop(model, opt, steps=STEPS, clip=LORA_CLIP)
 
 
 def _lora(rank, world, family, plugin_name):
@@ -151,7 +131,7 @@ def _lora(rank, world, family, plugin_name):
     model = booster.enable_lora(base, lora_config=_lora_config(family))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)  # the usual way: boost keeps only the adapters
     model, opt, *_ = booster.boost(model, opt)
-    losses, norms = _loop(model, opt, booster, rank, world, split=True, clip=LORA_CLIP)
+    losses, norms = hf.loop(model, opt, booster, steps=STEPS, clip=LORA_CLIP, split=(rank, world))
     if hasattr(plugin, "close"):
         plugin.close()
     return {"losses": losses, "norms": norms}
@@ -166,7 +146,7 @@ def _all(rank, world, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("hf_plugins"))
-    return root, run_distributed(_all, 2, root, timeout=600)
+    return root, run_distributed(_all, 2, root, timeout=600, preload=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])

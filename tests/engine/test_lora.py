@@ -279,13 +279,13 @@ def rank_fn4(rank, world, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
-    return root, run_distributed(rank_fn, 2, str(root), timeout=600), reference()
+    return root, run_distributed(rank_fn, 2, str(root), timeout=600, preload=True), reference()
 
 
 @pytest.fixture(scope="module")
 def runs4(runs):
     root = runs[0]
-    return root, run_distributed(rank_fn4, 4, str(root), timeout=600), runs[2]
+    return root, run_distributed(rank_fn4, 4, str(root), timeout=600, preload=True), runs[2]
 
 
 def _close(a, b):

@@ -130,13 +130,22 @@ def test_mpi_engines_in_another_python_without_mpi4py(python_without_mpi4py):
     assert _children() == before
 
 
-def test_mpi_without_mpiexec_on_the_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # a real PATH with no mpiexec on it
+# the launcher's own program missing from a real PATH: refused at once, naming it, the package and the setting
+MISSING_PROGRAM = {
+    "mpi": r"launcher='mpi' needs 'mpiexec': 'mpiexec' is not on the PATH.*apt-get install openmpi-bin.*mpi_cmd",
+    "slurm": r"launcher='slurm' needs 'sbatch': 'sbatch' \(to submit the engines' job\) is not on the PATH.*"
+             r"slurm-client.*submit_command",
+}
+
+
+@pytest.mark.parametrize("launcher", list(MISSING_PROGRAM))
+def test_a_launcher_whose_program_is_not_on_the_path(tmp_path, monkeypatch, launcher):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a real PATH with none of the launcher's programs on it
     before = _children()
-    with pytest.raises(cl.LauncherSetupError,
-                       match=r"launcher='mpi' needs 'mpiexec': 'mpiexec' is not on the PATH.*"
-                             r"apt-get install openmpi-bin.*mpi_cmd"):
-        cl.launch(n=2, backend="gloo", launcher="mpi")
+    t = time.perf_counter()
+    with pytest.raises(cl.LauncherSetupError, match=MISSING_PROGRAM[launcher]):
+        cl.launch(n=2, backend="gloo", launcher=launcher)
+    assert time.perf_counter() - t < 5
     assert _children() == before
 
 
@@ -196,18 +205,6 @@ def test_ssh_hosts_elsewhere_with_a_loopback_master_addr():
         assert make_config(2, "gloo", "ssh", config=c).master_addr == here
     c.SSHEngineSetLauncher.engines = {"localhost": 2}  # all on this machine: any address will do
     assert make_config(2, "gloo", "ssh", config=c, master_addr="127.0.0.1").master_addr == "127.0.0.1"
-
-
-def test_slurm_without_sbatch(tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", str(tmp_path))  # a real PATH with no Slurm commands on it
-    before = _children()
-    t = time.perf_counter()
-    with pytest.raises(cl.LauncherSetupError,
-                       match=r"launcher='slurm' needs 'sbatch': 'sbatch' \(to submit the engines' job\) is not "
-                             r"on the PATH.*slurm-client.*submit_command"):
-        cl.launch(n=2, backend="gloo", launcher="slurm")
-    assert time.perf_counter() - t < 5
-    assert _children() == before
 
 
 def test_magic_reports_the_missing_piece_as_a_usage_error(tmp_path, monkeypatch):

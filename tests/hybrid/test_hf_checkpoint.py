@@ -302,7 +302,7 @@ def single_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory, hf_dirs, bad_inputs, single_file):
     root = str(tmp_path_factory.mktemp("saved2"))
-    ranks = run_distributed(_world2, 2, root, hf_dirs, bad_inputs, single_file, timeout=600)
+    ranks = run_distributed(_world2, 2, root, hf_dirs, bad_inputs, single_file, timeout=600, preload=True)
     out, single, lazy, errors = ranks[0][0]
     return root, out, single, lazy, errors, _last_stage([r[1] for r in ranks]), [r[2] for r in ranks]
 
@@ -310,7 +310,7 @@ def run2(tmp_path_factory, hf_dirs, bad_inputs, single_file):
 @pytest.fixture(scope="module")
 def run4(tmp_path_factory, hf_dirs):
     root = str(tmp_path_factory.mktemp("saved4"))
-    ranks = run_distributed(_world4, 4, root, hf_dirs, timeout=600)
+    ranks = run_distributed(_world4, 4, root, hf_dirs, timeout=600, preload=True)
     out, lazy = ranks[0][0]
     return root, out, lazy, _last_stage([r[1] for r in ranks])
 

@@ -44,21 +44,7 @@ def _probe():
 
 def _loop(model, opt, first, booster=None):
     """The plain HF loop over steps ``first .. first + STEPS``: losses and gradient norms (before clipping)."""
-    losses, norms = [], []
-    for s in range(first, first + STEPS):
-        x = batch(s)[0]
-        loss = model(input_ids=x, labels=x).loss
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, CLIP)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        norms.append(float(norm))
-    return losses, norms
+    return hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, first=first)
 
 
 @torch.no_grad()
@@ -117,7 +103,7 @@ def runs(tmp_path_factory):
     out = {}
     for world in CASES:
         root = str(tmp_path_factory.mktemp(f"nd{world}"))
-        ranks = run_distributed(_world, world, root, timeout=900)
+        ranks = run_distributed(_world, world, root, timeout=900, preload=True)
         out.update({case: (os.path.join(root, case), [r[case] for r in ranks]) for case in CASES[world]})
     return out
 

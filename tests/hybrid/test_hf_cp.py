@@ -18,6 +18,8 @@ does not cut, a padding mask, a sliding window shorter than the sequence, and ``
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,33 +39,18 @@ ROWS, T = 2, 16  # T divides 2 * cp (the ring's zig-zag chunks)
 MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "mistral": hf.mistral, "gpt2": hf.gpt2, "opt": hf.opt}
 
 
-def _loop(model, opt, booster):
-    """The plain HF loop; the losses (a rank's loss is its share: the mean over ranks is the batch's)
-    and the gradient norms before clipping."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = hf.stream(s, ROWS, T)
-        loss = model(input_ids=x, labels=x, attention_mask=torch.ones_like(x)).loss
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, CLIP)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        if booster:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        losses.append(loss.item())
-        norms.append(float(norm))
-    return losses, norms
+def _loss(model, s):
+    x = hf.stream(s, ROWS, T)
+    return model(input_ids=x, labels=x, attention_mask=torch.ones_like(x)).loss
+
+
+# the plain HF loop; a rank's loss is its share (the mean over ranks is the batch's; in one process, the loss)
+_loop = functools.partial(hf.loop, steps=STEPS, clip=CLIP, loss_of=_loss, mean_loss=True)
 
 
 def _reference(name):
     model = MODELS[name]()
-    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None)
+    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR))
 
 
 def _boost(name, **plugin_kw):
@@ -155,7 +142,7 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all, 2, timeout=500)
+    return run_distributed(_all, 2, timeout=500, preload=True)
 
 
 TP_CASES = [("llama", "ring"), ("llama", "ulysses")]  # with tp_size=2: cp2 x tp2 on 4 ranks
@@ -167,7 +154,7 @@ def _all_tp(rank, world):
 
 @pytest.fixture(scope="module")
 def runs_tp():
-    return run_distributed(_all_tp, 4, timeout=500)
+    return run_distributed(_all_tp, 4, timeout=500, preload=True)
 
 
 @pytest.mark.parametrize("case", TP_CASES, ids=["-".join(c) for c in TP_CASES])

@@ -45,17 +45,7 @@ def _x(step):
 def _reference(name):
     """The plain HF loop in one process: losses and gradient norms before clipping."""
     model = MODELS[name]()
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = _x(s)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return hf.loop(model, torch.optim.AdamW(param_groups(model), lr=LR), steps=STEPS, clip=CLIP)
 
 
 PLUGINS = {
@@ -95,20 +85,11 @@ def _gemini(name, ac):
     calls = _Calls(plain.model.layers[0])
     opt = torch.optim.AdamW(param_groups(plain), lr=LR)
     model, opt, *_ = booster.boost(plain, opt)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = batch(s, rank, world)[0].contiguous()
-        loss = model(input_ids=x, labels=x).loss
-        booster.backward(loss, opt)
-        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-        if s == 0:  # Gemini's first step also traced the model once: count the others
-            calls.n = 0
+    split = (dist.get_rank(), dist.get_world_size())
+    losses, norms = hf.loop(model, opt, booster, steps=1, clip=CLIP, split=split)
+    calls.n = 0  # Gemini's first step also traced the model once: count the others
+    more = hf.loop(model, opt, booster, steps=STEPS - 1, clip=CLIP, split=split, first=1)
+    losses, norms = losses + more[0], norms + more[1]
     return {"losses": losses, "norms": norms, "recomputed": recomputed(plain), "calls": calls.n / (STEPS - 1),
             "planned": getattr(plain, "checkpoint_plan", None) is not None}
 
@@ -131,16 +112,11 @@ def _train(name, plugin_name):
     inners = [m.inner for m in model.stage_modules]
     first = [m for m in inners if m.stage_index == 0]
     calls = _Calls(first[0].model.layers[0]) if first and name.startswith("llama") else None
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = _x(s)
-        out = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)
-        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(None if out["loss"] is None else float(out["loss"]))
-        if s == 0 and calls:  # the first step also ran torch's shape inference: count the others
-            calls.n = 0
+    losses, norms = hf.pipeline_loop(model, opt, booster, steps=1, clip=CLIP)
+    if calls:  # the first step also ran torch's shape inference: count the others
+        calls.n = 0
+    more = hf.pipeline_loop(model, opt, booster, steps=STEPS - 1, clip=CLIP, first=1)
+    losses, norms = losses + more[0], norms + more[1]
     kinds = sorted({sp.kind for sp in model.runtime.recorder.spans})
     plans = [getattr(m, "checkpoint_plan", None) for m in inners]
     out = {"losses": losses, "norms": norms, "kinds": kinds,
@@ -163,7 +139,7 @@ def _all(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all, 2, CASES_2, timeout=600)
+    return run_distributed(_all, 2, CASES_2, timeout=600, preload=True)
 
 
 def _check(runs, case):
@@ -210,7 +186,7 @@ def test_every_layer_recomputes_under_checkpointing(runs):
 
 @pytest.fixture(scope="module")
 def runs_4():
-    return run_distributed(_all, 4, CASES_4, timeout=600)
+    return run_distributed(_all, 4, CASES_4, timeout=600, preload=True)
 
 
 @pytest.mark.slow

@@ -74,16 +74,8 @@ def _batch(step, model, side, keys="mask"):
 def _reference(model, side, keys="mask"):
     """The unsplit model on the whole batch in one process: losses and gradient norms before clipping."""
     net = MODELS[model]()
-    opt = torch.optim.AdamW(param_groups(net), lr=LR)
-    losses, norms = [], []
-    for s in range(STEPS):
-        loss = net(**_batch(s, model, side, keys)).loss
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms
+    return hf.loop(net, torch.optim.AdamW(param_groups(net), lr=LR), steps=STEPS, clip=CLIP,
+                   loss_of=lambda net, s: net(**_batch(s, model, side, keys)).loss)
 
 
 def _boost(model, plugin_name):
@@ -102,13 +94,8 @@ def _train(model, side, plugin_name, keys="mask"):
     """One boosted run through execute_pipeline: the loss on the rank holding the last stage (None elsewhere)
     and the clip's global norm on every rank."""
     plugin, booster, net, opt = _boost(model, plugin_name)
-    losses, norms = [], []
-    for s in range(STEPS):
-        out = booster.execute_pipeline(iter([_batch(s, model, side, keys)]), net, None, opt)
-        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(None if out["loss"] is None else float(out["loss"]))
+    losses, norms = hf.pipeline_loop(net, opt, booster, steps=STEPS, clip=CLIP,
+                                     batch_of=lambda s: _batch(s, model, side, keys))
     plugin.close()
     return {"losses": losses, "norms": norms}
 
@@ -153,7 +140,7 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all, 2, timeout=600)
+    return run_distributed(_all, 2, timeout=600, preload=True)
 
 
 def _close(got, ref, rel=1e-4):

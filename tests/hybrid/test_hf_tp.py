@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
-from support.engine import assert_follows, batch, global_mean, param_groups  # noqa: E402
+from support.engine import assert_follows, batch, param_groups  # noqa: E402
 
 from colossal_lab.engine.models.hf.plan import read_plan  # noqa: E402
 
@@ -46,29 +46,9 @@ OLD_NAMES = {"model.embed_tokens": "rowwise", "lm_head": "colwise_rep",
              "model.layers.*.mlp.down_proj": "rowwise"}
 
 
-def _loop(model, opt, booster, rank, world, split):
-    """The plain HF loop; ``split``: each rank its slice of the batch (data parallel). Returns the
-    losses and the gradient norms before clipping (every gradient, whole, in one number per step)."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = (batch(s, rank, world)[0] if split else batch(s)[0]).contiguous()  # BERT's loss views its labels
-        loss = model(input_ids=x, labels=x).loss
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, CLIP)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss) if split else loss.item())
-        norms.append(float(norm))
-    return losses, norms
-
-
 def _reference(name):
     model = MODELS[name]()
-    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None, 0, 1, False)
+    return hf.loop(model, torch.optim.AdamW(param_groups(model), lr=LR), steps=STEPS, clip=CLIP)
 
 
 def _train(rank, world, name, plugin_name):
@@ -89,7 +69,7 @@ def _train(rank, world, name, plugin_name):
     if hybrid:  # the sharded parameters made whole are the model's own layout (GPT-2's packed q|k|v too)
         whole, plain = model.full_state_dict(), MODELS[name]().state_dict()
         same = whole.keys() == plain.keys() and all(torch.equal(whole[k], plain[k]) for k in plain)
-    losses, norms = _loop(model, opt, booster, rank, world, split=not hybrid)
+    losses, norms = hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, split=None if hybrid else (rank, world))
     out = {"losses": losses, "norms": norms}
     if hybrid:
         out["whole_equals_plain"] = same
@@ -123,7 +103,7 @@ def _all(rank, world):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_all, 2, timeout=500)
+    return run_distributed(_all, 2, timeout=500, preload=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -188,7 +168,7 @@ def _tp2_dp2(rank, world):
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
     assert plugin.dp_size == 2
-    out = _loop(model, opt, booster, plugin.dp_rank, plugin.dp_size, split=True)
+    out = hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, split=(plugin.dp_rank, plugin.dp_size))
     plugin.close()
     return out
 
@@ -196,7 +176,7 @@ def _tp2_dp2(rank, world):
 @pytest.mark.slow
 def test_tp2_with_dp2_follows_the_curve_on_four_ranks():
     ref, ref_norms = _reference("llama")
-    for losses, norms in run_distributed(_tp2_dp2, 4, timeout=300):
+    for losses, norms in run_distributed(_tp2_dp2, 4, timeout=300, preload=True):
         assert_follows("tp2 x dp2", losses, norms, ref, ref_norms)
 
 

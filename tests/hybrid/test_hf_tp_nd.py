@@ -47,45 +47,24 @@ def _gpt():
 MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "opt": _opt, "gpt2": _gpt2, "gpt": _gpt}
 
 
-def _loop(model, opt, booster, hf=True):
+def _gpt_loss(model, s):  # the GPT's own loop: its forward takes the targets
+    return model(*batch(s))[1]
+
+
+def _loop(model, opt, booster, hf_model=True):
     """The plain loop (transformers' or the GPT's), the whole batch on every rank; returns the losses
     and the gradient norms before clipping."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x, y = batch(s)
-        if hf:
-            loss = model(input_ids=x, labels=x).loss
-        else:
-            _, loss = model(x, y)
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, CLIP)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        norms.append(float(norm))
-    return losses, norms
+    return hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, loss_of=None if hf_model else _gpt_loss)
 
 
-def _pipeline_loop(model, opt, booster, hf=True):
+def _pipeline_loop(model, opt, booster, hf_model=True):
     """``execute_pipeline`` with the model's own loss (criterion None)."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = batch(s)[0]
-        out = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)
-        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(out["loss"].item())
-    return losses, norms
+    return hf.pipeline_loop(model, opt, booster, steps=STEPS, clip=CLIP)
 
 
 def _reference(name):
     model = MODELS[name]()
-    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None, hf=name != "gpt")
+    return _loop(model, torch.optim.AdamW(param_groups(model), lr=LR), None, hf_model=name != "gpt")
 
 
 def _train(name, mode, depth=1, loop=_loop):
@@ -99,7 +78,7 @@ def _train(name, mode, depth=1, loop=_loop):
     model, opt, *_ = booster.boost(model, opt)
     whole, plain = model.full_state_dict(), MODELS[name]().state_dict()
     same = whole.keys() == plain.keys() and all(torch.equal(whole[k], plain[k]) for k in plain)
-    losses, norms = loop(model, opt, booster, hf=name != "gpt")
+    losses, norms = loop(model, opt, booster, hf_model=name != "gpt")
     inner = model.stage_modules[0].inner
     kinds = sorted({type(m).__name__ for m in inner.modules()})
     plugin.close()
@@ -122,12 +101,12 @@ def _eight(rank, world):
 
 @pytest.fixture(scope="module")
 def four():
-    return run_distributed(_four, 4, timeout=600)
+    return run_distributed(_four, 4, timeout=600, preload=True)
 
 
 @pytest.fixture(scope="module")
 def eight():
-    return run_distributed(_eight, 8, timeout=600)
+    return run_distributed(_eight, 8, timeout=600, preload=True)
 
 
 def _check(runs, case, name):

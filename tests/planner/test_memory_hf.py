@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 
 import colossal_lab as cl  # noqa: E402
-from colossal_lab.engine.planner.memory import measure  # noqa: E402
 from colossal_lab.engine.plugins import (  # noqa: E402
     DDPPlugin,
     GeminiPlugin,
@@ -59,42 +59,16 @@ def _model(family: str):
 
 
 def _train_and_measure(rank, world, cases):
-    import gc
-
     import torch.distributed as dist
-
-    from colossal_lab.engine import Booster
 
     out = {}
     for family, name in cases:
         plugin = PLUGINS[name]()
         g = torch.Generator().manual_seed(rank)
         data = [torch.randint(0, 2048, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-        with measure() as meter:
-            model = _model(family)
-            booster = Booster(plugin=plugin)
-            if name.endswith("_lora"):
-                model = booster.enable_lora(model, lora_config=_lora_config())
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model, opt, *_ = booster.boost(model, opt)
-            meter.start_window()
-            losses = []
-            for x in data:
-                if name == "pp2":  # HF batches, the model's own loss (criterion=None)
-                    res = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)
-                    losses.append(None if res["loss"] is None else float(res["loss"]))
-                else:
-                    loss = model(input_ids=x, labels=x).loss
-                    booster.backward(loss, opt)
-                    losses.append(float(loss))
-                    del loss
-                opt.step()
-                opt.zero_grad()
-            if isinstance(plugin, GeminiPlugin):
-                plugin.close()
-            del model, opt, booster
-            gc.collect()
-        out[(family, name)] = {"peak": dict(meter.peak), "losses": losses}
+        out[(family, name)] = hf.measured_run(lambda: _model(family), plugin, data, pipeline=name == "pp2",
+                                              lora_config=_lora_config() if name.endswith("_lora") else None,
+                                              close=isinstance(plugin, GeminiPlugin))
         dist.barrier()
     return out
 

@@ -16,7 +16,6 @@ from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 
 import colossal_lab as cl  # noqa: E402
-from colossal_lab.engine.planner.memory import measure  # noqa: E402
 from colossal_lab.engine.plugins import HybridParallelPlugin  # noqa: E402
 
 MIB = 1 << 20
@@ -30,34 +29,14 @@ CASES = [(name, lp) for name in MODELS for lp in (True, False)]
 
 
 def _train_and_measure(rank, world, cases):
-    import gc
-
     import torch.distributed as dist
-
-    from colossal_lab.engine import Booster
 
     out = {}
     for name, lp in cases:
         g = torch.Generator().manual_seed(rank)
         vocab = MODELS[name]().config.vocab_size
         data = [torch.randint(0, vocab, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
-        with measure() as meter:
-            model = MODELS[name]()
-            booster = Booster(plugin=HybridParallelPlugin(tp_size=2, loss_parallel=lp))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model, opt, *_ = booster.boost(model, opt)
-            meter.start_window()
-            losses = []
-            for x in data:
-                loss = model(input_ids=x, labels=x).loss
-                booster.backward(loss, opt)
-                losses.append(float(loss))
-                del loss
-                opt.step()
-                opt.zero_grad()
-            del model, opt, booster
-            gc.collect()
-        out[(name, lp)] = {"peak": dict(meter.peak), "losses": losses}
+        out[(name, lp)] = hf.measured_run(MODELS[name], HybridParallelPlugin(tp_size=2, loss_parallel=lp), data)
         dist.barrier()
     return out
 

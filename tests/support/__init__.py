@@ -3,8 +3,12 @@
 ``tests/`` is on ``sys.path`` (pytest puts the folder of the root ``conftest.py`` there, and the
 processes a test starts inherit the path), so a test imports ``from support.dist import ...``.
 
-* ``support.dist``: ``run_distributed``, a function on N real gloo processes;
-* ``support.engine``: the tiny GPT, a fixed data stream, a plain-torch reference, ``lm_loss``;
+* ``support.dist``: ``run_distributed``, a function on N real gloo processes (``preload=True``: forked
+  from a server that imported torch, the engine and transformers once);
+* ``support.engine``: the tiny GPT, a fixed data stream, a plain-torch reference, ``lm_loss``,
+  ``train_step`` (backward, clip, step, zero_grad: booster or plain torch);
+* ``support.hf``: tiny transformers models of each family, and the loops the HF tests compare
+  (``loop``, ``pipeline_loop``) and the memory tests measure (``measured_run``);
 * ``support.collectives``: ``CollectiveChecker``, the device and route rules of every collective;
 * ``support.gemini``: Gemini's training loop and its plain-AdamW reference;
 * ``support.llama``: a Llama-style model the engine has never seen (the model contract's);

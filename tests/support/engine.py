@@ -1,5 +1,5 @@
 """Shared bits of the engine tests: the tiny GPT, a fixed data stream, a plain-torch reference, the
-criterion the plugins are boosted with."""
+criterion the plugins are boosted with, one training step (booster or plain torch)."""
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,21 @@ def reference_losses(steps: int, clip: float = 1.0):
         opt.zero_grad()
         out.append(loss.item())
     return out
+
+
+def train_step(model, opt, loss, clip: float, booster=None) -> float:
+    """One optimizer step on ``loss``: backward (the booster's, or plain torch's), clip the gradients to
+    ``clip`` (the booster's global norm, or ``clip_grad_norm_``), step, zero the gradients. Returns the
+    gradient norm before clipping."""
+    if booster:
+        booster.backward(loss, opt)
+        norm = booster.clip_grad_by_norm(opt, clip)
+    else:
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    return float(norm)
 
 
 def assert_follows(case, losses, norms, ref, ref_norms, rel: float = 1e-4) -> None:

@@ -5,11 +5,16 @@ Every builder seeds torch with ``seed`` and then builds the model from a small r
 positions, dropout off), in fp32. ``layers`` sets the depth; any other keyword overrides a
 config field (``vocab_size=257``, ``tie_word_embeddings=True`` ...). transformers is imported
 inside each builder, so ``support`` imports without it.
+
+The training loops the HF tests compare (a boosted run against the same loop in one process) are here
+too: :func:`loop`, the plain HF loop, and :func:`pipeline_loop`, the same through ``execute_pipeline``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .engine import batch, global_mean, train_step
 
 SEED = 11
 
@@ -132,3 +137,83 @@ def stream(step: int, rows: int, length: int, vocab: int = 256) -> torch.Tensor:
     for _ in range(length - 1):
         cols.append((cols[-1] * 5 + 3) % vocab)
     return torch.cat(cols, 1)
+
+
+def loop(model, opt, booster=None, *, steps: int, clip: float, first: int = 0, split=None, loss_of=None,
+         mean_loss: bool = False):
+    """The plain HF loop over steps ``first .. first + steps``: the step's loss, then
+    :func:`support.engine.train_step` (the booster's backward and clip, or plain torch's). The loss is
+    ``loss_of(model, s)``, by default the model's own with ``input_ids = labels = batch(s)[0]`` (the whole
+    batch), or with ``split=(rank, world)`` this rank's slice of it (data parallel). Returns the losses
+    (with ``split`` or ``mean_loss`` averaged over the ranks: each rank's loss is its share of the batch)
+    and the gradient norms before clipping (every gradient, whole, in one number per step)."""
+    if loss_of is None:
+        def loss_of(model, s):
+            x = (batch(s, *split)[0] if split else batch(s)[0]).contiguous()  # BERT's loss views its labels
+            return model(input_ids=x, labels=x).loss
+
+    losses, norms = [], []
+    for s in range(first, first + steps):
+        loss = loss_of(model, s)
+        norms.append(train_step(model, opt, loss, clip, booster))
+        losses.append(global_mean(loss) if split or mean_loss else loss.item())
+    return losses, norms
+
+
+def pipeline_loop(model, opt, booster, *, steps: int, clip: float, first: int = 0, batch_of=None):
+    """``booster.execute_pipeline`` over steps ``first .. first + steps`` with the model's own loss
+    (criterion None), one batch dict a step (``batch_of(s)``, by default ``input_ids = labels = batch(s)[0]``),
+    then the booster's clip, step and zero_grad. Returns the losses (None on a rank that holds no last
+    stage) and the gradient norms before clipping."""
+    if batch_of is None:
+        def batch_of(s):
+            x = batch(s)[0].contiguous()
+            return {"input_ids": x, "labels": x}
+
+    losses, norms = [], []
+    for s in range(first, first + steps):
+        out = booster.execute_pipeline(iter([batch_of(s)]), model, None, opt)
+        norms.append(float(booster.clip_grad_by_norm(opt, clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if out["loss"] is None else float(out["loss"]))
+    return losses, norms
+
+
+def measured_run(build, plugin, data, lora_config=None, pipeline: bool = False, close: bool = False) -> dict:
+    """What the memory planner's tests compare a plan with: under ``measure()``, ``build()`` boosted with
+    AdamW under ``plugin`` (with ``lora_config``: its peft adapters first, ``booster.enable_lora``), then,
+    in the meter's window, a step per batch of token ids in ``data``: the plain HF loop, or with
+    ``pipeline`` ``execute_pipeline`` with HF batches and the model's own loss. Everything is freed (and
+    with ``close`` the plugin closed) before the meter stops. Returns the peak bytes per tier and the
+    losses (None on a rank that holds no last stage)."""
+    import gc
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.planner.memory import measure
+
+    with measure() as meter:
+        model = build()
+        booster = Booster(plugin=plugin)
+        if lora_config is not None:
+            model = booster.enable_lora(model, lora_config=lora_config)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt, *_ = booster.boost(model, opt)
+        meter.start_window()
+        losses = []
+        for x in data:
+            if pipeline:  # HF batches, the model's own loss (criterion=None)
+                res = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)
+                losses.append(None if res["loss"] is None else float(res["loss"]))
+            else:
+                loss = model(input_ids=x, labels=x).loss
+                booster.backward(loss, opt)
+                losses.append(float(loss))
+                del loss
+            opt.step()
+            opt.zero_grad()
+        if close:
+            plugin.close()
+        del model, opt, booster
+        gc.collect()
+    return {"peak": dict(meter.peak), "losses": losses}

@@ -1,5 +1,6 @@
-"""The Hugging Face tests pass on the oldest transformers and peft the project claims (the floors in
-engine/models/hf/version.py and pyproject.toml's ``[hf]``): ``scripts/check_hf_floor.sh`` builds an
+"""The Hugging Face tests of what the adapter reads from transformers and peft (the list in
+``scripts/check_hf_floor.sh``, which says why each) pass on the oldest transformers and peft the project
+claims (the floors in engine/models/hf/version.py and pyproject.toml's ``[hf]``): the script builds an
 environment with exactly those releases in front of the project's own and runs them there."""
 
 import os

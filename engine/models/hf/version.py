@@ -1,13 +1,13 @@
 """The oldest transformers and peft the engine's Hugging Face paths are tested with, and the check.
 
-The floors are the oldest releases the Hugging Face tests pass whole on (``scripts/check_hf_floor.sh``
-runs them there): older transformers 5 releases ship plans the adapter reads as written but that
-train differently (before 5.3, Qwen3's per-head ``q_norm``/``k_norm`` carry no
-``replicated_with_grad_allreduce`` entry, so their gradients stay partial under tensor parallelism),
-base forwards that a pipeline stage cannot run as cut before 5.5 (OLMo 2's), and peft before 0.18
-does not import beside transformers 5. pyproject.toml's ``[hf]`` extra states the
-same floors (tests/tooling/test_packaging.py holds them together). The check reads the version of
-the package already loaded (an HF model exists, so transformers is): nothing is imported here.
+The floors are the oldest releases the Hugging Face tests of what the adapter reads from transformers and
+peft pass on (``scripts/check_hf_floor.sh`` runs them there): older transformers 5 releases ship plans
+the adapter reads as written but that train differently (before 5.3, Qwen3's per-head
+``q_norm``/``k_norm`` carry no ``replicated_with_grad_allreduce`` entry, so their gradients stay partial
+under tensor parallelism), base forwards that a pipeline stage cannot run as cut before 5.5 (OLMo 2's),
+and peft before 0.18 does not import beside transformers 5. pyproject.toml's ``[hf]`` extra states the
+same floors (tests/tooling/test_packaging.py holds them together). The check reads the version of the
+package already loaded (an HF model exists, so transformers is): nothing is imported here.
 """
 
 from __future__ import annotations
