@@ -267,10 +267,11 @@ def test_interrupt_with_a_rank_stuck_in_a_collective(cluster, sigint_raises, tmp
 
 def test_stop_leaves_no_process(cluster):
     me = psutil.Process()
-    # multiprocessing's resource tracker belongs to this pytest process (started by other tests'
-    # spawn queues), not to the cluster, and lives as long as pytest does.
+    # multiprocessing's resource tracker and forkserver belong to this pytest process (started by
+    # other tests' spawn queues and preloaded ranks), not to the cluster, and live as long as pytest does.
     def ours(p):
-        return "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+        cmd = " ".join(p.cmdline())
+        return "multiprocessing.resource_tracker" not in cmd and "multiprocessing.forkserver" not in cmd
 
     before = {p.pid for p in me.children(recursive=True) if ours(p)}
     assert set(cluster.pids) <= before  # engines are our descendants (local launcher)
