@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
-from support.engine import assert_follows, batch, param_groups  # noqa: E402
+from support.engine import assert_follows, param_groups  # noqa: E402
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5  # the clip acts at every step: a wrong gradient norm moves the curve
 SEED, OTHER = 11, 99
@@ -38,21 +38,7 @@ CASES = [("2d", "llama", "2d", "2d"), ("2.5d", "llama", "2.5d", "2.5d"), ("2d-gp
 
 def _loop(model, opt, first, booster=None):
     """The plain HF loop over steps ``first .. first + STEPS``: losses and gradient norms (before clipping)."""
-    losses, norms = [], []
-    for s in range(first, first + STEPS):
-        x = batch(s)[0]
-        loss = model(input_ids=x, labels=x).loss
-        if booster:
-            booster.backward(loss, opt)
-            norm = booster.clip_grad_by_norm(opt, CLIP)
-        else:
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        norms.append(float(norm))
-    return losses, norms
+    return hf.loop(model, opt, booster, steps=STEPS, clip=CLIP, first=first)
 
 
 def _boosted(family, layout, seed):
