@@ -9,7 +9,9 @@ process loads each directory with plain ``AutoModelForCausalLM.from_pretrained``
 and sizes as ``save_pretrained`` writes, and the sharded model's logits within 1e-6. A fresh N-d model
 with other random weights is loaded with ``booster.load_model`` (each rank reading its own blocks): its
 logits equal the saved model's, and three more steps with a new AdamW continue the single-process curve
-(three steps, a new AdamW, three more) within 1e-4 relative, loss and gradient norm.
+(three steps, a new AdamW, three more) within 1e-4 relative, loss and gradient norm. Under 3D the optimizer is
+saved too (``save_optimizer``): a third model and AdamW that load both continue the uninterrupted curve (six steps,
+one AdamW) within 1e-4.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import assert_follows, batch, param_groups  # noqa: E402
 
-STEPS, LR, CLIP = 3, 1e-2, 0.5  # the clip acts at every step: a wrong gradient norm moves the curve
+# The clip acts at every step: a wrong gradient norm moves the curve. LR 2e-3, not 1e-2: AdamW's first steps move
+# every weight by about LR, 1e-2 is half the initial weights' scale, and after three such steps the curve was
+# ill-conditioned: the one-process Llama curve itself moved by 1.3e-4 between float32 and float64, and a 2.5D run
+# parted from it by 1.2e-4 on one CPU. At 2e-3 float32 and float64 agree within 1.8e-7 (Llama), 2.7e-6 (GPT-2).
+STEPS, LR, CLIP = 3, 2e-3, 0.5
 SEED, OTHER = 11, 99
 SHARD_MB = 0.05  # ~50 KB files: several per model, as a real checkpoint has
 TOL = 1e-6
@@ -36,6 +42,7 @@ MODELS = {"llama": hf.llama,  # GPT-2: Conv1D weights stored (in, out), c_attn p
 CASES = {4: {"2d": ("llama", dict(tp_mode="2d")), "2d-gpt2": ("gpt2", dict(tp_mode="2d"))},
          8: {"2.5d": ("llama", dict(tp_mode="2.5d", tp_depth=2)), "3d": ("llama", dict(tp_mode="3d"))}}
 LINEAR = {"2d": "Linear2D", "2.5d": "Linear2p5D", "3d": "Linear3D"}
+OPTIM = ("3d",)  # also an optimizer checkpoint (2D / 2.5D ones: test_hf_optim_nd.py, on four ranks)
 
 
 def _probe():
@@ -82,6 +89,8 @@ def _case(root, mode, family, kw):
     first = _loop(model, opt, 0, booster)
     trained = _gathered_logits(model)
     booster.save_model(model, path, shard=True, size_per_shard=SHARD_MB)
+    if mode in OPTIM:
+        booster.save_optimizer(opt, path + "-optim")
     plugin.close()
     plugin, booster, model, opt = _boosted(family, kw, OTHER)
     before = _gathered_logits(model)
@@ -90,8 +99,15 @@ def _case(root, mode, family, kw):
     kinds = sorted({type(m).__name__ for m in model.stage_modules[0].inner.modules()})
     then = _loop(model, opt, STEPS, booster)
     plugin.close()
-    return {"first": first, "then": then, "trained": trained, "before": before, "loaded": loaded,
-            "kinds": kinds, "files": sorted(os.listdir(path))}
+    out = {"first": first, "then": then, "trained": trained, "before": before, "loaded": loaded,
+           "kinds": kinds, "files": sorted(os.listdir(path))}
+    if mode in OPTIM:  # a third model (other weights) and AdamW, both loaded: the uninterrupted curve
+        plugin, booster, model, opt = _boosted(family, kw, OTHER)
+        booster.load_model(model, path)
+        booster.load_optimizer(opt, path + "-optim")
+        out["resumed"] = _loop(model, opt, STEPS, booster)
+        plugin.close()
+    return out
 
 
 def _world(rank, world, root):
@@ -170,3 +186,20 @@ def test_loaded_model_continues_the_curve(runs, mode):
     for r in runs[mode][1]:
         assert_follows((mode, "trained"), *r["first"], ref_first, ref_norms_first)
         assert_follows((mode, "loaded"), *r["then"], ref_then, ref_norms_then)
+
+
+def test_3d_optimizer_checkpoint_resumes_the_uninterrupted_curve(runs):
+    """``save_optimizer`` under 3D mid-run, loaded with the model into a fresh model and AdamW: three more
+    steps continue the uninterrupted single-process curve (six steps, one AdamW), not the new-AdamW one."""
+    model = MODELS["llama"](seed=SEED)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    _loop(model, opt, 0)
+    ref_then, ref_norms_then = _loop(model, opt, STEPS)
+    (_, _), (lost, _) = _reference("llama")  # a lost optimizer state: the test tells them apart
+    assert max(abs(a - b) / abs(b) for a, b in zip(lost, ref_then)) > 1e-3
+    ranks = runs["3d"][1]
+    worst = max(abs(g - e) / abs(e) for r in ranks
+                for g, e in zip(r["resumed"][0] + r["resumed"][1], ref_then + ref_norms_then))
+    print(f"3d: resumed with its optimizer, loss and gradient norm curve max relative diff {worst:.3g}")
+    for r in ranks:
+        assert_follows(("3d", "resumed with its optimizer"), *r["resumed"], ref_then, ref_norms_then)
