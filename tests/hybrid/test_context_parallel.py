@@ -262,12 +262,15 @@ def test_model_follows_one_process_loss_and_gradients(run, name, mode):
     assert ref_losses[-1] < ref_losses[0] - 0.5, ref_losses  # it trains
     for s, (got, want) in enumerate(zip(losses, ref_losses)):
         assert abs(got - want) <= 1e-4 * abs(want), f"{name} cp={world} {mode} step {s}: loss {got} vs {want}"
-    for s, (g, w) in enumerate(zip(grads, ref_grads)):  # measured: below 1e-6 of each parameter's max
+    # each gradient within 1e-4 of its parameter's largest: float32 rounding alone moves one process's own
+    # Llama gradients from float64's by up to 9.4e-6 of a parameter's largest by step 5 (a wrong gradient is off
+    # by its own size); 1e-5 failed on one CPU at 1.0003e-5
+    for s, (g, w) in enumerate(zip(grads, ref_grads)):
         assert g.keys() == w.keys()
         for n in w:
             scale = w[n].abs().max().item()
             err = (g[n] - w[n]).abs().max().item()
-            assert err <= 1e-5 * scale, f"{name} cp={world} {mode} step {s}: grad {n} off by {err} (max {scale})"
+            assert err <= 1e-4 * scale, f"{name} cp={world} {mode} step {s}: grad {n} off by {err} (max {scale})"
     for r in results[1:]:  # every rank saw the same averaged loss
         assert r[(name, mode)]["losses"] == losses
 
