@@ -96,12 +96,12 @@ class HybridParallelPlugin(Plugin):
                  precision: str = "fp32", activation_checkpointing: Union[bool, str] = False, *,
                  tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1,
                  cp_size: int = 1, cp_mode: str = "ring", activation_budget: Optional[int] = None,
-                 loss_parallel: bool = True):
+                 loss_parallel: bool = True, ep_size: int = 1):
         from ..autockpt_dist import check_budget
         from ..context_parallel import MODES as CP_MODES
         from ..tp_nd.grid import factor
         for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
-                        ("microbatch_size", microbatch_size), ("cp_size", cp_size)):
+                        ("microbatch_size", microbatch_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             optional = name in ("num_microbatches", "microbatch_size")
             if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
@@ -140,6 +140,12 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(tp_size={tp_size}, pp_size={pp_size}, cp_size={cp_size}): "
                              f"tp_size * pp_size * cp_size = {tp_size * pp_size * cp_size} does not divide the world "
                              f"size {world}; choose sizes whose product divides {world}")
+        if ep_size > 1:  # expert parallelism: EP groups cut from dp (hybrid/experts.py)
+            from .hybrid.experts import check_world
+
+            check_world(ep_size, tp_size * pp_size * cp_size, world)
+        self.ep_size = ep_size
+        self.experts = None  # hybrid.experts.ExpertGroups once configured with ep_size > 1
         self.tp_size, self.pp_size, self.zero_stage = tp_size, pp_size, zero_stage
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
@@ -204,6 +210,11 @@ class HybridParallelPlugin(Plugin):
         return self.dims.cp_group if self._built() else None
 
     @property
+    def ep_group(self):
+        """This rank's expert-parallel group (None without expert parallelism)."""
+        return self.experts.ep_group if self.experts is not None else None
+
+    @property
     def dp_size(self) -> int:
         if not self._built():
             w = _world_size() or 1
@@ -253,7 +264,13 @@ class HybridParallelPlugin(Plugin):
         if dims.cp > 1:
             hp_model.cp = (dims.cp_group, self.cp_mode)
         self._model = hp_model
-        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group)
+        if self.ep_size > 1:  # this rank's share of the experts, before the optimizer is rebuilt over them
+            from .hybrid.experts import ExpertGroups
+
+            self.experts = ExpertGroups(self.ep_size).build(dims)
+            for mod in hp_model.stage_modules:
+                self.experts.shard(mod.inner)
+        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group, self.experts)
         hp_optim = apply_optimizer(optimizer, names_of, hp_model, dims, self.zero_stage, self.precision,
                                    self._scaler, self.grads)
         if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):
@@ -271,6 +288,9 @@ class HybridParallelPlugin(Plugin):
         check_checkpointing(model, ckpt)
         check_tensor_parallel(model, self)
         check_context_parallel(model, self)
+        from .hybrid.experts import check_expert_parallel
+
+        check_expert_parallel(model, self, _world_size())
         return ckpt
 
     # ---- the pipeline ---------------------------------------------------------------------
@@ -402,6 +422,9 @@ class HybridParallelPlugin(Plugin):
             return
         groups: List[Any] = self.dims.groups() if self.dims is not None else []
         groups += self.grads.ties.groups()
+        if self.experts is not None:
+            groups += self.experts.groups()
+            self.experts = None
         nd = getattr(self._model, "nd", None)
         if nd is not None:
             groups += [g.pg for g in nd.grid.groups.values()]

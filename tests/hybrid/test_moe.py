@@ -208,3 +208,37 @@ def test_dense_default_unchanged_and_moe_gpt_trains():
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 1.0, losses
     assert all(math.isfinite(v) for v in losses)
+
+
+def _moe_gpt(**kw):
+    return GPT(GPTConfig.preset("tiny", **dict(dict(n_expert=4, top_k=2), **kw)))
+
+
+@pytest.mark.parametrize("plugin_kw, model, match", [
+    (dict(ep_size=2), lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
+    (dict(ep_size=4), lambda: _moe_gpt(n_expert=6), r"n_expert=6 .* use an ep_size in \[1, 2, 3, 6\]"),
+    (dict(ep_size=2, zero_stage=1), _moe_gpt, "ZeRO under expert parallelism is not built yet"),
+    (dict(ep_size=2, pp_size=2, num_microbatches=2), _moe_gpt, r"pp_size=2\): expert parallelism composes with"),
+    (dict(ep_size=2, tp_size=2), _moe_gpt, "tensor parallelism of MoE blocks"),
+])
+def test_ep_refused_before_any_group(plugin_kw, model, match):
+    """configure() refuses on its model checks: no process group runs here, so reaching one would be a
+    RuntimeError instead."""
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    with pytest.raises(ValueError, match=match):
+        HybridParallelPlugin(**plugin_kw).configure(model())
+
+
+def test_ep_refuses_top_k_over_experts_and_bad_world(monkeypatch):
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    model = _moe_gpt()
+    model.blocks["1"].mlp.top_k = 5  # a model changed after its config was checked
+    with pytest.raises(ValueError, match=r"blocks.1.mlp routes top_k=5 of n_expert=4 .* top_k <= 4"):
+        HybridParallelPlugin(ep_size=2).configure(model)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match=r"ep_size=4\): .* 6 data-parallel ranks .* ep_size in \[1, 2, 3, 6\]"):
+        HybridParallelPlugin(ep_size=4)
+    with pytest.raises(ValueError, match=r"ep_size=0\): must be an int >= 1"):
+        HybridParallelPlugin(ep_size=0)
