@@ -11,7 +11,7 @@ each expert got and the tokens dropped are kept per layer in ``last`` for loggin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -76,6 +76,8 @@ class MoE(nn.Module):
         self.shared = SharedExperts(dim, n_shared * hidden) if n_shared else None
         self.ep = None
         self.last: Optional[MoEStats] = None
+        self.step_load: Optional[List[int]] = None  # tokens per expert over this step's training forwards
+        self.step_dropped = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -96,7 +98,16 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             out = _AuxLoss.apply(out, self.aux_loss_coef * bal + self.z_loss_coef * z, self.aux_grad_scale)
         self.last = MoEStats(tuple(r.counts.tolist()), r.dropped, float(bal.detach()), float(z.detach()))
+        if self.training and torch.is_grad_enabled() and not _in_backward():  # a recompute is no new load
+            load = self.step_load or [0] * self.n_expert
+            self.step_load = [a + b for a, b in zip(load, self.last.tokens_per_expert)]
+            self.step_dropped += r.dropped
         return out.view(B, T, d)
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward (an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def moe_layers(module: nn.Module) -> Iterator[Tuple[str, MoE]]:

@@ -17,6 +17,10 @@ of ``k`` ranks holds a shard of every sequence (zig-zag for ring), the model's a
 around the ring or all-to-alls to heads, and gradients are averaged over dp × cp (every rank that
 holds the same parameters). ``execute_pipeline`` and a direct forward cut the batch themselves.
 
+``ep_size=k`` is expert parallelism for a model with MoE blocks (:mod:`..moe`): the dp ranks are cut
+into EP groups of ``k`` that each hold ``E / k`` experts and exchange tokens by all-to-all; expert
+gradients reduce over the ranks holding the same experts (:mod:`.hybrid.experts`, docs/moe.md).
+
 ``activation_checkpointing=True`` recomputes every layer; ``"auto"`` with ``activation_budget=<bytes>``
 (the peak activation memory of one training step on one rank) plans, per stage and at its first
 training forward, which layers recompute (:mod:`..autockpt`): a stage plans one microbatch for the

@@ -242,3 +242,24 @@ def test_ep_refuses_top_k_over_experts_and_bad_world(monkeypatch):
         HybridParallelPlugin(ep_size=4)
     with pytest.raises(ValueError, match=r"ep_size=0\): must be an int >= 1"):
         HybridParallelPlugin(ep_size=0)
+
+
+def test_expert_load_counts_a_step_and_round_trips():
+    from colossal_lab.engine import telemetry
+    from colossal_lab.engine.moe import take_load
+
+    torch.manual_seed(0)
+    model = _moe_gpt(capacity_factor=0.5, activation_checkpointing=True)
+    x = torch.randint(0, 256, (2, 9))
+    for _ in range(2):  # two forwards in one step (gradient accumulation); the recompute in backward is no load
+        model(x[:, :-1], x[:, 1:])[1].backward()
+    with torch.no_grad():
+        model(x[:, :-1])  # an evaluation forward is no load either
+    events = take_load(model, rank=0, step=3)
+    assert [e.layer for e in events] == ["blocks.0.mlp", "blocks.1.mlp"]
+    for e in events:
+        assert sum(e.tokens) + e.dropped == 2 * 2 * 8 * 2 and e.dropped > 0
+        assert telemetry.from_dict(telemetry.to_dict(e)) == e == telemetry.from_row(telemetry.to_row(e))
+    assert take_load(model, 0, 4) == []  # cleared
+    with pytest.raises(ValueError, match="must be counts >= 0"):
+        telemetry.ExpertLoad(rank=0, step=0, layer="x", tokens=(1, -1))

@@ -54,7 +54,7 @@ def _a2a_formula(model, ep_group) -> int:
 
 
 def _rank(rank, world):
-    from colossal_lab.engine import Booster
+    from colossal_lab.engine import Booster, telemetry
     from colossal_lab.engine.moe.parallel import COMM
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
@@ -67,6 +67,8 @@ def _rank(rank, world):
             model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
             inner = model.stage_modules[0].inner
             w1 = inner.blocks["0"].mlp.experts.w1
+            events = []
+            unsub = telemetry.subscribe(events.append)
             losses, norms, counted, formula, tokens = [], [], [], [], []
             for s in range(STEPS):
                 COMM.reset()
@@ -78,8 +80,11 @@ def _rank(rank, world):
                 counted.append(COMM.total)
                 formula.append(_a2a_formula(inner, plugin.ep_group))
                 tokens.append([list(b.mlp.last.tokens_per_expert) for b in inner.blocks.values()])
+            unsub()
+            load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events
+                    if isinstance(e, telemetry.ExpertLoad)]
             out[(name, starve)] = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens,
-                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes))
+                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load)
             plugin.close()
     return out
 
@@ -109,3 +114,15 @@ def test_all_to_all_bytes_equal_formula(runs, layout):
             assert r["counted"] == r["formula"], (layout, starve)
             assert min(r["counted"]) > 0
             assert r["labels"] == ["combine", "counts", "dispatch"]
+
+
+def test_expert_load_events(runs):
+    """One ExpertLoad per MoE layer per step on every rank: the tokens its router sent to each expert."""
+    rows = 8 // WORLD * 32  # this rank's tokens per step (support.engine: batch 8, seq 32, over dp)
+    for rank, per in enumerate(runs):
+        for (layout, starve), r in per.items():
+            load = r["load"]
+            assert [(e[0], e[1], e[2]) for e in load] == [(rank, s, f"blocks.{b}.mlp") for s in range(STEPS)
+                                                          for b in range(2)], (layout, starve)
+            assert [e[3] for e in load] == [tok for step in r["tokens"] for tok in step]
+            assert all(sum(e[3]) == rows * 2 and e[4] == 0 for e in load)  # top_k=2, dropless

@@ -89,4 +89,17 @@ class HybridParallelOptimizer(OptimizerWrapper):
         with rec.timed("optim"):
             self._sync()
             self._synced = False
-            return super().step(*args, **kwargs)
+            out = super().step(*args, **kwargs)
+        if self.grads.experts is not None or self._has_moe():  # each MoE layer's load of this step
+            from ...moe import emit_load
+
+            for mod in self.model.stage_modules:
+                emit_load(mod.inner, dist.get_rank(), self.step_count - 1)
+        return out
+
+    def _has_moe(self) -> bool:
+        if not hasattr(self, "_moe"):
+            from ...moe import moe_layers
+
+            self._moe = any(True for mod in self.model.stage_modules for _ in moe_layers(mod.inner))
+        return self._moe
