@@ -274,6 +274,7 @@ class HybridParallelPlugin(Plugin):
             self.experts = ExpertGroups(self.ep_size).build(dims)
             for mod in hp_model.stage_modules:
                 self.experts.shard(mod.inner)
+            hp_model.experts = self.experts
         self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group, self.experts)
         hp_optim = apply_optimizer(optimizer, names_of, hp_model, dims, self.zero_stage, self.precision,
                                    self._scaler, self.grads)

@@ -32,7 +32,7 @@ def _reference(starve: bool):
         _, loss = model(*batch(s))
         norms.append(train_step(model, opt, loss, CLIP))
         losses.append(loss.item())
-    return losses, norms
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _a2a_formula(model, ep_group) -> int:
@@ -81,10 +81,13 @@ def _rank(rank, world):
                 formula.append(_a2a_formula(inner, plugin.ep_group))
                 tokens.append([list(b.mlp.last.tokens_per_expert) for b in inner.blocks.values()])
             unsub()
+            state = model.full_state_dict()  # a collective: every rank gathers, two send it home
+            state = state if rank in (0, world - 1) else None
             load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events
                     if isinstance(e, telemetry.ExpertLoad)]
             out[(name, starve)] = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens,
-                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load)
+                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load,
+                                       state=state)
             plugin.close()
     return out
 
@@ -97,11 +100,17 @@ def runs():
 @pytest.mark.parametrize("starve", [False, True])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_follows_single_process(runs, layout, starve):
-    ref, ref_norms = _reference(starve)
+    ref, ref_norms, ref_state = _reference(starve)
     for rank, per in enumerate(runs):
         r = per[(layout, starve)]
         assert r["local_experts"] == E // LAYOUTS[layout]
         assert_follows((layout, starve, rank), r["losses"], r["norms"], ref, ref_norms)
+        if r["state"] is not None:  # the whole model after 5 steps: every expert gathered from its EP rank
+            assert r["state"].keys() == ref_state.keys()
+            # AdamW turns fp32 rounding in near-zero gradients into ~1e-5 steps; weights are ~0.02 (init std), so
+            # an expert gathered into the wrong slot would differ by ~0.03
+            diff = {k: (r["state"][k] - v).abs().max().item() for k, v in ref_state.items()}
+            assert max(diff.values()) < 1e-4, (layout, starve, rank, sorted(diff.items(), key=lambda kv: -kv[1])[:3])
         if starve:  # the starved experts got no token on any rank at any step, and training still agreed
             assert all(tok[e] == 0 for step in r["tokens"] for tok in step for e in STARVED)
 

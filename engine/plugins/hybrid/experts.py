@@ -76,6 +76,7 @@ class ExpertGroups:
         self.ep_group: Any = None
         self.expert_dp_group: Any = None  # None: one replica of each expert (dp == ep)
         self.params: Set[int] = set()  # ids of this rank's expert parameters
+        self.names: Set[str] = set()  # their names in the (stage) module
         self._made: List[Any] = []
 
     def build(self, dims) -> "ExpertGroups":
@@ -107,14 +108,25 @@ class ExpertGroups:
 
     def shard(self, module: nn.Module) -> None:
         """Cut every MoE block's grouped experts to this rank's share and hand it the EP handle."""
-        for _, moe in _moe_layers(module):
+        for layer, moe in _moe_layers(module):
             lo, hi = self.handle.local_experts(moe.n_expert)
             ex = moe.experts
             for name in ("w1", "w3", "w2"):
                 full = getattr(ex, name)
                 setattr(ex, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
                 self.params.add(id(getattr(ex, name)))
+                self.names.add(f"{layer}.experts.{name}")
             moe.ep = self.handle
+
+    def full(self, t):
+        """This rank's slice of a grouped expert weight -> every expert's (all-gathered over the EP group)."""
+        import torch
+
+        from ... import comm
+
+        parts = [torch.empty_like(t) for _ in range(self.ep_size)]
+        comm.all_gather(parts, t.contiguous(), group=self.ep_group)
+        return torch.cat(parts, 0)
 
     def groups(self) -> List[Any]:
         return list(self._made)
