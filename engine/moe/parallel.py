@@ -14,6 +14,8 @@ and go through :func:`...comm.all_to_all_single`, so ``COMM`` (labels ``moe.coun
 ``moe.dispatch``, ``moe.combine``) counts exactly the rows sent to other ranks, forward and
 backward. Built on ``torch.distributed.all_to_all_single``; the same scheme as torchtitan's
 ``ExpertParallel`` and Colossal-AI's ``MoeHybridParallelPlugin``, without their fused kernels.
+torch's ``_functional_collectives.all_to_all_single_autograd`` (torchtitan's) would do the
+autograd part too, but bypasses ``comm``'s counter, the engine's one route to collectives.
 """
 
 from __future__ import annotations

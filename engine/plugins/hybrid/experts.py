@@ -34,8 +34,8 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
     layers = _moe_layers(model)
     if not layers:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {type(model).__name__} has no MoE block "
-                         "(engine/moe.MoE) to split; build it with experts (the reference model: n_expert=8, top_k=2 in "
-                         "its config) or set ep_size=1")
+                         "(engine/moe.MoE) to split; build it with experts (the reference model: n_expert=8, top_k=2 "
+                         "in its config) or set ep_size=1")
     for name, moe in layers:
         if moe.top_k > moe.n_expert:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} routes top_k={moe.top_k} of "
