@@ -14,6 +14,7 @@ counts DTensor's into the same counter.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -200,13 +201,24 @@ def reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, op=None, group=N
     del scratch
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, label: Optional[str] = None) -> torch.Tensor:
-    """``torch.distributed.all_to_all_single`` over dim 0 (one equal slot per rank); both tensors on
-    a device the backend takes. Returns ``out``."""
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group=None, label: Optional[str] = None,
+                      in_splits: Optional[Sequence[int]] = None,
+                      out_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """``torch.distributed.all_to_all_single`` over dim 0 (one equal slot per rank, or the rows
+    ``in_splits[r]`` sent to / ``out_splits[r]`` received from group rank ``r``: an expert-parallel
+    dispatch); both tensors on a device the backend takes. Returns ``out``. With splits the bytes
+    counted are exactly the rows sent to other ranks."""
     _check_device((out, inp), group, "all_to_all_single")
-    _count("all_to_all", _nbytes(inp), group, label)
+    if in_splits is None and out_splits is None:
+        _count("all_to_all", _nbytes(inp), group, label)
+    elif dist.get_world_size(group) > 1:
+        row = math.prod(inp.shape[1:]) * inp.element_size()
+        p = dist.get_world_size(group)
+        rows = inp.shape[0] - in_splits[dist.get_rank(group)] if in_splits is not None else inp.shape[0] * (p - 1) // p
+        COUNTER.add("all_to_all", rows * row, label or "")
     with timed(label):
-        dist.all_to_all_single(out, inp, group=group)
+        dist.all_to_all_single(out, inp, output_split_sizes=None if out_splits is None else list(out_splits),
+                               input_split_sizes=None if in_splits is None else list(in_splits), group=group)
     return out
 
 

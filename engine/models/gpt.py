@@ -40,6 +40,15 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     mlp_hidden: Optional[int] = None  # default: SwiGLU's 8/3 * n_embd rounded up to 64
+    # mixture of experts (engine/moe, docs/moe.md): n_expert > 0 swaps every block's MLP for an MoE
+    # block of n_expert SwiGLU experts of width `hidden`, top_k of them per token; 0 = dense (default)
+    n_expert: int = 0
+    top_k: int = 2
+    moe_gating: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    n_shared_expert: int = 0  # DeepSeek's always-on shared experts
+    capacity_factor: Optional[float] = None  # None: dropless; else each expert keeps ceil(c * N * k / E) tokens
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (per sequence, Switch's form)
+    z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE)
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -50,6 +59,7 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig: {name}={getattr(self, name)} must be >= 1")
+        self._check_moe()
         ac, budget = self.activation_checkpointing, self.activation_budget
         if not (isinstance(ac, bool) or ac == "auto"):
             raise ValueError(f"GPTConfig: activation_checkpointing={ac!r} must be True, False or 'auto'")
@@ -60,6 +70,24 @@ class GPTConfig:
             raise ValueError("GPTConfig(activation_checkpointing='auto') needs activation_budget=<bytes> > 0: the peak "
                              "activation memory of a training step the plan must stay under (e.g. activation_budget="
                              "2 << 30), or use activation_checkpointing=True to recompute every block")
+
+    def _check_moe(self) -> None:
+        from ..moe.router import GATINGS
+
+        E, k = self.n_expert, self.top_k
+        if isinstance(E, bool) or not isinstance(E, int) or E < 0:
+            raise ValueError(f"GPTConfig: n_expert={E!r} must be an int >= 0 (0: a dense MLP in every block)")
+        if not E:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E:
+            raise ValueError(f"GPTConfig: top_k={k!r} must be an int in [1, n_expert={E}]")
+        if self.moe_gating not in GATINGS:
+            raise ValueError(f"GPTConfig: moe_gating={self.moe_gating!r}; choose one of {GATINGS}")
+        if not isinstance(self.n_shared_expert, int) or self.n_shared_expert < 0:
+            raise ValueError(f"GPTConfig: n_shared_expert={self.n_shared_expert!r} must be an int >= 0")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+            raise ValueError(f"GPTConfig: capacity_factor={cf!r} must be None (dropless) or a number > 0, e.g. 1.25")
 
     @property
     def hidden(self) -> int:
@@ -188,13 +216,22 @@ class MLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _moe(cfg: GPTConfig) -> nn.Module:
+    """The MoE block that replaces a block's MLP when ``cfg.n_expert > 0`` (engine/moe)."""
+    from ..moe import MoE
+
+    return MoE(cfg.n_embd, cfg.hidden, cfg.n_expert, cfg.top_k, cfg.moe_gating, cfg.n_shared_expert,
+               cfg.capacity_factor, cfg.aux_loss_coef, cfg.z_loss_coef,
+               out_std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.n_expert else _moe(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin, cache: Optional[KVCache] = None, key: str = "",
@@ -302,6 +339,10 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer) if scaled else 0.02)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif type(module).__name__ in ("GroupedExperts", "TopKRouter"):  # engine/moe: experts, the choice bias
+            from ..moe import GroupedExperts
+
+            module.reset_parameters() if isinstance(module, GroupedExperts) else module.expert_bias.zero_()
         elif module is self:
             cos, sin = rope_tables(self.cfg.n_embd // self.cfg.n_head, self.cfg.block_size, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
@@ -356,6 +397,9 @@ class GPT(nn.Module):
         return plan
 
     def check_tp(self, tp_size: int) -> None:
+        if self.cfg.n_expert:
+            raise ValueError(f"GPT: tensor parallelism of MoE blocks (n_expert={self.cfg.n_expert}) is not built yet; "
+                             "use tp_size=1 (experts split over ep_size instead)")
         if self.cfg.n_head % tp_size:
             raise ValueError(f"GPT: n_head={self.cfg.n_head} is not divisible by the {tp_size} ranks of the "
                              f"tensor-parallel group; use a size that divides {self.cfg.n_head}")

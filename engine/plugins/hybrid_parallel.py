@@ -17,6 +17,10 @@ of ``k`` ranks holds a shard of every sequence (zig-zag for ring), the model's a
 around the ring or all-to-alls to heads, and gradients are averaged over dp × cp (every rank that
 holds the same parameters). ``execute_pipeline`` and a direct forward cut the batch themselves.
 
+``ep_size=k`` is expert parallelism for a model with MoE blocks (:mod:`..moe`): the dp ranks are cut
+into EP groups of ``k`` that each hold ``E / k`` experts and exchange tokens by all-to-all; expert
+gradients reduce over the ranks holding the same experts (:mod:`.hybrid.experts`, docs/moe.md).
+
 ``activation_checkpointing=True`` recomputes every layer; ``"auto"`` with ``activation_budget=<bytes>``
 (the peak activation memory of one training step on one rank) plans, per stage and at its first
 training forward, which layers recompute (:mod:`..autockpt`): a stage plans one microbatch for the
@@ -96,12 +100,12 @@ class HybridParallelPlugin(Plugin):
                  precision: str = "fp32", activation_checkpointing: Union[bool, str] = False, *,
                  tp_plan: Optional[dict] = None, input_key: str = "idx", tp_mode: str = "1d", tp_depth: int = 1,
                  cp_size: int = 1, cp_mode: str = "ring", activation_budget: Optional[int] = None,
-                 loss_parallel: bool = True):
+                 loss_parallel: bool = True, ep_size: int = 1):
         from ..autockpt_dist import check_budget
         from ..context_parallel import MODES as CP_MODES
         from ..tp_nd.grid import factor
         for name, v in (("tp_size", tp_size), ("pp_size", pp_size), ("num_microbatches", num_microbatches),
-                        ("microbatch_size", microbatch_size), ("cp_size", cp_size)):
+                        ("microbatch_size", microbatch_size), ("cp_size", cp_size), ("ep_size", ep_size)):
             optional = name in ("num_microbatches", "microbatch_size")
             if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
@@ -140,6 +144,12 @@ class HybridParallelPlugin(Plugin):
             raise ValueError(f"HybridParallelPlugin(tp_size={tp_size}, pp_size={pp_size}, cp_size={cp_size}): "
                              f"tp_size * pp_size * cp_size = {tp_size * pp_size * cp_size} does not divide the world "
                              f"size {world}; choose sizes whose product divides {world}")
+        if ep_size > 1:  # expert parallelism: EP groups cut from dp (hybrid/experts.py)
+            from .hybrid.experts import check_world
+
+            check_world(ep_size, tp_size * pp_size * cp_size, world)
+        self.ep_size = ep_size
+        self.experts = None  # hybrid.experts.ExpertGroups once configured with ep_size > 1
         self.tp_size, self.pp_size, self.zero_stage = tp_size, pp_size, zero_stage
         self.num_microbatches, self.microbatch_size = num_microbatches, microbatch_size
         self.pp_style, self.num_model_chunks = pp_style, num_model_chunks
@@ -204,6 +214,11 @@ class HybridParallelPlugin(Plugin):
         return self.dims.cp_group if self._built() else None
 
     @property
+    def ep_group(self):
+        """This rank's expert-parallel group (None without expert parallelism)."""
+        return self.experts.ep_group if self.experts is not None else None
+
+    @property
     def dp_size(self) -> int:
         if not self._built():
             w = _world_size() or 1
@@ -253,7 +268,14 @@ class HybridParallelPlugin(Plugin):
         if dims.cp > 1:
             hp_model.cp = (dims.cp_group, self.cp_mode)
         self._model = hp_model
-        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group)
+        if self.ep_size > 1:  # this rank's share of the experts, before the optimizer is rebuilt over them
+            from .hybrid.experts import ExpertGroups
+
+            self.experts = ExpertGroups(self.ep_size).build(dims)
+            for mod in hp_model.stage_modules:
+                self.experts.shard(mod.inner)
+            hp_model.experts = self.experts
+        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group, self.experts)
         hp_optim = apply_optimizer(optimizer, names_of, hp_model, dims, self.zero_stage, self.precision,
                                    self._scaler, self.grads)
         if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):
@@ -271,6 +293,9 @@ class HybridParallelPlugin(Plugin):
         check_checkpointing(model, ckpt)
         check_tensor_parallel(model, self)
         check_context_parallel(model, self)
+        from .hybrid.experts import check_expert_parallel
+
+        check_expert_parallel(model, self, _world_size())
         return ckpt
 
     # ---- the pipeline ---------------------------------------------------------------------
@@ -402,6 +427,9 @@ class HybridParallelPlugin(Plugin):
             return
         groups: List[Any] = self.dims.groups() if self.dims is not None else []
         groups += self.grads.ties.groups()
+        if self.experts is not None:
+            groups += self.experts.groups()
+            self.experts = None
         nd = getattr(self._model, "nd", None)
         if nd is not None:
             groups += [g.pg for g in nd.grid.groups.values()]

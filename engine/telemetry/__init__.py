@@ -27,6 +27,7 @@ from .events import (
                      TIERS,
                      ChunkEvent,
                      Event,
+                     ExpertLoad,
                      MemorySample,
                      StageSpan,
                      StepMetrics,
@@ -40,7 +41,7 @@ from .units import format_bytes
 
 __all__ = [
     "format_bytes",
-    "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "Event", "EVENT_TYPES", "TIERS",
+    "ChunkEvent", "StageSpan", "MemorySample", "StepMetrics", "ExpertLoad", "Event", "EVENT_TYPES", "TIERS",
     "SPAN_KINDS", "emit", "subscribe", "has_subscribers", "record", "read_trace", "write_trace",
     "to_dict", "from_dict", "to_row", "from_row", "ROW_TYPES", "bubble_fractions", "dedupe", "to_chrome_trace",
     "bubble_fractions_by_rank", "rank_busy", "RankBusy", "fractions_from_busy", "stage_means", "rank_label",

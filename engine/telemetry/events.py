@@ -156,8 +156,28 @@ class CheckpointPlanEvent:
                              f"got lengths {[len(getattr(self, f)) for f in bad]}")
 
 
-Event = Union[ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent]
-EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent)}
+@dataclass(frozen=True)
+class ExpertLoad:
+    """The expert load of one MoE layer on one rank over one optimizer step (``engine/moe``): ``tokens[e]``
+    is how many token-to-expert assignments this rank's router sent to expert ``e`` (global index, over
+    every training forward of the step, capacity drops excluded) and ``dropped`` the assignments a
+    capacity factor dropped. ``layer`` names the block (``"blocks.0.mlp"``)."""
+
+    rank: int
+    step: int
+    layer: str
+    tokens: Tuple[int, ...]
+    dropped: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        if self.dropped < 0 or any(t < 0 for t in self.tokens):
+            raise ValueError(f"ExpertLoad: tokens={self.tokens} and dropped={self.dropped} must be counts >= 0")
+
+
+Event = Union[ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent, ExpertLoad]
+EVENT_TYPES = {cls.__name__: cls for cls in (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent,
+                                             ExpertLoad)}
 
 
 # field names per event type, read once: ``to_dict``/``from_dict`` run per event on the relay's
@@ -171,7 +191,7 @@ _NAMES = {name: (cls, frozenset(_FIELDS[cls])) for name, cls in EVENT_TYPES.item
 _OMIT_IF_DEFAULT = {ChunkEvent: (("moves", 0),), StageSpan: (("dp", 0), ("tp", 0)),
                     MemorySample: (("peak", 0), ("reserved", 0), ("util", None))}
 # tuple fields written as JSON lists by ``to_dict`` (``__post_init__`` turns them back)
-_TUPLES = {CheckpointPlanEvent: ("layers", "names", "options", "keep", "recompute_s")}
+_TUPLES = {CheckpointPlanEvent: ("layers", "names", "options", "keep", "recompute_s"), ExpertLoad: ("tokens",)}
 
 
 def to_dict(event: Event) -> dict:
@@ -207,7 +227,7 @@ def from_dict(d: dict[str, Any]) -> Event:
 # event repeats every key), and a row is read back positionally. For the relay, whose ranks
 # and kernel run the same package; JSONL traces keep ``to_dict``'s self-describing dicts.
 # append only: a type's index is its code on the relay's wire
-ROW_TYPES = (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent)
+ROW_TYPES = (ChunkEvent, StageSpan, MemorySample, StepMetrics, CheckpointPlanEvent, ExpertLoad)
 _ROW_CODE = {cls: i for i, cls in enumerate(ROW_TYPES)}
 _GETTERS = {cls: operator.attrgetter(*_FIELDS[cls]) for cls in ROW_TYPES}
 

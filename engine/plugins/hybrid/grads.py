@@ -82,12 +82,17 @@ class GradSync:
     """``sync(model)``: tied copies summed, then the mean over ``group`` (dp × cp; None: this rank
     alone) and the N-d batch pieces."""
 
-    def __init__(self, ties: TiedCopies, group: Optional[Any]):
+    def __init__(self, ties: TiedCopies, group: Optional[Any], experts: Optional[Any] = None):
         self.ties, self.group = ties, group
+        self.experts = experts  # an experts.ExpertGroups under expert parallelism (its parameters reduce apart)
 
     def __call__(self, model) -> None:
         self.ties.sum_grads()
         named = list(model.named_model_parameters())
+        if self.experts is not None:  # summed over their expert-dp group, divided as the rest (hybrid/experts.py)
+            own = self.experts.params
+            self._sync_experts([p for _, p in named if id(p) in own])
+            named = [(n, p) for n, p in named if id(p) not in own]
         # N-d: each rank's loss is the mean over its piece of the batch and the grid's reductions sum
         # the pieces, so gradients are averaged over the nb pieces as over data parallelism
         nb = model.nd.grid.batch_shards if model.nd is not None else 1
@@ -113,3 +118,17 @@ class GradSync:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
             comm.release(flat)  # freed here, not whenever gloo's worker drops the all-reduce
+
+    def _sync_experts(self, params: List[torch.Tensor]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.experts.expert_dp_group is not None:
+            comm.all_reduce(flat, group=self.experts.expert_dp_group)
+        flat.div_(dist.get_world_size(self.group))
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+        comm.release(flat)

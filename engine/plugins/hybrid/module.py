@@ -37,6 +37,7 @@ class HybridParallelModule(nn.Module):
         self.first_forward: Optional[float] = None
         self.nd = None  # a tp_nd.NdParallel under tp_mode 2d/2.5d/3d (set by configure)
         self.cp = None  # (group, mode) under context parallelism (set by configure)
+        self.experts = None  # experts.ExpertGroups under expert parallelism (set by configure)
 
     def forward(self, *args, **kwargs):
         if self._plugin_pp > 1:
@@ -92,13 +93,15 @@ class HybridParallelModule(nn.Module):
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The unsplit model's state dict, gathered on every rank (DTensors made whole, every
-        pipeline stage contributing its own parameters); names match the plain model."""
+        pipeline stage contributing its own parameters, the EP group its experts); names match the plain model."""
         local = {}
         for mod in self.stage_modules:
             for n, t in mod.inner.state_dict().items():
                 t = t.full_tensor() if hasattr(t, "full_tensor") else t
                 if self.nd is not None and n in self.nd.params:
                     t = self.nd.full(n, t)  # a collective over the tp group, in state-dict order
+                if self.experts is not None and n in self.experts.names:
+                    t = self.experts.full(t)  # every expert: a collective over the EP group, likewise
                 local[n] = t.detach().to("cpu", copy=True)  # a snapshot, never the live tensor
         group = self.runtime.pp_group
         if group is None or dist.get_world_size(group) == 1:

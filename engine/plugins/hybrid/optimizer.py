@@ -55,11 +55,21 @@ class HybridParallelOptimizer(OptimizerWrapper):
         inf = p == math.inf
         acc = 0.0
         skip = self.grads.ties.skip
-        for g in [g for n, g in named if n not in skip]:  # a tied weight counts once
+        experts = self.grads.experts  # expert parallelism: each EP rank holds other experts
+        own = experts.params if experts is not None else set()
+        ids = {n: id(q) for n, q in self.model.named_model_parameters()}
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        acc_ex = 0.0
+        for name, g in [(n, g) for n, g in named if n not in skip]:  # a tied weight counts once
             n = torch.linalg.vector_norm(g.float(), p)
             n = float(n.full_tensor() if hasattr(n, "full_tensor") else n)
-            acc = max(acc, n) if inf else acc + n ** p
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            if ids.get(name) in own:
+                acc_ex = max(acc_ex, n) if inf else acc_ex + n ** p
+            else:
+                acc = max(acc, n) if inf else acc + n ** p
+        if experts is not None:
+            (acc_ex,) = comm.reduce_values([acc_ex], op=op, group=experts.ep_group)
+            acc = max(acc, acc_ex) if inf else acc + acc_ex
         nd = self.model.nd
         if nd is not None and nd.grid.tp_group.pg is not None:  # N-d: each element has one owner in the grid
             (acc,) = comm.reduce_values([acc], op=op, group=nd.grid.tp_group.pg)
@@ -79,4 +89,17 @@ class HybridParallelOptimizer(OptimizerWrapper):
         with rec.timed("optim"):
             self._sync()
             self._synced = False
-            return super().step(*args, **kwargs)
+            out = super().step(*args, **kwargs)
+        if self.grads.experts is not None or self._has_moe():  # each MoE layer's load of this step
+            from ...moe import emit_load
+
+            for mod in self.model.stage_modules:
+                emit_load(mod.inner, dist.get_rank(), self.step_count - 1)
+        return out
+
+    def _has_moe(self) -> bool:
+        if not hasattr(self, "_moe"):
+            from ...moe import moe_layers
+
+            self._moe = any(True for mod in self.model.stage_modules for _ in moe_layers(mod.inner))
+        return self._moe
