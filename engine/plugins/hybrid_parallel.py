@@ -329,24 +329,26 @@ class HybridParallelPlugin(Plugin):
                                  f"is not a multiple of microbatch_size={self.microbatch_size}")
             m = bs // self.microbatch_size
             validate_schedule(self.pp_style, self.pp_size, self.num_model_chunks, m)
-        if self._hf and model.cp is not None:
-            raise ValueError(f"HybridParallelPlugin(cp_size={self.cp_size}): execute_pipeline does not carry a "
-                             "transformers model's shard positions and shifted labels yet; call the model directly "
-                             "(loss = model(**batch).loss; booster.backward(loss, optimizer))")
-        keys = ()
+        keys, whole = (), batch
         if self._hf:  # the stages' per-token inputs; outputs.logits / outputs.loss for the criterion (docs/hf.md)
             last = model.stage_modules[-1].inner
+            self._check_sequence_cut(batch)
             batch, keys = hf.check_batch(batch, last, self.input_key)
             if model.nd is not None and model.nd.grid.mode == "3d":
                 check_rows_agree(batch, keys, "3d")
             items = label_items(last, batch, m) if model.nd is None else None
+            if model.cp is not None:  # this rank's shard: global positions, shifted labels (models/hf/context.py)
+                from ..models.hf.context import shard_pipeline_batch
+
+                batch, items = shard_pipeline_batch(batch, *model.cp, self.input_key, m)
+                batch, keys = hf.check_batch(batch, last, self.input_key)
             criterion = hf.pipeline_criterion(last, criterion, items)
-        model.count((batch[self.input_key],) if self.input_key in batch else (), {})
+        model.count((whole[self.input_key],) if self.input_key in whole else (), {})
         self._step.microbatches = m  # an "auto" plan made in this call divides the budget by what is in flight
         self._step.errors = []
         try:
             if model.cp is not None:
-                out = self._run_cp(model, batch, criterion, m, return_outputs)
+                out = self._run_cp(model, batch, criterion, m, return_outputs, keys)
             elif model.nd is None:
                 from ..models.hf.vocab_parallel import backward_context
 
@@ -403,16 +405,32 @@ class HybridParallelPlugin(Plugin):
             out["loss"] = torch.tensor(total / g.size, dtype=out["loss"].dtype)
         return out
 
-    def _run_cp(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool):
+    def _check_sequence_cut(self, batch: dict) -> None:
+        """Under a pipeline a length sequence parallelism cannot cut would fail on one stage while the next
+        waits for its send: refused here, on every rank alike, before the schedule starts."""
+        x = batch.get(self.input_key)
+        tp = self.tp_size
+        if self.sequence_parallel and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
+            raise ValueError(f"HybridParallelPlugin(sequence_parallel=True, tp_size={tp}): batch[{self.input_key!r}] "
+                             f"has {x.shape[1]} tokens, which do not cut into {tp} equal sequence shards; use a "
+                             f"length divisible by tp_size={tp}")
+
+    def _run_cp(self, model: HybridParallelModule, batch: dict, criterion: Callable, m: int, return_outputs: bool,
+                keys: tuple = ()):
         """One step under context parallelism: this rank's shard of every sequence (input and
-        targets; zig-zag for ring), ring/all-to-all waits as ``comm`` spans; the loss reported is
-        the mean over the cp group's shards (outputs stay this rank's shard)."""
+        targets; zig-zag for ring; a transformers batch was cut with its positions and shifted labels
+        before), ring/all-to-all waits as ``comm`` spans; the loss reported is the mean over the cp
+        group's shards (outputs stay this rank's shard)."""
         from .. import context_parallel as cp
+        from ..models.hf.vocab_parallel import backward_context
 
         group = model.cp[0]
-        batch = cp.shard_batch(batch, group, self.cp_mode, keys=(self.input_key, "targets"))
-        with cp.comm_spans(model.runtime.recorder):
-            out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs)
+        if not self._hf:
+            batch = cp.shard_batch(batch, group, self.cp_mode, keys=(self.input_key, "targets"))
+        with cp.comm_spans(model.runtime.recorder), backward_context():
+            out = model.runtime.run(batch, criterion, m, return_outputs=return_outputs, stage_keys=keys)
+        if self._hf and out["outputs"] is not None:
+            out["outputs"] = hf.whole_outputs(model.stage_modules[-1].inner, out["outputs"])
         if out["loss"] is not None:
             (total,) = comm.reduce_values([float(out["loss"])], group=group)
             out["loss"] = torch.tensor(total / self.cp_size, dtype=out["loss"].dtype)

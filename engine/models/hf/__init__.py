@@ -128,13 +128,10 @@ def nd_plan(model: nn.Module, user_plan: Optional[dict], mode: str) -> dict:
 
 def check_sequence_parallel(model: nn.Module, plugin) -> None:
     """Sequence parallelism cuts the residual stream of the model's layer list: it needs that list (the
-    pipeline layout) and one stage holding every layer."""
+    pipeline layout; under ``pp_size > 1`` the stages hand on sequence shards, :mod:`.sequence`)."""
     from .pipeline import layout
 
     where = f"HybridParallelPlugin(sequence_parallel=True, tp_size={plugin.tp_size})"
-    if plugin.pp_size > 1:
-        raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages would hand on "
-                         "sequence shards; use pp_size=1 or sequence_parallel=False")
     if layout(model) is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "

@@ -20,10 +20,17 @@ forward (a direct call of the boosted model):
   from the local length wrong), and transformers builds no mask for an implementation absent from
   its mask registry; a padding mask (zeros) is refused.
 
+Under ``booster.execute_pipeline`` (with or without pipeline stages) :func:`shard_pipeline_batch` cuts the
+batch the same way before the schedule splits it into microbatches: the first stage takes the shard's
+``input_ids``, every stage its global ``position_ids`` (a carried per-token input, :mod:`.inputs`), so each
+stage's own rotary embedding (or learned positions) takes the shard's angles, and the last stage's criterion
+its ``shift_labels``; the model's own loss divides by the batch's target count over microbatches and ``cp``
+(the same share as above). Stages hand on ``(B, T/cp, C)``: the p2p buffers are the rank's shard.
+
 Refused before any work, naming the option: a model outside the registry, non-causal attention
 (encoders), attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
-sequence, pipelines (pp_size > 1), a cache (generation), and Ulysses heads that do not divide over
-tp_size * cp_size. transformers is imported only inside the functions that need it (an HF model exists).
+sequence, a cache (generation), and Ulysses heads that do not divide over tp_size * cp_size.
+transformers is imported only inside the functions that need it (an HF model exists).
 """
 
 from __future__ import annotations
@@ -76,9 +83,6 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"{where}: config.attn_logit_softcapping={cfg.attn_logit_softcapping} is not applied by "
                          "ring / Ulysses attention; set it to None or cp_size=1")
-    if plugin.pp_size > 1:
-        raise ValueError(f"{where}, pp_size={plugin.pp_size}: a transformers model's pipeline stages do not carry "
-                         "the shard's position_ids and shifted labels yet; use pp_size=1 with cp_size>1")
     if _var_keyword(model) is None:
         raise ValueError(f"{where}: {name}.forward takes no **kwargs, so the shard's shift_labels and "
                          "num_items_in_batch cannot reach its loss; set cp_size=1")
@@ -141,8 +145,6 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
     """The keyword arguments of a direct forward on this rank's shard (see the module docstring): every
     ``(B, T, ...)`` input cut along T, global ``position_ids``, shifted and sharded labels; ``ValueError``
     (before any communication) for a padding mask, a cache, or a length that does not cut."""
-    from ...context_parallel import _check_len, positions, shard_sequence
-
     r, n = dist.get_rank(group), dist.get_world_size(group)
     where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
     bound, var = inspect.signature(model.forward).bind_partial(*args, **kwargs), _var_keyword(model)
@@ -151,6 +153,32 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
     ids = kw.get("input_ids") if kw.get("input_ids") is not None else kw.get("inputs_embeds")
     if ids is None:
         raise ValueError(f"{where}: the forward needs input_ids (or inputs_embeds) to cut into sequence shards")
+    if kw.get("past_key_values") is not None:
+        raise ValueError(f"{where}: past_key_values (a cache, generation) is not run under context parallelism; "
+                         "generate with the plain model")
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kw["use_cache"] = False
+    return _cut(kw, ids, r, n, mode, where)
+
+
+def shard_pipeline_batch(batch: dict, group, mode: str, input_key: str, num_microbatches: int) -> tuple:
+    """``(batch, items)``: ``execute_pipeline``'s HF batch on this rank's shard, as :func:`shard_inputs` cuts
+    a direct call's (every ``(B, T, ...)`` entry cut along T, global ``position_ids``, ``shift_labels``; no
+    ``attention_mask``), and the ``num_items_in_batch`` each microbatch's own loss divides by: the batch's
+    target count over ``num_microbatches * cp``, so the schedule's mean over microbatches, averaged over the
+    cp group, is the batch mean. Every rank checks the same whole batch, so a refusal is raised alike
+    everywhere, before the schedule's first send."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
+    kw = _cut(dict(batch), batch[input_key], r, n, mode, where)
+    count = kw.pop("num_items_in_batch", None)
+    return kw, (count / num_microbatches if count else None)
+
+
+def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str) -> dict:
+    """``kw`` (a forward's keyword arguments, or a batch) on rank ``r``'s shard of ``n`` (module docstring)."""
+    from ...context_parallel import _check_len, positions, shard_sequence
+
     B, T = ids.shape[:2]
     try:
         _check_len(T, n, mode, where)
@@ -160,11 +188,6 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         raise ValueError(f"{where}: attention_mask masks padding, which ring / Ulysses attention does not apply "
                          "(each rank attends causally over the whole sequence); pack sequences without padding")
-    if kw.get("past_key_values") is not None:
-        raise ValueError(f"{where}: past_key_values (a cache, generation) is not run under context parallelism; "
-                         "generate with the plain model")
-    if "use_cache" in inspect.signature(model.forward).parameters:
-        kw["use_cache"] = False
     labels = kw.get("labels")
     if labels is not None:
         shifted = kw.get("shift_labels")

@@ -45,9 +45,13 @@ class StageOutputs:
                                  "{'input_ids': x, 'labels': x}); or pass criterion(outputs, batch) -> loss")
             config = getattr(self._model, "config", None)
             kw = {} if self._items is None else {"num_items_in_batch": self._items}
+            if self._batch.get("shift_labels") is not None:  # context parallelism: shifted on the whole sequence
+                kw["shift_labels"] = self._batch["shift_labels"]
             loss = self._model.loss_function(logits=self._logits, labels=labels,  # sharded: inside loss_parallel()
                                              vocab_size=getattr(config, "vocab_size", None), **kw)
-            self._loss = loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor scalar
+            # a replicated DTensor scalar; its local tensor is a view, which the zero-bubble schedules' split
+            # backward cannot detach in place: a copy
+            self._loss = loss.to_local().clone() if hasattr(loss, "to_local") else loss
         return self._loss
 
     def __getitem__(self, key: str):

@@ -19,12 +19,22 @@ class holding only 1-D parameters). For each direct child of a decoder layer:
 
 The embedding output stays whole, so the base model's code before the layers (position ids, rotary
 tables, the causal mask) sees the whole sequence; the first layer cuts it, the last gathers its output
-whole again, so the code after the layers (final norm, GPT-2's reshape, the head) does too. Tokens lie
+whole again, so the code after the layers (final norm, GPT-2's reshape, the head) does too.
+
+Under a pipeline (a stage of :mod:`.pipeline`, marked ``_cl_stage``) the stream stays cut between stages:
+a stage before the last cuts its output to this rank's ``(B, T/tp, C)`` shard (the p2p buffers are ``1/tp``
+of the whole), and a later stage gathers what it receives whole on entry, so its base forward computes
+positions, rotary tables and the mask on the whole sequence as the unsplit model does; its first layer cuts
+it again. Every stage still gathers its last layer's output, because a base forward may reshape by the
+whole sequence after its layers even where the final norm is a stand-in (GPT-2's ``view(-1, T, C)``
+would silently fold a shard's rows together); the cost is an all-gather per stage boundary on each side
+(and their backwards), in exchange for p2p messages ``1/tp`` the size. No hook keeps a tensor between
+calls, so a layer recomputed in backward cuts alike. Tokens lie
 along dim 1 of a ``(B, T, C)`` tensor and dim 0 of a flattened one (a per-token region gathers and
 cuts such rows alike). Built on DTensor's ``redistribute`` (its autograd gives each move its backward:
 a cut for a gather, a gather for a cut) and torch's ``RowwiseParallel``; written here only the hooks
 and the walk that places them. A length tp does not divide is refused at the first layer, before that
-layer's collectives; pipelines are refused with ``sequence_parallel=True`` (a stage would hand on a shard).
+layer's collectives (under a pipeline, ``execute_pipeline`` refuses it before the schedule starts).
 """
 
 from __future__ import annotations
@@ -93,13 +103,15 @@ class _OnOutput:
     """Forward hook: the module's output (or the first element of a tuple output) cut from whole to this
     rank's shard of the tokens, or (``to_whole``) gathered whole."""
 
-    def __init__(self, mesh, to_whole: bool, name: str):
-        self.mesh, self.to_whole, self.name = mesh, to_whole, name
+    def __init__(self, mesh, to_whole: bool, name: str, own: bool = False):
+        self.mesh, self.to_whole, self.name, self.own = mesh, to_whole, name, own
 
     def __call__(self, module, args, output):
         if isinstance(output, tuple):
             return (_move(output[0], self.mesh, self.to_whole, self.name),) + output[1:]
-        return _move(output, self.mesh, self.to_whole, self.name)
+        out = _move(output, self.mesh, self.to_whole, self.name)
+        # ``own``: a pipeline stage's output, which the zero-bubble schedules detach in place: not a view
+        return out.clone() if self.own and out._is_view() else out
 
 
 def _rowwise_to_shard(style):
@@ -136,6 +148,9 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
     lay = _layout_or_raise(model)
     hooks: List[tuple] = []
     layers = list(model.get_submodule(lay.layers).named_children())
+    first, last = getattr(model, "_cl_stage", (True, True))[:2]  # a pipeline stage's place, or the whole model
+    if not first:  # the previous stage's shard, gathered whole for this stage's base forward (positions, mask)
+        hooks.append((model, "pre", _OnInput(tp_mesh, True, "the stage's input (the previous stage's shard)")))
     for i, (idx, layer) in enumerate(layers):
         prefix = f"{lay.layers}.{idx}"
         if i == 0:  # the whole embedding output, cut to this rank's shard
@@ -158,6 +173,8 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
                     hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
     if layers:  # the base model's code after the layers (final norm, reshapes) sees the whole sequence
         hooks.append((layers[-1][1], "post", _OnOutput(tp_mesh, True, f"{lay.layers}.{layers[-1][0]}'s output")))
+    if not last:  # what the next stage receives: this rank's shard
+        hooks.append((model, "post", _OnOutput(tp_mesh, False, "the stage's output", own=True)))
     return hooks
 
 
