@@ -28,7 +28,7 @@ from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import GLOBAL_BATCH, SEQ, assert_follows, batch, param_groups  # noqa: E402
 
-STEPS, LR, CLIP = 5, 1e-2, 0.5
+STEPS, LR, CLIP = 5, hf.LR, 0.5  # AdamW's lr: support.hf says why not 1e-2
 ROWS, T, LAYERS, HIDDEN = GLOBAL_BATCH, SEQ, 4, 64  # 8 x 32: T cuts into 2 * cp zig-zag chunks and tp shards
 
 # rotary + grouped kv heads (Llama), q/k/v biases (Qwen2), a sliding window longer than T (Mistral),
