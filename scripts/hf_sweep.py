@@ -23,7 +23,8 @@ Speed: the ranks fork from a server that imported torch, the engine and transfor
 (``support.dist.run_distributed(preload=True)``) and one 2-rank world runs many families in turn. After every
 case the ranks compare outcomes through the rendezvous store (not gloo): a case that failed on one rank only, or
 a rank that does not report within ``--case-timeout`` seconds, ends the world (the collectives may be out of
-step), and the next world starts at the next family; each rank appends its records to a file as it goes, so a
+step), as does a case still running after that long (a watchdog thread records it and exits the rank), and the
+next world starts at the next family; each rank appends its records to a file as it goes, so a
 world that dies loses only the case it was in.
 
 Run: ``.venv/bin/python scripts/hf_sweep.py [--families llama,gpt2] [--modes tp2,pp2] [--json out.json]``.
@@ -141,6 +142,14 @@ def _reference(model_type):
                           length=T)
 
 
+#: how the engine's refusals begin (a ValueError from the model's own code, "not enough values to unpack", is not one)
+REFUSALS = ("HybridParallelPlugin(", "pipeline parallelism", "tensor parallelism", "tp plan entry", "pipeline_stage")
+
+
+def _named(e: Exception) -> bool:
+    return isinstance(e, ValueError) and str(e).startswith(REFUSALS)
+
+
 def _close(a, b):
     return all(x is None or y is None or abs(x - y) <= REL * max(abs(y), 1e-12) for x, y in zip(a, b))
 
@@ -159,17 +168,17 @@ def _case(model_type, mode, ref):
         model = build(model_type)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         model, opt, *_ = booster.boost(model, opt)
-    except ValueError as e:
-        return {"status": "refused", "detail": str(e)}
-    except Exception as e:  # noqa: BLE001 - every other failure is the sweep's finding
+    except Exception as e:  # noqa: BLE001 - every failure but a named refusal is the sweep's finding
+        if _named(e):
+            return {"status": "refused", "detail": str(e)}
         return {"status": "FAILS", "detail": f"at boost: {type(e).__name__}: {e}"[:600],
                 "trace": traceback.format_exc()[-2000:]}
     try:
         losses, norms = hf.family_loop(model, opt, booster, steps=STEPS, clip=CLIP, rows=ROWS, length=T,
                                        pipelined=mode == "pp2")
-    except ValueError as e:  # refused at the first forward, before its collectives
-        return {"status": "refused", "detail": f"at the forward: {e}"}
     except Exception as e:  # noqa: BLE001
+        if _named(e):  # refused at the first forward, before its collectives
+            return {"status": "refused", "detail": f"at the forward: {e}"}
         return {"status": "FAILS", "detail": f"{type(e).__name__}: {e}"[:600], "trace": traceback.format_exc()[-2000:]}
     finally:
         try:
@@ -199,6 +208,23 @@ def _within_noise(run, ref, exact) -> bool:
     return _spread(run, exact) <= 3 * max(_spread(ref, exact), REL)
 
 
+def _watchdog(path, fam, mode, seconds):
+    """A timer that, should the case still run after ``seconds`` (both ranks stuck in a collective, or a
+    case far too slow), records it as FAILS and ends this rank's process: the launcher then ends the world."""
+    import threading
+
+    def fire():
+        with open(path, "a") as f:
+            f.write(json.dumps({"family": fam, "mode": mode, "status": "FAILS",
+                                "detail": f"timeout: the case ran past {seconds:.0f} s"}) + "\n")
+        os._exit(4)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def _world(rank, world, families, modes, out_dir, case_timeout):
     """Rank function: every (family, mode) in turn; records appended to ``out_dir/rank<r>.jsonl``."""
     from datetime import timedelta
@@ -223,7 +249,9 @@ def _world(rank, world, families, modes, out_dir, case_timeout):
             continue
         for mode in modes:
             t1 = time.monotonic()
+            watchdog = _watchdog(path, fam, mode, case_timeout)
             out = _case(fam, mode, ref)
+            watchdog.cancel()
             out["seconds"] = round(time.monotonic() - t1, 2)
             with open(path, "a") as f:
                 f.write(json.dumps({"family": fam, "mode": mode, **out}) + "\n")
@@ -256,6 +284,13 @@ def _merge(records):
                 fam[r["mode"]] = {k: r[k] for k in ("status", "detail", "seconds") if k in r}
             if prev is not None and prev["status"] != r["status"] and "FAILS" not in (prev["status"], r["status"]):
                 fam[r["mode"]] = {"status": "FAILS", "detail": f"ranks disagree: {prev['status']} / {r['status']}"}
+    for fam, res in out.items():  # a case one rank finished and the other did not (stuck in a collective)
+        for mode, r in res.items():
+            ranks = [i for i, recs in enumerate(records) if any(x["family"] == fam and x["mode"] == mode
+                                                                 for x in recs)]
+            if mode != "skipped" and len(ranks) < len(records) and r["status"] != "FAILS":
+                res[mode] = {"status": "FAILS", "detail": f"only rank {ranks} finished ({r['status']}: "
+                                                          f"{r['detail'][:200]}); the other was stuck"}
     return out
 
 
@@ -316,6 +351,44 @@ def table(results, modes) -> str:
     return "\n".join(rows)
 
 
+#: a few words for each refusal the engine gives (matched in its message), for the compact table
+SHORT = (("issue 31", "MoE (issue 31)"), ("carries no tensor-parallel plan", "no tp plan"),
+         ("no config.base_model_pp_plan", "no pp plan"), ("AttentionInterface", "no attention registry"),
+         ("one value per attention head", "per-head parameter"), ("attention sinks", "attention sinks"),
+         ("softcap", "soft-capping"), ("sliding_window", "sliding window"), ("take input_ids", "layers read ids"),
+         ("closes them outside itself", "BERT-style blocks"), ("not causal", "not causal"),
+         ("attention dropout", "attention dropout"), ("names a parameter", "per-parameter style"),
+         ("does not divide", "heads do not divide"), ("takes no **kwargs", "forward takes no **kwargs"))
+
+
+def short(r: dict) -> str:
+    """A compact cell: ``follows``, ``refused: <reason>``, ``FAILS: <what>``."""
+    if r["status"] == "follows":
+        return "follows (fp32 noise)" if r.get("detail") else "follows"
+    if r["status"] == "refused":
+        style = __import__("re").search(r"style '(\w+)' \(", r["detail"])
+        for words, label in SHORT:
+            if words in r["detail"]:
+                return f"refused: {label}"
+        return f"refused: style {style.group(1)}" if style else f"refused: {r['detail'][:40]}"
+    what = "wrong curve" if r["detail"].startswith("wrong curve") else r["detail"].split(":")[0][:40]
+    return f"FAILS: {what}"
+
+
+def markdown(results, modes) -> str:
+    """The compact table docs/hf.md carries: one row per family, a few words per cell."""
+    rows = [f"| family | {' | '.join(modes)} |", "|---|" + "---|" * len(modes)]
+    for fam, res in results.items():
+        if "skipped" in res:
+            why = res["skipped"]
+            reason = (f"does not run tiny in one process ({why.split(': ')[1]})" if "one process" in why
+                      else why.split(" (")[0].split(":")[0])
+            rows.append(f"| {fam} | skipped: {reason[:70]} |" + " |" * (len(modes) - 1))
+        else:
+            rows.append(f"| {fam} | " + " | ".join(short(res[m]) for m in modes) + " |")
+    return "\n".join(rows)
+
+
 def summary(results, modes) -> dict:
     counts = {m: {"follows": 0, "refused": 0, "FAILS": 0} for m in modes}
     skipped = 0
@@ -339,6 +412,7 @@ def main(argv=None) -> int:
     ap.add_argument("--families", help="comma-separated model_types (default: every causal-LM family)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--markdown", help="write the compact table (docs/hf.md's) here")
     ap.add_argument("--case-timeout", type=float, default=90.0, help="seconds a rank may wait for the other")
     ap.add_argument("--resume", help="a JSON this script wrote: its families are kept, not run again")
     args = ap.parse_args(argv)
@@ -367,6 +441,9 @@ def main(argv=None) -> int:
     print(table(results, modes))
     summ = summary(results, modes)
     print(json.dumps(summ))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results, modes) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
