@@ -22,7 +22,8 @@ forward (a direct call of the boosted model):
   its mask registry; a padding mask (zeros) is refused.
 
 Refused before any work, naming the option: a model outside the registry, non-causal attention
-(encoders), attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
+(encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers),
+attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
 sequence, pipelines (pp_size > 1), a cache (generation), and Ulysses heads that do not divide over
 tp_size * cp_size. transformers is imported only inside the functions that need it (an HF model exists).
 """
@@ -70,6 +71,12 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {name}'s attention is not causal ({non_causal} have is_causal=False, e.g. an "
                          "encoder such as BERT); the ring and Ulysses here run causal decoder attention only; "
                          "set cp_size=1")
+    mixers = sorted({type(m).__name__ for m in model.modules()
+                     if any(isinstance(c, nn.Conv1d) for c in m.children())})
+    if mixers:
+        raise ValueError(f"{where}: {name} mixes tokens outside attention ({mixers} hold a causal convolution: "
+                         "state-space or linear-attention layers), which would run on each rank's shard alone; "
+                         "ring / Ulysses reach attention only; set cp_size=1")
     for key in _DROPOUT:
         if float(getattr(cfg, key, 0.0) or 0.0) > 0:
             raise ValueError(f"{where}: config.{key}={getattr(cfg, key)} (attention dropout) is not applied by "
