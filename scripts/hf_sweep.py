@@ -61,11 +61,12 @@ SIZES = (
     (128, ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim",
           "mlp_hidden_size", "dense_intermediate_size")),
     (32, ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-         "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank")),
+         "moe_ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "expert_ffn_hidden_size")),
     (256, ("vocab_size",)),
     (16, ("head_dim", "attention_head_dim", "kv_channels", "v_head_dim")),
     (8, ("qk_rope_head_dim", "qk_nope_head_dim", "rotary_dim")),
-    (1, ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace")),
+    (1, ("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "first_k_dense_replace",
+         "zero_expert_num")),
 )
 POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length")
 
@@ -93,6 +94,11 @@ def tiny_config(model_type: str):
         for name in names:
             if isinstance(fields.get(name), int) and not isinstance(fields.get(name), bool) and fields[name] > value:
                 kw[name] = value
+    for name, v in fields.items():  # other vocabularies (Gemma 3n / 4's per-layer inputs)
+        if name.startswith("vocab_size") and isinstance(v, int) and v > 256:
+            kw[name] = 256
+    if isinstance(fields.get("hidden_size_per_layer_input"), int):
+        kw["hidden_size_per_layer_input"] = 16
     for name in POSITIONS:
         if isinstance(fields.get(name), int) and fields[name] > 64:
             kw[name] = 64
