@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -92,3 +93,27 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
         assert_follows(case, losses, got["norms"], ref, ref_norms)
     assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
+
+
+def _configure_error(model, **kw) -> str:
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    with pytest.raises(ValueError) as exc:
+        HybridParallelPlugin(**kw).configure(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert not dist.is_initialized()  # refused before any process group exists
+    return str(exc.value)
+
+
+def test_layouts_the_sweep_found_are_refused_before_any_group():
+    """What scripts/hf_sweep.py found crashing or hanging, now refused by name before any group: a decoder
+    layer reading the token ids under a pipeline (DeepSeek-V4's hash routing), a causal convolution outside
+    attention under cp (a Mamba hybrid), BERT-style blocks under sequence parallelism."""
+    msg = _configure_error(hf.from_config("deepseek_v4", num_hidden_layers=2, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32), pp_size=2,
+                           num_microbatches=2)
+    assert "take input_ids" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("granitemoehybrid", num_local_experts=4, num_experts_per_tok=2),
+                           cp_size=2, cp_mode="ring")
+    assert "mixes tokens outside attention" in msg and "cp_size=1" in msg, msg
+    msg = _configure_error(hf.bert(is_decoder=True), tp_size=2, sequence_parallel=True)
+    assert "intermediate" in msg and "sequence_parallel=False" in msg, msg

@@ -146,6 +146,13 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "
                          "config.base_model_pp_plan naming its layer list, which sequence parallelism cuts "
                          "between; set sequence_parallel=False")
+    from .sequence import check_regions
+
+    try:
+        styles = torch_plan(model, resolve_plan(model, plugin.tp_plan, plugin.tp_size)[0])
+    except ValueError:
+        return  # the plan's own faults are named by check_tensor_parallel, after this
+    check_regions(model, styles)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,

@@ -145,6 +145,19 @@ def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> No
                          "sequence_parallel=False")
 
 
+def check_regions(model: nn.Module, styles: Dict[str, object]) -> None:
+    """:func:`_check_closed` on every region of every layer, before any process group (``styles``: the torch
+    plan, module name -> style)."""
+    from .pipeline import _layout_or_raise
+
+    lay = _layout_or_raise(model)
+    for idx, layer in model.get_submodule(lay.layers).named_children():
+        for child_name, child in layer.named_children():
+            name = f"{lay.layers}.{idx}.{child_name}"
+            if not is_norm(child) and styles.get(name) is None and any(True for _ in child.parameters()):
+                _check_closed(child, name, styles)
+
+
 def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh) -> List[tuple]:
     """Rewrite ``styles`` (module name -> torch style, before ``parallelize_module``) for sequence
     parallelism and return the hooks to register: ``[(module, "pre" | "post", hook)]``."""
