@@ -136,11 +136,12 @@ def build(model_type: str, seed: int = 11):
     return AutoModelForCausalLM.from_config(cfg).float()
 
 
-def _reference(model_type):
+def _reference(model_type, dtype=None):
+    """The loop in one process (in ``dtype`` when given: fp64, to tell rounding from a fault)."""
     import torch
     from support import hf
 
-    model = build(model_type)
+    model = build(model_type) if dtype is None else build(model_type).to(dtype)
     n = sum(p.numel() for p in model.parameters())
     if n > MAX_PARAMS:
         raise SkipFamily(f"{n} parameters after shrinking: a size this config names in a way the sweep does not know")
@@ -192,7 +193,11 @@ def _case(model_type, mode, ref):
         except Exception:  # noqa: BLE001
             pass
     if not (_close(losses, ref[0]) and _close(norms, ref[1])):
-        exact = _reference(model_type, torch.float64)
+        try:
+            exact = _reference(model_type, torch.float64)
+        except Exception as e:  # noqa: BLE001 - a family whose code runs in fp32 only (grouped_mm on CPU)
+            return {"status": "FAILS", "detail": f"wrong curve: losses {losses} norms {norms} vs {ref[0]} {ref[1]} "
+                                                 f"(no fp64 run to compare: {type(e).__name__}: {e})"[:600]}
         if _within_noise((losses, norms), ref, exact):
             apart, ours = _spread(ref, exact), _spread((losses, norms), exact)
             return {"status": "follows", "detail": f"within fp32 noise: one process in fp32 parts from fp64 by "
@@ -364,7 +369,9 @@ SHORT = (("issue 31", "MoE (issue 31)"), ("carries no tensor-parallel plan", "no
          ("softcap", "soft-capping"), ("sliding_window", "sliding window"), ("take input_ids", "layers read ids"),
          ("closes them outside itself", "BERT-style blocks"), ("not causal", "not causal"),
          ("attention dropout", "attention dropout"), ("names a parameter", "per-parameter style"),
-         ("does not divide", "heads do not divide"), ("takes no **kwargs", "forward takes no **kwargs"))
+         ("does not divide", "heads do not divide"), ("takes no **kwargs", "forward takes no **kwargs"),
+         ("mixes tokens outside attention", "token mixing outside attention"), ("moe_", "MoE (issue 31)"),
+         ("grouped_gemm", "MoE (issue 31)"), ("ep_router", "MoE (issue 31)"))
 
 
 def short(r: dict) -> str:
