@@ -9,7 +9,8 @@ microbatches) against the same loop in one process (``support.hf.family_loop``: 
 the loop of ``tests/hybrid/test_hf_families.py``). Each (family, mode) ends as
 
 - ``follows``: loss and gradient norm within 1e-4 relative of one process at every step, on both ranks (or,
-  said in the table with both distances, as close to the same loop in fp64 as one process in fp32 is, where
+  said in the table with both distances, judged after the worlds in this process: as close to the same loop in
+  fp64 as one process in fp32 is, where
   a family's tiny random curve is so ill-conditioned that rounding alone parts fp32 from fp64 by more);
 - ``refused``: a ``ValueError`` from the plugin or ``boost`` (before any step), or at the first forward before
   its collectives, naming the reason;
@@ -192,18 +193,9 @@ def _case(model_type, mode, ref):
             plugin.close()
         except Exception:  # noqa: BLE001
             pass
-    if not (_close(losses, ref[0]) and _close(norms, ref[1])):
-        try:
-            exact = _reference(model_type, torch.float64)
-        except Exception as e:  # noqa: BLE001 - a family whose code runs in fp32 only (grouped_mm on CPU)
-            return {"status": "FAILS", "detail": f"wrong curve: losses {losses} norms {norms} vs {ref[0]} {ref[1]} "
-                                                 f"(no fp64 run to compare: {type(e).__name__}: {e})"[:600]}
-        if _within_noise((losses, norms), ref, exact):
-            apart, ours = _spread(ref, exact), _spread((losses, norms), exact)
-            return {"status": "follows", "detail": f"within fp32 noise: one process in fp32 parts from fp64 by "
-                                                  f"{apart:.1e}, this run by {ours:.1e}"}
-        return {"status": "FAILS", "detail": f"wrong curve: losses {losses} norms {norms} vs {ref[0]} {ref[1]} "
-                                             f"(fp64: {exact[0]} {exact[1]})"}
+    if not (_close(losses, ref[0]) and _close(norms, ref[1])):  # judged against fp64 by the parent (_rejudge)
+        return {"status": "FAILS", "detail": f"wrong curve: losses {losses} norms {norms} vs {ref[0]} {ref[1]}",
+                "run": [losses, norms], "ref": ref}
     return {"status": "follows", "detail": ""}
 
 
@@ -292,7 +284,7 @@ def _merge(records):
                 continue
             prev = fam.get(r["mode"])
             if prev is None or (r["status"] == "FAILS" and prev["status"] != "FAILS"):
-                fam[r["mode"]] = {k: r[k] for k in ("status", "detail", "seconds") if k in r}
+                fam[r["mode"]] = {k: r[k] for k in ("status", "detail", "seconds", "run", "ref") if k in r}
             if prev is not None and prev["status"] != r["status"] and "FAILS" not in (prev["status"], r["status"]):
                 fam[r["mode"]] = {"status": "FAILS", "detail": f"ranks disagree: {prev['status']} / {r['status']}"}
     for fam, res in out.items():  # a case one rank finished and the other did not (stuck in a collective)
@@ -346,6 +338,29 @@ def sweep(families, modes, case_timeout: float = 90.0, log=print, results=None):
         todo = [f for f in todo if f not in finished]
         log(f"[sweep] {len(results)}/{len(families)} families, {len(todo)} to go")
     return results
+
+
+def _rejudge(results, log=print):
+    """A wrong curve is judged once more, in this process, against the same loop in fp64 (out of the ranks: an
+    fp64 run there would keep the other rank waiting in a collective): "follows (fp32 noise)" when the run sits
+    as close to fp64 as one process in fp32 does."""
+    import torch
+
+    for fam, res in results.items():
+        for mode, r in res.items():
+            if not isinstance(r, dict) or "run" not in r:
+                continue
+            run, ref = r.pop("run"), r.pop("ref")
+            try:
+                exact = _reference(fam, torch.float64)
+            except Exception as e:  # noqa: BLE001 - a family that runs in fp32 only (grouped_mm on CPU)
+                r["detail"] += f" (no fp64 run to compare: {type(e).__name__})"
+                continue
+            r["detail"] += f" (fp64: {exact[0]} {exact[1]})"
+            if _within_noise(run, ref, exact):
+                r.update(status="follows", detail=f"within fp32 noise: one process in fp32 parts from fp64 by "
+                                                  f"{_spread(ref, exact):.1e}, this run by {_spread(run, exact):.1e}")
+            log(f"[sweep] {fam} {mode}: {r['status']} against fp64")
 
 
 def table(results, modes) -> str:
@@ -450,6 +465,7 @@ def main(argv=None) -> int:
     results = sweep(families, modes, args.case_timeout, log=lambda s: print(s, file=sys.stderr, flush=True),
                     results=done)
     results = {f: results[f] for f in families if f in results}
+    _rejudge(results, log=lambda s: print(s, file=sys.stderr, flush=True))
     wall = time.monotonic() - t0
     print(table(results, modes))
     summ = summary(results, modes)
