@@ -177,25 +177,29 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
                          "generate with the plain model")
     if "use_cache" in inspect.signature(model.forward).parameters:
         kw["use_cache"] = False
-    return _cut(kw, ids, r, n, mode, where)
+    return _cut(kw, ids, r, n, mode, where, model)
 
 
-def shard_pipeline_batch(batch: dict, group, mode: str, input_key: str, num_microbatches: int) -> tuple:
+def shard_pipeline_batch(batch: dict, group, mode: str, input_key: str, num_microbatches: int,
+                         model: Optional[nn.Module] = None) -> tuple:
     """``(batch, items)``: ``execute_pipeline``'s HF batch on this rank's shard, as :func:`shard_inputs` cuts
     a direct call's (every ``(B, T, ...)`` entry cut along T, global ``position_ids``, ``shift_labels``; no
     ``attention_mask``), and the ``num_items_in_batch`` each microbatch's own loss divides by: the batch's
     target count over ``num_microbatches * cp``, so the schedule's mean over microbatches, averaged over the
     cp group, is the batch mean. Every rank checks the same whole batch, so a refusal is raised alike
-    everywhere, before the schedule's first send."""
+    everywhere, before the schedule's first send. ``model``: this rank's (first) stage, where a model that counts
+    positions from its token ids has the embeddings that count them."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
-    kw = _cut(dict(batch), batch[input_key], r, n, mode, where)
+    kw = _cut(dict(batch), batch[input_key], r, n, mode, where, model)
     count = kw.pop("num_items_in_batch", None)
     return kw, (count / num_microbatches if count else None)
 
 
-def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str) -> dict:
-    """``kw`` (a forward's keyword arguments, or a batch) on rank ``r``'s shard of ``n`` (module docstring)."""
+def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str,
+         model: Optional[nn.Module] = None) -> dict:
+    """``kw`` (a forward's keyword arguments, or a batch) on rank ``r``'s shard of ``n`` (module docstring);
+    ``model``: the module whose embeddings may count positions from the token ids."""
     from ...context_parallel import _check_len, positions, shard_sequence
 
     B, T = ids.shape[:2]
@@ -216,7 +220,7 @@ def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str) -> 
         count = (shifted != -100).sum().item() if count is None else count
         kw["shift_labels"], kw["num_items_in_batch"] = shifted, count / n
     pos = kw.pop("position_ids", None)  # the user's (B or 1, T) positions, those the model counts, or 0..T-1
-    if pos is None and kw.get("input_ids") is not None:
+    if pos is None and model is not None and kw.get("input_ids") is not None:
         pos = _counted_positions(model, kw["input_ids"])
     for k, v in list(kw.items()):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (B, T):
