@@ -340,7 +340,8 @@ class HybridParallelPlugin(Plugin):
             if model.cp is not None:  # this rank's shard: global positions, shifted labels (models/hf/context.py)
                 from ..models.hf.context import shard_pipeline_batch
 
-                batch, items = shard_pipeline_batch(batch, *model.cp, self.input_key, m)
+                batch, items = shard_pipeline_batch(batch, *model.cp, self.input_key, m,
+                                                    model.stage_modules[0].inner)
                 batch, keys = hf.check_batch(batch, last, self.input_key)
             criterion = hf.pipeline_criterion(last, criterion, items)
         model.count((whole[self.input_key],) if self.input_key in whole else (), {})

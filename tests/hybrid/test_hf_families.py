@@ -6,11 +6,14 @@ Gemma (scaled embeddings, ``1 + weight`` norms), Gemma 2 (logit soft-capping), G
 sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and ``gate_up_proj``), GPT-NeoX
 (packed per-head q|k|v, parallel residual), GPT-J (parallel attention and MLP), Cohere (LayerNorm, logit
 scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases, LayerNorm), EXAONE 4,
-Helium and GLM; each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring)
-and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting every step) follow
-the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW: AdamW scales a
-gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step, and the
-curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
+Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a bare per-head parameter in its
+attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
+cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (experts: tp refused,
+naming issue 31; cp2 and pp2 run). Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence
+parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting
+every step) follow the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW:
+AdamW scales a gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step,
+and the curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
 """
 
 from __future__ import annotations
@@ -30,32 +33,16 @@ FAMILIES = tuple(hf.FAMILY_FIELDS)
 MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
          "cp2": dict(cp_size=2, cp_mode="ring"), "pp2": dict(pp_size=2, num_microbatches=2)}
 # what a config rules out, refused before any group: (family, mode) -> words of the error
-REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping"}
+REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
+           ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
+           ("camembert", "tp2"): "carries no tensor-parallel plan", ("camembert", "sp"): "base_model_pp_plan",
+           ("camembert", "pp2"): "base_model_pp_plan",
+           ("qwen3_moe", "tp2"): "issue 31", ("qwen3_moe", "sp"): "issue 31"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
 def _loop(model, opt, booster=None, pipelined=False):
-    """The plain HF loop (or ``execute_pipeline``); the losses (the batch's: averaged over the ranks of a
-    direct call, None on a rank without the last stage) and the gradient norms before clipping."""
-    losses, norms = [], []
-    for s in range(STEPS):
-        x = hf.stream(s, ROWS, T)
-        if pipelined:
-            loss = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)["loss"]
-        else:
-            loss = model(input_ids=x, labels=x).loss
-            (booster.backward(loss, opt) if booster else loss.backward())
-        norm = (booster.clip_grad_by_norm(opt, CLIP) if booster
-                else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
-        opt.step()
-        opt.zero_grad()
-        if booster and not pipelined:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-        losses.append(None if loss is None else loss.item())
-        norms.append(float(norm))
-    return losses, norms
+    return hf.family_loop(model, opt, booster, steps=STEPS, clip=CLIP, rows=ROWS, length=T, pipelined=pipelined)
 
 
 def _reference(family, lr=LR):
@@ -106,3 +93,27 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
         assert_follows(case, losses, got["norms"], ref, ref_norms)
     assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
+
+
+def _configure_error(model, **kw) -> str:
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    with pytest.raises(ValueError) as exc:
+        HybridParallelPlugin(**kw).configure(model, torch.optim.SGD(model.parameters(), lr=LR))
+    assert not dist.is_initialized()  # refused before any process group exists
+    return str(exc.value)
+
+
+def test_layouts_the_sweep_found_are_refused_before_any_group():
+    """What scripts/hf_sweep.py found crashing or hanging, now refused by name before any group: a decoder
+    layer reading the token ids under a pipeline (DeepSeek-V4's hash routing), a causal convolution outside
+    attention under cp (a Mamba hybrid), BERT-style blocks under sequence parallelism."""
+    msg = _configure_error(hf.from_config("deepseek_v4", num_hidden_layers=2, n_routed_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32), pp_size=2,
+                           num_microbatches=2)
+    assert "take input_ids" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("granitemoehybrid", num_local_experts=4, num_experts_per_tok=2),
+                           cp_size=2, cp_mode="ring")
+    assert "mixes tokens outside attention" in msg and "cp_size=1" in msg, msg
+    msg = _configure_error(hf.bert(is_decoder=True), tp_size=2, sequence_parallel=True)
+    assert "intermediate" in msg and "sequence_parallel=False" in msg, msg

@@ -112,6 +112,11 @@ FAMILY_FIELDS = {
     "gemma": {}, "gemma2": {}, "gemma3_text": {"sliding_window": 4096}, "phi": {"num_key_value_heads": 4},
     "phi3": {}, "gpt_neox": {"num_key_value_heads": None}, "gptj": {}, "cohere": {}, "olmo2": {},
     "granite": {}, "starcoder2": {}, "exaone4": {}, "helium": {}, "glm": {},
+    # from scripts/hf_sweep.py's findings: a per-head bare parameter (refused under tp), positions counted from
+    # the token ids (RoBERTa's family, as a decoder), a mixture of experts (tp refused: issue 31)
+    "doge": {}, "camembert": {"is_decoder": True, "num_key_value_heads": None, "head_dim": None,
+                  "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
 
 
@@ -163,6 +168,35 @@ def loop(model, opt, booster=None, *, steps: int, clip: float, first: int = 0, s
         loss = loss_of(model, s)
         norms.append(train_step(model, opt, loss, clip, booster))
         losses.append(global_mean(loss) if split or mean_loss else loss.item())
+    return losses, norms
+
+
+def family_loop(model, opt, booster=None, *, steps: int, clip: float, rows: int, length: int,
+                pipelined: bool = False, vocab: int = 256):
+    """The loop ``test_hf_families.py`` and ``scripts/hf_sweep.py`` compare: ``steps`` steps of the plain HF
+    loop on :func:`stream` batches (``rows x length``, the same on every rank), or ``execute_pipeline``, with the
+    booster's (or torch's) clip at ``clip``. Returns the losses (the batch's: averaged over the ranks of a direct
+    call, None on a rank without the last stage) and the gradient norms before clipping."""
+    import torch.distributed as dist
+
+    losses, norms = [], []
+    for s in range(steps):
+        x = stream(s, rows, length, vocab)
+        if pipelined:
+            loss = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model, None, opt)["loss"]
+        else:
+            loss = model(input_ids=x, labels=x).loss
+            (booster.backward(loss, opt) if booster else loss.backward())
+        norm = (booster.clip_grad_by_norm(opt, clip) if booster
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad()
+        if booster and not pipelined:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(None if loss is None else loss.item())
+        norms.append(float(norm))
     return losses, norms
 
 

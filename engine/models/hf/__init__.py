@@ -30,6 +30,7 @@ from .pipeline import num_layers, pipeline_stage
 from .plan import (
     _prefixed,
     check_heads,
+    check_per_head_parameters,
     check_ties,
     per_rank_attributes,
     read_plan,
@@ -96,6 +97,11 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"HybridParallelPlugin(tp_plan=...): {missing} name no module of {type(model).__name__} "
                          f"(names are module paths, '*' one part of them, e.g. {names})")
     check_heads(model, tp)
+    try:
+        check_per_head_parameters(model, plan)
+    except ValueError as exc:
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__}'s plan ({source}): {exc}") \
+            from None
     check_ties(model, plan)
 
 
@@ -137,6 +143,13 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "
                          "config.base_model_pp_plan naming its layer list, which sequence parallelism cuts "
                          "between; set sequence_parallel=False")
+    from .sequence import check_regions
+
+    try:
+        styles = torch_plan(model, resolve_plan(model, plugin.tp_plan, plugin.tp_size)[0])
+    except ValueError:
+        return  # the plan's own faults are named by check_tensor_parallel, after this
+    check_regions(model, styles)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] = None,

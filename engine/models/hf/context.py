@@ -10,7 +10,8 @@ unchanged on the shard. What the model must see of the shard, :func:`shard_input
 forward (a direct call of the boosted model):
 
 * ``position_ids``: the shard's *global* positions, so the model's own rotary tables (or learned
-  position embeddings) take the right angles;
+  position embeddings) take the right angles (a model that counts positions from its token ids, RoBERTa's
+  family, has them counted on the whole sequence by its own embeddings' function first);
 * ``shift_labels``: the labels shifted on the whole sequence, then sharded (``ForCausalLMLoss`` would
   otherwise shift inside the shard, pairing each chunk's last token with the wrong target), and
   ``num_items_in_batch``: the global count of target tokens divided by ``cp``, so a rank's loss is its
@@ -28,7 +29,8 @@ its ``shift_labels``; the model's own loss divides by the batch's target count o
 (the same share as above). Stages hand on ``(B, T/cp, C)``: the p2p buffers are the rank's shard.
 
 Refused before any work, naming the option: a model outside the registry, non-causal attention
-(encoders), attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
+(encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers),
+attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
 sequence, a cache (generation), and Ulysses heads that do not divide over tp_size * cp_size.
 transformers is imported only inside the functions that need it (an HF model exists).
 """
@@ -76,6 +78,12 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {name}'s attention is not causal ({non_causal} have is_causal=False, e.g. an "
                          "encoder such as BERT); the ring and Ulysses here run causal decoder attention only; "
                          "set cp_size=1")
+    mixers = sorted({type(m).__name__ for m in model.modules()
+                     if any(isinstance(c, nn.Conv1d) for c in m.children())})
+    if mixers:
+        raise ValueError(f"{where}: {name} mixes tokens outside attention ({mixers} hold a causal convolution: "
+                         "state-space or linear-attention layers), which would run on each rank's shard alone; "
+                         "ring / Ulysses reach attention only; set cp_size=1")
     for key in _DROPOUT:
         if float(getattr(cfg, key, 0.0) or 0.0) > 0:
             raise ValueError(f"{where}: config.{key}={getattr(cfg, key)} (attention dropout) is not applied by "
@@ -141,6 +149,17 @@ def enable_context_parallel(model: nn.Module, group, mode: str) -> nn.Module:
     return model
 
 
+def _counted_positions(model: nn.Module, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """``(B, T)`` positions a model counts from its token ids where none are given (RoBERTa's family, by its
+    embeddings' own ``create_position_ids_from_input_ids``: real tokens from ``padding_idx + 1``), on the whole
+    sequence, so the shards take the unsplit model's; None for a model whose positions are ``0 .. T-1``."""
+    for m in model.modules():
+        count = getattr(m, "create_position_ids_from_input_ids", None)
+        if callable(count) and getattr(m, "padding_idx", None) is not None:
+            return count(ids, m.padding_idx)
+    return None
+
+
 def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) -> dict:
     """The keyword arguments of a direct forward on this rank's shard (see the module docstring): every
     ``(B, T, ...)`` input cut along T, global ``position_ids``, shifted and sharded labels; ``ValueError``
@@ -158,25 +177,29 @@ def shard_inputs(model: nn.Module, args: tuple, kwargs: dict, group, mode: str) 
                          "generate with the plain model")
     if "use_cache" in inspect.signature(model.forward).parameters:
         kw["use_cache"] = False
-    return _cut(kw, ids, r, n, mode, where)
+    return _cut(kw, ids, r, n, mode, where, model)
 
 
-def shard_pipeline_batch(batch: dict, group, mode: str, input_key: str, num_microbatches: int) -> tuple:
+def shard_pipeline_batch(batch: dict, group, mode: str, input_key: str, num_microbatches: int,
+                         model: Optional[nn.Module] = None) -> tuple:
     """``(batch, items)``: ``execute_pipeline``'s HF batch on this rank's shard, as :func:`shard_inputs` cuts
     a direct call's (every ``(B, T, ...)`` entry cut along T, global ``position_ids``, ``shift_labels``; no
     ``attention_mask``), and the ``num_items_in_batch`` each microbatch's own loss divides by: the batch's
     target count over ``num_microbatches * cp``, so the schedule's mean over microbatches, averaged over the
     cp group, is the batch mean. Every rank checks the same whole batch, so a refusal is raised alike
-    everywhere, before the schedule's first send."""
+    everywhere, before the schedule's first send. ``model``: this rank's (first) stage, where a model that counts
+    positions from its token ids has the embeddings that count them."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     where = f"HybridParallelPlugin(cp_size={n}, cp_mode={mode!r})"
-    kw = _cut(dict(batch), batch[input_key], r, n, mode, where)
+    kw = _cut(dict(batch), batch[input_key], r, n, mode, where, model)
     count = kw.pop("num_items_in_batch", None)
     return kw, (count / num_microbatches if count else None)
 
 
-def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str) -> dict:
-    """``kw`` (a forward's keyword arguments, or a batch) on rank ``r``'s shard of ``n`` (module docstring)."""
+def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str,
+         model: Optional[nn.Module] = None) -> dict:
+    """``kw`` (a forward's keyword arguments, or a batch) on rank ``r``'s shard of ``n`` (module docstring);
+    ``model``: the module whose embeddings may count positions from the token ids."""
     from ...context_parallel import _check_len, positions, shard_sequence
 
     B, T = ids.shape[:2]
@@ -196,7 +219,9 @@ def _cut(kw: dict, ids: torch.Tensor, r: int, n: int, mode: str, where: str) -> 
         count = kw.get("num_items_in_batch")
         count = (shifted != -100).sum().item() if count is None else count
         kw["shift_labels"], kw["num_items_in_batch"] = shifted, count / n
-    pos = kw.pop("position_ids", None)  # the user's (B or 1, T) positions, or 0..T-1
+    pos = kw.pop("position_ids", None)  # the user's (B or 1, T) positions, those the model counts, or 0..T-1
+    if pos is None and model is not None and kw.get("input_ids") is not None:
+        pos = _counted_positions(model, kw["input_ids"])
     for k, v in list(kw.items()):
         if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[:2] == (B, T):
             kw[k] = shard_sequence(v, r, n, mode, dim=1).contiguous()  # (HF views labels flat)

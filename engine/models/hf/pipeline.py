@@ -114,8 +114,16 @@ def _layout_or_raise(model: nn.Module) -> Layout:
 
 
 def num_layers(model: nn.Module) -> int:
-    """How many decoder (encoder) layers the pipeline divides among its stages."""
-    return len(model.get_submodule(_layout_or_raise(model).layers))
+    """How many decoder (encoder) layers the pipeline divides among its stages. A model whose layers read the
+    token ids themselves (DeepSeek-V4's hash-routed experts take ``input_ids``) is refused: a later stage
+    receives hidden states only."""
+    layers = model.get_submodule(_layout_or_raise(model).layers)
+    for layer in layers:
+        if "input_ids" in inspect.signature(layer.forward).parameters:
+            raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
+                             "input_ids (token-id routing), which a stage after the first does not receive; "
+                             "use pp_size=1")
+    return len(layers)
 
 
 def stage_layers(model: nn.Module, stage: int, num_stages: int) -> range:

@@ -130,6 +130,24 @@ def check_heads(model: nn.Module, tp: int) -> None:
                      f"choose tp_size in {valid}")
 
 
+def check_per_head_parameters(model: nn.Module, plan: dict) -> None:
+    """A module whose head projections the plan shards must not hold a bare parameter of one value per head
+    that the plan leaves whole (Doge's ``self_attn.A``, one per key/value head): each rank would apply every
+    head's value to its own heads' shapes. Refused, naming the parameter, rather than run wrong."""
+    heads, kv = head_counts(model)
+    counts = {c for c in (heads, kv) if c}
+    mods = dict(model.named_modules())
+    sharding = {name.rpartition(".")[0] for p, name, _ in _matches(plan, model)
+                if isinstance(plan[p], (str, tuple)) and "colwise" in (plan[p] if isinstance(plan[p], str)
+                                                                       else plan[p][0])}
+    for parent in sorted(sharding):
+        for pname, param in mods[parent].named_parameters(recurse=False):
+            if param.dim() == 1 and param.shape[0] in counts:
+                raise ValueError(f"{parent}.{pname} holds one value per attention head ({param.shape[0]}), which "
+                                 f"the plan leaves whole while it shards {parent}'s heads; pass "
+                                 "HybridParallelPlugin(tp_plan={...}) leaving that attention whole, or tp_size=1")
+
+
 def check_ties(model: nn.Module, plan: dict) -> None:
     """A weight shared by two modules (an embedding tied to its LM head) must be sharded the same way
     by both, or left whole by both: it stays one parameter. (Owners given torch styles by the user are

@@ -137,6 +137,39 @@ def _all_torch_styles(region: nn.Module, name: str, styles: Dict[str, object]) -
     return True
 
 
+def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> None:
+    """A region that shards features (a column-parallel layer) must end them with a row-parallel one: its
+    output is then whole features, which the walk cuts along the tokens. One whose output stays feature-sharded
+    (BERT's ``intermediate``, closed in the next sibling, which also adds the residual inside itself) cannot be
+    cut along the tokens here: refused, before any forward."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .local_linear import LocalColwise, LocalRowwise
+
+    inner = {n: s for n, s in styles.items() if n.startswith(name + ".")}
+    opens = [n for n, s in inner.items() if isinstance(s, ColwiseParallel) and not
+             any(isinstance(p, Replicate) for p in s.output_layouts) or isinstance(s, LocalColwise) and not s.gather]
+    if opens and not any(isinstance(s, (RowwiseParallel, LocalRowwise)) for s in inner.values()):
+        raise ValueError(f"HybridParallelPlugin(sequence_parallel=True): {name} ({type(region).__name__}) shards "
+                         f"features ({opens}) but closes them outside itself, so its output cannot be cut along "
+                         "the sequence (a post-norm layer with the residual inside its blocks, BERT-style); set "
+                         "sequence_parallel=False")
+
+
+def check_regions(model: nn.Module, styles: Dict[str, object]) -> None:
+    """:func:`_check_closed` on every region of every layer, before any process group (``styles``: the torch
+    plan, module name -> style)."""
+    from .pipeline import _layout_or_raise
+
+    lay = _layout_or_raise(model)
+    for idx, layer in model.get_submodule(lay.layers).named_children():
+        for child_name, child in layer.named_children():
+            name = f"{lay.layers}.{idx}.{child_name}"
+            if not is_norm(child) and styles.get(name) is None and any(True for _ in child.parameters()):
+                _check_closed(child, name, styles)
+
+
 def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh) -> List[tuple]:
     """Rewrite ``styles`` (module name -> torch style, before ``parallelize_module``) for sequence
     parallelism and return the hooks to register: ``[(module, "pre" | "post", hook)]``."""
@@ -166,6 +199,7 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
                 hooks.append((child, "pre", _OnInput(tp_mesh, True, name, isinstance(own, ColwiseParallel))))
             elif any(True for _ in child.parameters()):  # a region: whole sequence in
                 hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _all_torch_styles(child, name, styles))))
+                _check_closed(child, name, styles)
                 closers = [n for n, s in styles.items() if n.startswith(name + ".") and isinstance(s, RowwiseParallel)]
                 for n in closers:
                     styles[n] = _rowwise_to_shard(styles[n])

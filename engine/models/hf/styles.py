@@ -39,12 +39,13 @@ SUPPORTED = {
                          "tokens, whatever the plan says: sequence.py)",
     "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
 }
+_MOE = "; expert parallelism: issue 31"
 NOT_YET = {
     "packed_rowwise": "fused packed weights (row)", "local_packed_rowwise": "fused packed weights (row)",
-    "local": "mixture-of-experts experts", "isolated": "mixture-of-experts experts",
-    "gather": "mixture-of-experts output", "all_reduce": "mixture-of-experts output",
-    "moe_tp_experts": "mixture-of-experts experts", "moe_identity_expert": "mixture-of-experts experts",
-    "grouped_gemm": "mixture-of-experts experts", "ep_router": "mixture-of-experts router",
+    "local": "mixture-of-experts experts" + _MOE, "isolated": "mixture-of-experts experts" + _MOE,
+    "gather": "mixture-of-experts output" + _MOE, "all_reduce": "mixture-of-experts output" + _MOE,
+    "moe_tp_experts": "mixture-of-experts experts" + _MOE, "moe_identity_expert": "mixture-of-experts experts" + _MOE,
+    "grouped_gemm": "mixture-of-experts experts" + _MOE, "ep_router": "mixture-of-experts router" + _MOE,
     "mla_kv_a_proj": "multi-head latent attention", "local_params": "bare sharded parameters",
 }
 
