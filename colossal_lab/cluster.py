@@ -17,9 +17,10 @@ groups). What we add, and why:
   (the signal waits until the C++ call returns) and ``abort`` does not unblock gloo, so after a
   failure (or Ctrl-C) we: wait ``failure_grace`` s for the other ranks, send SIGINT to those
   still running, and if any are still running ``interrupt_grace`` s later (blocked in C++),
-  kill and restart the engines. Ranks that were merely interrupted keep their variables, but
-  their collective counters may disagree, so the default process group is rebuilt. The error
-  says which of the two happened.
+  first make the other ranks leave the process group, which ends the blocked collective (its
+  connections close); only ranks still blocked after that are killed and the engines restarted.
+  Ranks that were merely interrupted keep their variables, but their collective counters may
+  disagree, so the default process group is rebuilt. The error says which of the two happened.
 * **The error first, the restart after.** When a rank died or is stuck, every rank's process is
   killed at once (through its ipyparallel nanny, which signals its engine on any host and tells
   the controller it is gone), the error is raised, and fresh engines start in a background
@@ -568,6 +569,12 @@ class Cluster:
             # death later than failure_grace, and rebuilding the group on a dead engine fails
             dead = self._dead(ars)
         stuck = [r for r in busy if not ars[r].ready()]
+        freed: List[int] = []
+        if stuck and not dead:
+            freed = stuck
+            stuck = self._free_stuck(ars, stuck)
+            freed = [r for r in freed if r not in stuck]
+            dead = self._dead(ars)
         # victims: ranks we are about to kill; an interrupted rank that raised is still shown
         collateral = {r for r, a in ars.items() if not a.ready()}
         fresh = ("the cluster was restarted: every rank's process was stopped and fresh ones are starting "
@@ -581,8 +588,36 @@ class Cluster:
             self._replace()
             return note, collateral
         self._init_dist()
-        return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
-                f"bound to the old one, e.g. DDP models or device meshes)."), set()
+        how = (f" (ranks {freed} were blocked in a collective: the other ranks left the process group, "
+               f"which ended it)") if freed else ""
+        return (f"Ranks {busy} were interrupted{how}; the default process group was rebuilt (re-create objects "
+                f"bound to the old one, e.g. DDP models or device meshes)."), set(freed)
+
+    def _free_stuck(self, ars: Dict[int, Any], stuck: List[int]) -> List[int]:
+        """Free ranks blocked in a collective (a SIGINT waits until the C++ call returns) without
+        killing them: the other ranks leave the process group (``_rank.teardown``), which closes
+        their connections, so the blocked collective fails at once and the pending SIGINT is taken.
+        Repeated while it frees ranks (one may be blocked on another blocked one). Returns the
+        ranks still blocked: those are killed and replaced."""
+        left: set = set()
+        while stuck:
+            idle = [r for r in self.ranks if r not in stuck and r not in left]
+            if not idle:
+                break
+            try:
+                self._client[[self._engines[r] for r in idle]].apply_async(_rank_fn("teardown")).get(
+                    timeout=self.config.interrupt_grace)
+            except Exception:  # a rank that cannot even leave its group: kill and replace
+                break
+            left.update(idle)
+            end = time.monotonic() + self.config.interrupt_grace
+            while time.monotonic() < end and any(not ars[r].ready() for r in stuck):
+                time.sleep(0.05)
+            still = [r for r in stuck if not ars[r].ready()]
+            if len(still) == len(stuck):
+                break
+            stuck = still
+        return stuck
 
     def _host_of(self, rank: int) -> str:
         """The host rank ``rank`` ran on (as its probe saw it), '' when not known."""
