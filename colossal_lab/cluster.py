@@ -596,9 +596,9 @@ class Cluster:
     def _free_stuck(self, ars: Dict[int, Any], stuck: List[int]) -> List[int]:
         """Free ranks blocked in a collective (a SIGINT waits until the C++ call returns) without
         killing them: the other ranks leave the process group (``_rank.teardown``), which closes
-        their connections, so the blocked collective fails at once and the pending SIGINT is taken.
-        Repeated while it frees ranks (one may be blocked on another blocked one). Returns the
-        ranks still blocked: those are killed and replaced."""
+        their connections (once nothing else holds their group), so the blocked collective fails at
+        once and the pending SIGINT is taken. Repeated while it frees ranks (one may be blocked on
+        another blocked one). Returns the ranks still blocked: those are killed and replaced."""
         left: set = set()
         while stuck:
             idle = [r for r in self.ranks if r not in stuck and r not in left]
