@@ -17,9 +17,15 @@ groups). What we add, and why:
   (the signal waits until the C++ call returns) and ``abort`` does not unblock gloo, so after a
   failure (or Ctrl-C) we: wait ``failure_grace`` s for the other ranks, send SIGINT to those
   still running, and if any are still running ``interrupt_grace`` s later (blocked in C++),
-  kill and restart the engines. Ranks that were merely interrupted keep their variables, but
-  their collective counters may disagree, so the default process group is rebuilt. The error
-  says which of the two happened.
+  first make the other ranks leave the process group, which ends the blocked collective (its
+  connections close); only ranks still blocked after that are killed and the engines restarted.
+  Ranks that were merely interrupted keep their variables, but their collective counters may
+  disagree, so the default process group is rebuilt. The error says which of the two happened.
+* **The error first, the restart after.** When a rank died or is stuck, every rank's process is
+  killed at once (through its ipyparallel nanny, which signals its engine on any host and tells
+  the controller it is gone), the error is raised, and fresh engines start in a background
+  thread: over ssh a restart is many round trips, and the user should not wait for it to learn
+  what failed. The next call (and ``pids``, ``restart``, ``stop``) waits for that restart.
 * **Bounded collectives.** ``timeout`` bounds every collective; a timeout is reported as
   such, with its likely cause, and the broken process group is rebuilt.
 * **Functions travel with what they use.** A function defined in the notebook is sent by
@@ -106,6 +112,8 @@ class Cluster:
         # rank-side state others installed (e.g. the telemetry relay) can be re-installed
         self.restart_hooks: List[Callable[["Cluster"], None]] = []
         self._warden = None  # subprocess.Popen of colossal_lab._warden (launchers other than local)
+        self._restarting: Optional[threading.Thread] = None  # the restart after a failure, if under way
+        self._restart_error: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -123,10 +131,12 @@ class Cluster:
     @property
     def engine_ids(self) -> List[int]:
         """ipyparallel engine id of each rank (rank order)."""
+        self._settle()
         return list(self._engines)
 
     @property
     def pids(self) -> List[int]:
+        self._settle()
         return [i["pid"] for i in self._info]
 
     @property
@@ -268,10 +278,11 @@ class Cluster:
 
         ``fast`` (used at interpreter exit, where Jupyter allows a few seconds before it kills
         the kernel) skips leaving the process group and kills local ranks at once."""
+        self._settle(raise_error=False, timeout=5 if fast else None)
         with self._lock:
             client, ipp_cluster = self._client, self._ipp
             self._client = None
-            leftovers = self._local_tree(self.pids)  # engines and their nannies, found while alive
+            leftovers = self._local_tree([i["pid"] for i in self._info])  # engines and their nannies
             if fast:
                 self._kill(leftovers)
             if client is not None:
@@ -309,11 +320,12 @@ class Cluster:
 
     def restart(self) -> "Cluster":
         """Replace every rank with a fresh process (variables on the ranks are lost)."""
+        self._settle()
         with self._lock:
             if not self.running:
                 raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
             old_ids = set(self._client.ids)
-            old_pids = self.pids
+            old_pids = [i["pid"] for i in self._info]
             try:
                 self._client.abort(targets=self._engines, block=False)
             except Exception:
@@ -343,6 +355,7 @@ class Cluster:
         """Re-create the default process group on every rank, optionally with a new collective
         ``timeout`` (seconds). Variables on the ranks are kept; objects bound to the old group
         (DDP models, device meshes) must be re-created."""
+        self._settle()
         if not self.running:
             raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
         if timeout is not None:
@@ -350,6 +363,57 @@ class Cluster:
                 raise ValueError(f"timeout={timeout!r}: must be a positive number of seconds")
             self.config.timeout = float(timeout)
         self._init_dist()
+
+    # ------------------------------------------------------------------ restart after a failure
+    def _replace(self) -> None:
+        """Kill every rank's process now, start fresh ones in a background thread: the caller
+        raises its error at once, the next call waits for the new ranks (``_settle``)."""
+        self._kill_ranks()
+        t = threading.Thread(target=self._restart_in_background, name="colossal-lab-restart", daemon=True)
+        self._restarting = t
+        t.start()
+
+    def _restart_in_background(self) -> None:
+        try:
+            self.restart()
+        except BaseException as e:  # noqa: BLE001 - handed to the next call by _settle
+            self._restart_error = e
+
+    def _settle(self, raise_error: bool = True, timeout: Optional[float] = None) -> None:
+        """Wait for a restart under way in the background (``_replace``). If it failed, the
+        cluster is stopped (no process left) and the error is raised here, at the call that
+        needed the ranks."""
+        t = self._restarting
+        if t is None or t is threading.current_thread():
+            return
+        t.join(timeout)
+        if t.is_alive():
+            return
+        self._restarting = None
+        err, self._restart_error = self._restart_error, None
+        if err is not None:
+            self.stop()
+            if raise_error:
+                raise RuntimeError(f"the ranks could not be restarted after the failure ({err}); the cluster "
+                                   f"is stopped: launch a new one with cl.launch(...)") from err
+
+    def _kill_ranks(self) -> None:
+        """SIGKILL every rank's process on every host, and wait (bounded) until the controller
+        has seen each one go. The signal goes through ipyparallel's nanny, which kills its engine
+        (busy in C++ or not) and then unregisters it, so the wait is short; a rank whose nanny is
+        gone too is found by the heartbeat (``launch.py`` sets it for launchers past one host)."""
+        procs = self._local_tree([i["pid"] for i in self._info])  # local launcher: found while alive
+        mine = set(self._engines)
+        live = [e for e in self._engines if e in self._client.ids]
+        if live:
+            try:
+                self._client.send_signal(signal.SIGKILL, targets=live, block=False)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 10
+        while mine & set(self._client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._kill(procs)  # whatever a local nanny left
 
     def _local_tree(self, pids: Iterable[int]) -> list:
         """Engine processes on this host and their descendants (ipyparallel's nannies)."""
@@ -390,6 +454,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ running code
     def _check(self, ranks: Optional[Iterable[int]]) -> List[int]:
+        self._settle()
         if not self.running:
             raise RuntimeError("this cluster is stopped; launch a new one with cl.launch(...)")
         if ranks is None:
@@ -481,7 +546,7 @@ class Cluster:
         Returns (note for the error, collateral ranks): ranks we interrupted or lost in a
         restart, so the error names the rank that failed first, not its victims.
         """
-        if reason == "failure":
+        if reason == "failure" and not self._dead(ars):  # a dead rank's peers are killed anyway
             end = time.monotonic() + self.config.failure_grace
             while time.monotonic() < end and any(not a.ready() for a in ars.values()):
                 time.sleep(0.05)
@@ -493,33 +558,66 @@ class Cluster:
                 return "The process group was rebuilt after the timeout.", set()
             return "", set()
         if busy and not dead:
-            try:
-                self.interrupt(busy)
+            try:  # no wait for the reply: a dead engine (not known yet) never sends one
+                self._client.send_signal(signal.SIGINT, targets=[self._engines[r] for r in busy], block=False)
             except Exception:
                 pass
             end = time.monotonic() + self.config.interrupt_grace
-            while time.monotonic() < end and any(not ars[r].ready() for r in busy):
+            while time.monotonic() < end and any(not ars[r].ready() for r in busy) and not self._dead(ars):
                 time.sleep(0.05)
             # a rank taken for busy may have been dead all along: ipyparallel can report an engine's
             # death later than failure_grace, and rebuilding the group on a dead engine fails
             dead = self._dead(ars)
         stuck = [r for r in busy if not ars[r].ready()]
+        freed: List[int] = []
+        if stuck and not dead:
+            freed = stuck
+            stuck = self._free_stuck(ars, stuck)
+            freed = [r for r in freed if r not in stuck]
+            dead = self._dead(ars)
         # victims: ranks we are about to kill; an interrupted rank that raised is still shown
-        collateral = set(stuck)
+        collateral = {r for r, a in ars.items() if not a.ready()}
+        fresh = ("the cluster was restarted: every rank's process was stopped and fresh ones are starting "
+                 "(the next call waits for them), so variables defined on the ranks are gone.")
         if dead:
-            where = self._where(dead)
-            self.restart()
-            return (f"The process of {where} died; the cluster was restarted with fresh processes, "
-                    f"so variables defined on the ranks are gone."), collateral
-        if stuck:
-            where = self._where(stuck)
-            self.restart()
-            return (f"R{where[1:]} did not respond to an interrupt within {self.config.interrupt_grace:g}s "
-                    f"(most likely blocked in a collective); the cluster was restarted with fresh processes, "
-                    f"so variables defined on the ranks are gone."), collateral
+            note = f"The process of {self._where(dead)} died; {fresh}"
+        elif stuck:
+            note = (f"R{self._where(stuck)[1:]} did not respond to an interrupt within "
+                    f"{self.config.interrupt_grace:g}s (most likely blocked in a collective); {fresh}")
+        if dead or stuck:
+            self._replace()
+            return note, collateral
         self._init_dist()
-        return (f"Ranks {busy} were interrupted; the default process group was rebuilt (re-create objects "
-                f"bound to the old one, e.g. DDP models or device meshes)."), set()
+        how = (f" (ranks {freed} were blocked in a collective: the other ranks left the process group, "
+               f"which ended it)") if freed else ""
+        return (f"Ranks {busy} were interrupted{how}; the default process group was rebuilt (re-create objects "
+                f"bound to the old one, e.g. DDP models or device meshes)."), set(freed)
+
+    def _free_stuck(self, ars: Dict[int, Any], stuck: List[int]) -> List[int]:
+        """Free ranks blocked in a collective (a SIGINT waits until the C++ call returns) without
+        killing them: the other ranks leave the process group (``_rank.teardown``), which closes
+        their connections (once nothing else holds their group), so the blocked collective fails at
+        once and the pending SIGINT is taken. Repeated while it frees ranks (one may be blocked on
+        another blocked one). Returns the ranks still blocked: those are killed and replaced."""
+        left: set = set()
+        while stuck:
+            idle = [r for r in self.ranks if r not in stuck and r not in left]
+            if not idle:
+                break
+            try:
+                self._client[[self._engines[r] for r in idle]].apply_async(_rank_fn("teardown")).get(
+                    timeout=self.config.interrupt_grace)
+            except Exception:  # a rank that cannot even leave its group: kill and replace
+                break
+            left.update(idle)
+            end = time.monotonic() + self.config.interrupt_grace
+            while time.monotonic() < end and any(not ars[r].ready() for r in stuck):
+                time.sleep(0.05)
+            still = [r for r in stuck if not ars[r].ready()]
+            if len(still) == len(stuck):
+                break
+            stuck = still
+        return stuck
 
     def _host_of(self, rank: int) -> str:
         """The host rank ``rank`` ran on (as its probe saw it), '' when not known."""

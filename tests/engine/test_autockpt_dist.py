@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from support.dist import run_distributed
-from support.engine import lm_loss
+from support.engine import lm_loss, plain_losses
 
 from colossal_lab.engine.autockpt import min_peak, profile_checkpointing
 from colossal_lab.engine.autockpt_dist import in_flight, merge_profiles, stage_budget
@@ -43,16 +43,7 @@ def _sgd(params):
 
 def _reference_losses(steps=3, make_opt=_sgd):
     """One process, no checkpointing, the whole batch: the curve every layout must follow."""
-    model = _model()
-    opt = make_opt(model.parameters())
-    out = []
-    for b in _data(steps):
-        loss = lm_loss(model(b["idx"])[0], b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return plain_losses(_model(), _data(steps), make_opt)
 
 
 def _figures(prof):

@@ -8,8 +8,7 @@ from support.engine import (
     GLOBAL_BATCH,
     LR,
     SEQ,
-    batch,
-    global_mean,
+    boosted_losses,
     param_groups,
     reference_losses,
     state_bytes,
@@ -32,14 +31,7 @@ def _train(rank, world, plugin_name):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     events = []
     unsub = telemetry.subscribe(events.append)
-    losses = []
-    for s in range(STEPS):
-        _, loss = model(*batch(s, rank, world))
-        booster.backward(loss, opt)
-        booster.clip_grad_by_norm(opt, 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
+    losses = boosted_losses(model, opt, booster, STEPS, rank, world)
     unsub()
     steps = [e for e in events if isinstance(e, telemetry.StepMetrics)]
     return {"losses": losses, "state_bytes": state_bytes(opt),

@@ -164,6 +164,19 @@ def test_every_failing_rank_is_named(cluster):
     assert cluster.pull("x") == [41, 7]  # nothing was restarted
 
 
+def _freed_or_replaced(cluster, note, old_pids):
+    """Rank 0 was blocked in C++ (gloo), where SIGINT waits. Rank 1 left the process group, which ends
+    rank 0's all_reduce when nothing else still holds rank 1's group (its connections close with its
+    last reference): both processes are kept and the group rebuilt. An earlier call here (the demo's
+    DDP) can leave a reference no collection frees: then both ranks are killed and replaced."""
+    if "restarted" in note:
+        assert "Ranks [0] did not respond to an interrupt" in note
+        assert set(cluster.pids).isdisjoint(old_pids)
+    else:
+        assert "ranks [0] were blocked in a collective: the other ranks left the process group" in note, note
+        assert "rebuilt" in note and cluster.pids == old_pids
+
+
 def test_raising_rank_does_not_hang_the_others(cluster):
     old_pids = cluster.pids
     t0 = time.monotonic()
@@ -174,9 +187,8 @@ def test_raising_rank_does_not_hang_the_others(cluster):
     assert e.ranks == [1]  # rank 0 was a victim, not a cause
     assert "ValueError: boom from rank one" in str(e)
     assert "rank1_raises_rank0_in_collective" in e.failures[1].traceback
-    assert "restarted" in e.note  # rank 0 was blocked in C++ (gloo) and could not be interrupted
     assert elapsed < cluster.config.timeout, "waited for the collective timeout instead of recovering"
-    assert cluster.pids != old_pids
+    _freed_or_replaced(cluster, e.note, old_pids)
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 
@@ -258,10 +270,10 @@ def test_interrupt_with_a_rank_stuck_in_a_collective(cluster, sigint_raises, tmp
     old_pids = cluster.pids
     t0 = time.monotonic()
     with _interrupt_when_started(tmp_path):
-        with pytest.raises(KeyboardInterrupt, match=r"Ranks \[0\] did not respond .* restarted"):
+        with pytest.raises(KeyboardInterrupt) as ei:
             cluster.run(rank0_in_collective_rank1_sleeps, str(tmp_path))
     assert time.monotonic() - t0 < cluster.config.timeout  # recovered long before the timeout
-    assert set(cluster.pids).isdisjoint(old_pids)
+    _freed_or_replaced(cluster, str(ei.value), old_pids)
     assert [o["sum"] for o in cluster.run(allreduce_info)] == [3.0, 3.0]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.mpi import open_mpi
 from traitlets.config import Config
 
 import colossal_lab as cl
@@ -43,18 +44,10 @@ def _no_new_children(before, wait=10.0):
     assert _children() - before == set()
 
 
-def _open_mpi() -> bool:
-    mpiexec = shutil.which("mpiexec")
-    if mpiexec is None:
-        return False
-    out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=10)
-    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
-
-
 def _mpi_config() -> Config:
     """An MPI config that also runs as root under Open MPI (containers, CI) and on one core."""
     c = Config()
-    if _open_mpi():
+    if open_mpi():
         c.MPIEngineSetLauncher.mpi_args = ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
     return c
 
@@ -256,7 +249,7 @@ def test_engine_that_dies_at_start_is_reported_at_once_with_its_log():
     _no_new_children(before)
 
 
-@pytest.mark.skipif(not (_open_mpi() and os.geteuid() == 0), reason="needs Open MPI's mpiexec, run as root")
+@pytest.mark.skipif(not (open_mpi() and os.geteuid() == 0), reason="needs Open MPI's mpiexec, run as root")
 def test_mpiexec_that_refuses_to_start_is_reported_with_its_message(monkeypatch):
     """Open MPI's mpiexec exits at once as root unless allowed: its own explanation is the error."""
     monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT", raising=False)

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from support.bus import BusSink
 
 from colossal_lab import relay as relay_mod
 from colossal_lab.engine import telemetry as T
@@ -57,13 +58,7 @@ def _flood(n):
 
 
 def test_events_from_both_ranks_arrive_while_run_is_running(cluster, tmp_path):
-    got, lock = [], threading.Lock()
-
-    def sink(e):
-        with lock:
-            got.append(e)
-
-    unsub = T.subscribe(sink)
+    sink = BusSink()
     dash = Dashboard(live=False, max_hz=10)
     relay = relay_mod.attach(cluster, **QUIET)
     try:
@@ -80,15 +75,13 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster, tmp_path):
         th.start()
         deadline = time.time() + 30
         while time.time() < deadline and not done.is_set():
-            with lock:
-                ranks = {e.rank for e in got if isinstance(e, T.StepMetrics)}
-                n = len(got)
-            if ranks == {0, 1} and n >= 42:
+            got = sink.events()
+            ranks = {e.rank for e in got if isinstance(e, T.StepMetrics)}
+            if ranks == {0, 1} and len(got) >= 42:
                 break
             time.sleep(0.05)
         arrived_before_return = not done.is_set()
-        with lock:
-            snapshot = list(got)
+        snapshot = sink.events()
         go.touch()
         assert arrived_before_return, "events only arrived after cluster.run returned"
         assert {(e.rank, e.step) for e in snapshot if isinstance(e, T.StepMetrics)} == \
@@ -107,7 +100,7 @@ def test_events_from_both_ranks_arrive_while_run_is_running(cluster, tmp_path):
         assert all(1 <= s["messages"] < s["sent"] for s in stats), stats  # batched, not one send per event
     finally:
         dash.close()
-        unsub()
+        sink.close()
         relay.detach()
     # after detach, ranks no longer send
     assert cluster.run(relay_mod._stats, relay.address) == [None, None]
@@ -174,11 +167,6 @@ def _emit_chunk_moves(steps, chunks, seed):
     return n, placement, {s: full.move_count(s) for s in range(steps + 1)}, list(full.moved_at(steps - 1))
 
 
-def _count(got, lock):
-    with lock:
-        return len(got)
-
-
 def _kernel_picture(events, steps):
     from colossal_lab.widgets.state import ChunkState, MemoryState, MetricsState, reduce_all
 
@@ -188,14 +176,8 @@ def _kernel_picture(events, steps):
 
 
 def test_coalesced_relay_draws_what_each_rank_emitted_with_far_fewer_events(cluster):
-    got, lock = [], threading.Lock()
-
-    def sink(e):
-        with lock:
-            got.append(e)
-
     steps, chunks = 6, 5
-    unsub = T.subscribe(sink)
+    sink = BusSink()
     relay = relay_mod.attach(cluster, **QUIET)  # coalescing is the default
     try:
         results = cluster.run(_emit_chunk_moves, steps, chunks, 0)
@@ -204,12 +186,9 @@ def test_coalesced_relay_draws_what_each_rank_emitted_with_far_fewer_events(clus
         assert [s["sent"] for s in stats] == n_emitted and [s["dropped"] for s in stats] == [0, 0]
         assert all(s["rows"] * 3 < s["sent"] for s in stats), stats  # folded, not one row per event
         # the receiver counts a message before it re-emits its events: wait for the events
-        deadline = time.time() + 10
-        while time.time() < deadline and _count(got, lock) < sum(s["rows"] for s in stats):
-            time.sleep(0.05)
+        sink.wait_for(sum(s["rows"] for s in stats), timeout=10)
         assert relay.received == sum(n_emitted) and relay.rows == sum(s["rows"] for s in stats)
-        with lock:
-            events = list(got)
+        events = sink.events()
         assert len(events) == relay.rows
         cs, ms, met = _kernel_picture(events, steps)
         for rank, (_, placement, counts, moved_last) in enumerate(results):
@@ -224,28 +203,18 @@ def test_coalesced_relay_draws_what_each_rank_emitted_with_far_fewer_events(clus
             {(r, t): steps - 1 + dt for r in (0, 1) for t, dt in (("cpu", 0.1), ("nvme", 0.2))}
         assert sorted(met.steps) == [(r, s) for r in (0, 1) for s in range(steps)]
     finally:
-        unsub()
+        sink.close()
         relay.detach()
 
 
 def test_without_coalescing_every_event_arrives_as_emitted(cluster):
-    got, lock = [], threading.Lock()
-
-    def sink(e):
-        with lock:
-            got.append(e)
-
-    unsub = T.subscribe(sink)
+    sink = BusSink()
     relay = relay_mod.attach(cluster, coalesce=False, interval=0.05, **QUIET)
     try:
         results = cluster.run(_emit_chunk_moves, 3, 4, 1)
         stats = relay.rank_stats()
         assert [s["rows"] for s in stats] == [s["sent"] for s in stats] == [n for n, *_ in results]
-        deadline = time.time() + 10
-        while time.time() < deadline and _count(got, lock) < sum(s["sent"] for s in stats):
-            time.sleep(0.05)
-        with lock:
-            events = list(got)
+        events = sink.wait_for(sum(s["sent"] for s in stats), timeout=10)
         assert len(events) == sum(s["sent"] for s in stats)
         assert all(e.moves == 0 for e in events if isinstance(e, T.ChunkEvent))
         for rank, (_, placement, counts, _) in enumerate(results):
@@ -254,7 +223,7 @@ def test_without_coalescing_every_event_arrives_as_emitted(cluster):
                 {tuple(k): tuple(v) for k, v in placement.items()}
             assert {s: cs.move_count(s) for s in range(4)} == {int(k): v for k, v in counts.items()}
     finally:
-        unsub()
+        sink.close()
         relay.detach()
 
 

@@ -4,8 +4,6 @@ gloo crossing the hosts' addresses, DDP and a 2-stage pipeline (one stage per ho
 one-process curve, and both hosts' telemetry through the relay. One cluster per launcher, driven
 like a notebook by ``support.host_driver`` on host A."""
 
-import time
-
 import pytest
 from support import host_work as W
 from support.engine import reference_losses
@@ -16,15 +14,8 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def ssh(rig):
     """Two ranks, one per host, through the SSH launcher (sshd on both hosts)."""
-    t = time.monotonic()
-    d = rig.launch("ssh", {rig.a.name: 1, rig.b.name: 1})
-    try:
-        ready = d.line(timeout=300)
-        print(f"ssh launch: {ready['start_s']:.1f}s")
+    with rig.cluster("ssh", {rig.a.name: 1, rig.b.name: 1}) as d:
         yield d
-    finally:
-        d.close()
-        print(f"ssh cluster, launch to stop: {time.monotonic() - t:.1f}s")
 
 
 def test_ssh_ranks_on_both_hosts_and_gloo_across(rig, ssh):
@@ -70,17 +61,8 @@ def test_both_hosts_telemetry_reaches_the_dashboard(rig, ssh):
 def mpi(rig):
     """Three ranks through the MPI launcher: Open MPI's mpiexec on host A with a hostfile, starting
     host B's share over ssh (its plm_rsh_agent); one rank on A, two on B."""
-    if not W.open_mpi():
-        pytest.skip("launcher='mpi' on the rig needs Open MPI's mpiexec (bash scripts/setup.sh --hosts)")
-    t = time.monotonic()
-    d = rig.launch("mpi", {rig.a.name: 1, rig.b.name: 2})
-    try:
-        ready = d.line(timeout=300)
-        print(f"mpi launch: {ready['start_s']:.1f}s")
+    with rig.cluster("mpi", {rig.a.name: 1, rig.b.name: 2}) as d:
         yield d
-    finally:
-        d.close()
-        print(f"mpi cluster, launch to stop: {time.monotonic() - t:.1f}s")
 
 
 def test_mpi_ranks_on_both_hosts_local_rank_per_host(rig, mpi):

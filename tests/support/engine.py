@@ -72,6 +72,31 @@ def train_step(model, opt, loss, clip: float, booster=None) -> float:
     return float(norm)
 
 
+def boosted_losses(model, opt, booster, steps: int, rank: int, world: int, clip: float = 1.0) -> list:
+    """``steps`` training steps of a boosted tiny GPT on this rank's slice of each global ``batch``
+    (``train_step``); the loss averaged over the ranks at each step, what ``reference_losses`` gives."""
+    losses = []
+    for s in range(steps):
+        _, loss = model(*batch(s, rank, world))
+        train_step(model, opt, loss, clip, booster)
+        losses.append(global_mean(loss))
+    return losses
+
+
+def plain_losses(model, data, make_opt) -> list:
+    """One process, plain torch, whole batches: one ``make_opt(params)`` step per batch of ``data``
+    (dicts with ``idx`` and ``targets``) on ``lm_loss``; the curve a parallel run of the same follows."""
+    opt = make_opt(model.parameters())
+    out = []
+    for b in data:
+        loss = lm_loss(model(b["idx"])[0], b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
 def assert_follows(case, losses, norms, ref, ref_norms, rel: float = 1e-4) -> None:
     """A run's losses and gradient norms equal the single-process reference at every step, within
     ``rel``; ``case`` names the run in the failure."""

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 
@@ -50,14 +49,9 @@ def _relay(cluster, steps: int) -> dict:
     from colossal_lab import relay as relay_mod
     from colossal_lab.engine import telemetry as T
     from colossal_lab.widgets import Dashboard
+    from support.bus import BusSink
 
-    got, lock = [], threading.Lock()
-
-    def sink(e):
-        with lock:
-            got.append(e)
-
-    unsub = T.subscribe(sink)
+    sink = BusSink()
     dash = Dashboard(live=False, max_hz=10)
     relay = relay_mod.attach(cluster, memory_interval=None)
     try:
@@ -65,8 +59,7 @@ def _relay(cluster, steps: int) -> dict:
         stats = relay.rank_stats()  # flushes what the ranks still hold
         deadline = time.time() + 30
         while time.time() < deadline:
-            with lock:
-                rows = sorted({(e.rank, e.step) for e in got if isinstance(e, T.StepMetrics)})
+            rows = sorted({(e.rank, e.step) for e in sink.events() if isinstance(e, T.StepMetrics)})
             if len(rows) >= steps * cluster.n:
                 break
             time.sleep(0.05)
@@ -75,7 +68,7 @@ def _relay(cluster, steps: int) -> dict:
                 "stats": [{k: s[k] for k in ("sent", "dropped")} for s in stats]}
     finally:
         dash.close()
-        unsub()
+        sink.close()
         relay.detach()
 
 

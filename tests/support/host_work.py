@@ -13,18 +13,6 @@ import torch.distributed as dist
 PP_MICRO = 4
 
 
-def open_mpi() -> bool:
-    """Whether ``mpiexec`` here is Open MPI's (the rig's hostfile and ssh agent are in its terms)."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("mpiexec")
-    if exe is None:
-        return False
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
-    return "Open MPI" in out.stdout + out.stderr or "OpenRTE" in out.stdout + out.stderr
-
-
 def where() -> dict:
     """Which host this rank is on, as the rank sees it: its hostname, its address on the route to
     the rendezvous store (MASTER_ADDR), its LOCAL_RANK, and a gloo all_reduce of every rank's
@@ -43,22 +31,13 @@ def ddp_losses(steps: int) -> list:
     loss over the ranks at each step (support.engine's recipe, as tests/engine runs it)."""
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import DDPPlugin
-    from support.engine import LR, batch, global_mean, param_groups, tiny_model
+    from support.engine import LR, boosted_losses, param_groups, tiny_model
 
     booster = Booster(plugin=DDPPlugin())
     model = tiny_model()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     model, opt, *_ = booster.boost(model, opt)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for s in range(steps):
-        _, loss = model(*batch(s, rank, world))
-        booster.backward(loss, opt)
-        booster.clip_grad_by_norm(opt, 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
+    return boosted_losses(model, opt, booster, steps, dist.get_rank(), dist.get_world_size())
 
 
 def _pp_model():
@@ -99,18 +78,9 @@ def pp_losses(steps: int) -> dict:
 
 def pp_reference(steps: int) -> list:
     """One process, plain torch: the curve ``pp_losses`` must follow."""
-    from support.engine import lm_loss
+    from support.engine import plain_losses
 
-    model = _pp_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for b in pp_data(steps):
-        loss = lm_loss(model(b["idx"])[0], b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return plain_losses(_pp_model(), pp_data(steps), lambda params: torch.optim.SGD(params, lr=0.1))
 
 
 def emit_steps(n: int) -> str:

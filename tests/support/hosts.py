@@ -23,6 +23,7 @@ installs them on Debian.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -213,7 +214,28 @@ class Rig:
         """Start the driver on host A with a cluster of ``hosts`` (host name -> ranks there)."""
         spec = {"launcher": launcher, "hosts": hosts, "ssh_config": str(self.ssh_config),
                 "tmp": str(self.dir), **spec}
-        return Driver(self.a.prefix() + [sys.executable, str(DRIVER), json.dumps(spec)], self.dir)
+        return Driver(self.a.prefix() + [sys.executable, str(DRIVER), json.dumps(spec)], self.dir, launcher)
+
+    @contextlib.contextmanager
+    def cluster(self, launcher: str, hosts: Dict[str, int]):
+        """A driver on host A with its cluster up (``hosts``: host name -> ranks there), stopped
+        after. Prints the launch time and launch to stop (the figures docs/multihost.md quotes).
+        ``launcher="mpi"`` needs Open MPI (the hostfile and ``plm_rsh_agent`` are in its terms)."""
+        import pytest
+
+        from support.mpi import open_mpi
+
+        if launcher == "mpi" and not open_mpi():
+            pytest.skip("launcher='mpi' on the rig needs Open MPI's mpiexec (bash scripts/setup.sh --hosts)")
+        t = time.monotonic()
+        d = self.launch(launcher, hosts)
+        try:
+            ready = d.line(timeout=300)
+            print(f"{launcher} launch: {ready['start_s']:.1f}s")
+            yield d
+        finally:
+            d.close()
+            print(f"{launcher} cluster, launch to stop: {time.monotonic() - t:.1f}s")
 
     def others(self, h: Host) -> List[int]:
         """Processes on host ``h`` other than its sshd listener (what a launch may leave behind)."""
@@ -240,7 +262,8 @@ class Rig:
 class Driver:
     """The driver process (``host_driver.py``): one JSON command in, one JSON line out."""
 
-    def __init__(self, argv: List[str], folder: Path):
+    def __init__(self, argv: List[str], folder: Path, launcher: str = ""):
+        self.launcher = launcher
         self.log = folder / f"driver-{time.monotonic_ns()}.err"
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True, cwd=os.getcwd(),
