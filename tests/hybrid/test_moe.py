@@ -217,7 +217,6 @@ def _moe_gpt(**kw):
 @pytest.mark.parametrize("plugin_kw, model, match", [
     (dict(ep_size=2), lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
     (dict(ep_size=4), lambda: _moe_gpt(n_expert=6), r"n_expert=6 .* use an ep_size in \[1, 2, 3, 6\]"),
-    (dict(ep_size=2, zero_stage=1), _moe_gpt, "ZeRO under expert parallelism is not built yet"),
     (dict(ep_size=2, pp_size=2, num_microbatches=2), _moe_gpt, r"pp_size=2\): expert parallelism composes with"),
     (dict(ep_size=2, tp_size=2), _moe_gpt, "tensor parallelism of MoE blocks"),
 ])

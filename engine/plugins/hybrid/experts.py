@@ -8,7 +8,8 @@ averaged over the whole dp (× cp) group as before; an expert's gradient already
 its whole EP group (the all-to-all's backward brought them), so it is summed over the expert-dp
 group and divided by the same dp (× cp) size: both are then the gradient of the mean loss over
 every rank's batch. A grouped expert weight gets a (zero) gradient even when no token reached it,
-so every rank reduces the same tensors every step. The same split as Colossal-AI's
+so every rank reduces the same tensors every step. ZeRO-1 shards the two kinds' optimizer state over
+those same two groups (:mod:`.expert_zero`). The same split as Colossal-AI's
 ``MoeHybridParallelPlugin`` (its ``moe_dp_group``) and torchtitan's ``dp_shard_mod_ep``.
 """
 
@@ -48,9 +49,6 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
         if v > 1:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}, {arg}={v}): expert parallelism composes with data "
                              f"parallelism only so far (docs/moe.md); set {arg}=1")
-    if plugin.zero_stage:
-        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, zero_stage={plugin.zero_stage}): ZeRO under expert "
-                         "parallelism is not built yet; set zero_stage=0")
     if plugin.precision == "fp16":
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}, precision='fp16'): the MoE auxiliary losses are not "
                          "loss-scaled yet; use precision='fp32' or 'bf16'")
