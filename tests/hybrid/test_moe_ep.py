@@ -10,8 +10,9 @@ from support.engine import assert_follows, batch, param_groups, train_step
 from support.moe import CLIP, LR, STARVED, STEPS, E, moe_reference, tiny_moe
 
 WORLD = 4
-# layout -> (ep_size, zero_stage); ZeRO-1 shards non-expert state over dp and expert state over expert-dp
-LAYOUTS = {"ep2xdp2": (2, 0), "ep4": (4, 0), "ep2xdp2_zero1": (2, 1)}
+# layout -> (ep_size, zero_stage, tp_size); ZeRO-1 shards non-expert state over dp and expert state over
+# expert-dp; under tp the MoE blocks stay whole on each tp rank and EP groups are cut per tp coordinate
+LAYOUTS = {"ep2xdp2": (2, 0, 1), "ep4": (4, 0, 1), "ep2xdp2_zero1": (2, 1, 1), "ep2xtp2": (2, 0, 2)}
 
 
 def _a2a_formula(model, ep_group) -> int:
@@ -38,9 +39,9 @@ def _rank(rank, world):
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     out = {}
-    for name, (ep, zero) in LAYOUTS.items():
+    for name, (ep, zero, tp) in LAYOUTS.items():
         for starve in (False, True):
-            plugin = HybridParallelPlugin(ep_size=ep, zero_stage=zero)
+            plugin = HybridParallelPlugin(ep_size=ep, zero_stage=zero, tp_size=tp)
             booster = Booster(plugin=plugin)
             model = tiny_moe(starve)
             model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
@@ -108,9 +109,9 @@ def test_all_to_all_bytes_equal_formula(runs, layout):
 
 def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer per step on every rank: the tokens its router sent to each expert."""
-    rows = 8 // WORLD * 32  # this rank's tokens per step (support.engine: batch 8, seq 32, over dp)
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
+            rows = 8 // (WORLD // LAYOUTS[layout][2]) * 32  # this rank's tokens per step (batch 8, seq 32, over dp)
             load = r["load"]
             assert [(e[0], e[1], e[2]) for e in load] == [(rank, s, f"blocks.{b}.mlp") for s in range(STEPS)
                                                           for b in range(2)], (layout, starve)

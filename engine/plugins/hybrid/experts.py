@@ -1,5 +1,8 @@
 """Expert parallelism inside data parallelism: ``HybridParallelPlugin(ep_size=k)``.
 
+With 1D tensor parallelism the MoE blocks stay whole on every tp rank (GPT's ``tp_plan`` leaves them out,
+they take the replicated residual stream as a norm does) and the EP groups are cut per tp coordinate.
+
 The ``dp`` ranks of one ``(pp, cp, tp)`` coordinate are cut into EP groups of ``k`` neighbours
 (dp index ``outer * k + e``): the ranks of an EP group hold different experts (``E / k`` each)
 and exchange tokens by all-to-all (:mod:`...moe.parallel`); the ranks with the same ``e`` (the
@@ -30,9 +33,14 @@ def _moe_layers(model: nn.Module):
 def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> None:
     """Refuse an EP layout before any group exists, naming what works."""
     ep = plugin.ep_size
+    layers = _moe_layers(model)
+    if layers and plugin.tp_size > 1 and (plugin.sequence_parallel or plugin.tp_mode != "1d"):
+        raise ValueError(f"HybridParallelPlugin(tp_size={plugin.tp_size}, tp_mode={plugin.tp_mode!r}, "
+                         f"sequence_parallel={plugin.sequence_parallel}): MoE blocks stay whole on every tp rank, "
+                         "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
+                         "tp_mode='1d', sequence_parallel=False")
     if ep == 1:
         return
-    layers = _moe_layers(model)
     if not layers:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {type(model).__name__} has no MoE block "
                          "(engine/moe.MoE) to split; build it with experts (the reference model: n_expert=8, top_k=2 "
@@ -45,7 +53,7 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
             ok = [d for d in range(1, moe.n_expert + 1) if moe.n_expert % d == 0]
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): n_expert={moe.n_expert} ({name}) does not "
                              f"divide over {ep} ranks; use an ep_size in {ok}")
-    for arg, v in (("tp_size", plugin.tp_size), ("pp_size", plugin.pp_size), ("cp_size", plugin.cp_size)):
+    for arg, v in (("pp_size", plugin.pp_size), ("cp_size", plugin.cp_size)):
         if v > 1:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}, {arg}={v}): expert parallelism composes with data "
                              f"parallelism only so far (docs/moe.md); set {arg}=1")
