@@ -359,6 +359,10 @@ class GPT(nn.Module):
         from ..tensor_parallel import seq_boundary
 
         sp = sequence_parallel
+        if sp and self.cfg.n_expert:  # an MoE block takes the whole sequence and hands it on whole
+            raise ValueError(f"GPT(n_expert={self.cfg.n_expert}): MoE blocks stay whole on every tp rank, which only "
+                             "1D tensor parallelism without sequence parallelism gives them so far; use "
+                             "sequence_parallel=False")
         keys = list(self.blocks.keys())
         nb = 5  # Block's positional inputs as forward passes them (checkpointed or not)
         plan = {}

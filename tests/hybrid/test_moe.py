@@ -199,6 +199,8 @@ def test_dense_default_unchanged_and_moe_gpt_trains():
     assert {k.split(".", 2)[2] for k in plan} == {"attn.wq", "attn.wk", "attn.wv", "attn.wo"}
     with pytest.raises(ValueError, match="MoE blocks stay whole.*use tp_mode='1d'"):
         model.tp_nd_plan()
+    with pytest.raises(ValueError, match="MoE blocks stay whole.*use sequence_parallel=False"):
+        model.tp_plan(sequence_parallel=True)  # what cl.plan reads as well as the plugin
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x = (torch.arange(8 * 33).reshape(8, 33) * 5 + 3) % 256
     losses = []
