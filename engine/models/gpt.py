@@ -359,6 +359,10 @@ class GPT(nn.Module):
         from ..tensor_parallel import seq_boundary
 
         sp = sequence_parallel
+        if sp and self.cfg.n_expert:  # an MoE block takes the whole sequence and hands it on whole
+            raise ValueError(f"GPT(n_expert={self.cfg.n_expert}): MoE blocks stay whole on every tp rank, which only "
+                             "1D tensor parallelism without sequence parallelism gives them so far; use "
+                             "sequence_parallel=False")
         keys = list(self.blocks.keys())
         nb = 5  # Block's positional inputs as forward passes them (checkpointed or not)
         plan = {}
@@ -372,9 +376,12 @@ class GPT(nn.Module):
                 plan[f"{p}.attn_norm"], plan[f"{p}.mlp_norm"] = SequenceParallel(), SequenceParallel()
                 plan[f"{p}.attn"] = seq_boundary(5, into="gather")  # Attention(x, cos, sin, cache, key)
                 plan[f"{p}.mlp"] = seq_boundary(into="gather")
-            for n in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"):
+            # an MoE block stays whole on every tp rank (its experts split over ep_size instead): it takes
+            # the replicated residual stream as a norm does, and every tp rank computes the same routing
+            mlp = () if self.cfg.n_expert else ("mlp.w1", "mlp.w3")
+            for n in ("attn.wq", "attn.wk", "attn.wv") + mlp:
                 plan[f"{p}.{n}"] = ColwiseParallel()
-            for n in ("attn.wo", "mlp.w2"):
+            for n in ("attn.wo",) + (() if self.cfg.n_expert else ("mlp.w2",)):
                 plan[f"{p}.{n}"] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
         if sp and self.norm is not None:
             plan["norm"] = SequenceParallel()
@@ -388,6 +395,9 @@ class GPT(nn.Module):
         """Roles of this model's (or stage's) layers for 2D/2.5D/3D tensor parallelism
         (``engine/tp_nd/apply.py``): the 1D plan's column/row linears, the embedding, the norms
         and the head (vocab-parallel logits)."""
+        if self.cfg.n_expert:
+            raise ValueError(f"GPT(n_expert={self.cfg.n_expert}): MoE blocks stay whole on every tp rank, which only "
+                             "1D tensor parallelism gives them so far; use tp_mode='1d'")
         plan = {"tok_emb": "embedding", "norm": "rmsnorm", "lm_head": "head"}
         for key in self.blocks:
             p = f"blocks.{key}"
@@ -397,9 +407,6 @@ class GPT(nn.Module):
         return plan
 
     def check_tp(self, tp_size: int) -> None:
-        if self.cfg.n_expert:
-            raise ValueError(f"GPT: tensor parallelism of MoE blocks (n_expert={self.cfg.n_expert}) is not built yet; "
-                             "use tp_size=1 (experts split over ep_size instead)")
         if self.cfg.n_head % tp_size:
             raise ValueError(f"GPT: n_head={self.cfg.n_head} is not divisible by the {tp_size} ranks of the "
                              f"tensor-parallel group; use a size that divides {self.cfg.n_head}")

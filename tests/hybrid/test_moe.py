@@ -195,8 +195,12 @@ def test_dense_default_unchanged_and_moe_gpt_trains():
     cfg = GPTConfig.preset("tiny", n_expert=4, top_k=2, n_shared_expert=1, z_loss_coef=1e-3)
     model = GPT(cfg)
     assert model.blocks["0"].mlp.experts.w1.shape == (4, cfg.n_embd, cfg.hidden)
-    with pytest.raises(ValueError, match="tensor parallelism of MoE blocks"):
-        model.check_tp(2)
+    plan = model.tp_plan()  # 1D tensor parallelism: attention split, MoE blocks whole on every tp rank
+    assert {k.split(".", 2)[2] for k in plan} == {"attn.wq", "attn.wk", "attn.wv", "attn.wo"}
+    with pytest.raises(ValueError, match="MoE blocks stay whole.*use tp_mode='1d'"):
+        model.tp_nd_plan()
+    with pytest.raises(ValueError, match="MoE blocks stay whole.*use sequence_parallel=False"):
+        model.tp_plan(sequence_parallel=True)  # what cl.plan reads as well as the plugin
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x = (torch.arange(8 * 33).reshape(8, 33) * 5 + 3) % 256
     losses = []
@@ -217,9 +221,9 @@ def _moe_gpt(**kw):
 @pytest.mark.parametrize("plugin_kw, model, match", [
     (dict(ep_size=2), lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
     (dict(ep_size=4), lambda: _moe_gpt(n_expert=6), r"n_expert=6 .* use an ep_size in \[1, 2, 3, 6\]"),
-    (dict(ep_size=2, zero_stage=1), _moe_gpt, "ZeRO under expert parallelism is not built yet"),
     (dict(ep_size=2, pp_size=2, num_microbatches=2), _moe_gpt, r"pp_size=2\): expert parallelism composes with"),
-    (dict(ep_size=2, tp_size=2), _moe_gpt, "tensor parallelism of MoE blocks"),
+    (dict(ep_size=2, tp_size=2, sequence_parallel=True), _moe_gpt, r"MoE blocks stay whole.*sequence_parallel=False"),
+    (dict(tp_size=4, tp_mode="2d"), _moe_gpt, r"MoE blocks stay whole.*use tp_mode='1d'"),  # GPT's tp_nd_plan
 ])
 def test_ep_refused_before_any_group(plugin_kw, model, match):
     """configure() refuses on its model checks: no process group runs here, so reaching one would be a

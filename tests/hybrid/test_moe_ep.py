@@ -7,32 +7,12 @@ import torch
 import torch.distributed as dist
 from support.dist import run_distributed
 from support.engine import assert_follows, batch, param_groups, train_step
+from support.moe import CLIP, LR, STARVED, STEPS, E, moe_reference, tiny_moe
 
-from colossal_lab.engine.models import GPT, GPTConfig
-
-STEPS, LR, CLIP, E, WORLD = 5, 3e-3, 1.0, 4, 4
-LAYOUTS = {"ep2xdp2": 2, "ep4": 4}
-STARVED = [1, 2]  # experts pushed out of every token's choice (a router bias) in the "starved" runs
-
-
-def _model(starve: bool) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny", n_expert=E, top_k=2, z_loss_coef=1e-3))
-    if starve:
-        for block in model.blocks.values():
-            block.mlp.router.expert_bias[STARVED] = -1e4
-    return model
-
-
-def _reference(starve: bool):
-    model = _model(starve)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
-    losses, norms = [], []
-    for s in range(STEPS):
-        _, loss = model(*batch(s))
-        norms.append(train_step(model, opt, loss, CLIP))
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+WORLD = 4
+# layout -> (ep_size, zero_stage, tp_size); ZeRO-1 shards non-expert state over dp and expert state over
+# expert-dp; under tp the MoE blocks stay whole on each tp rank and EP groups are cut per tp coordinate
+LAYOUTS = {"ep2xdp2": (2, 0, 1), "ep4": (4, 0, 1), "ep2xdp2_zero1": (2, 1, 1), "ep2xtp2": (2, 0, 2)}
 
 
 def _a2a_formula(model, ep_group) -> int:
@@ -59,11 +39,11 @@ def _rank(rank, world):
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     out = {}
-    for name, ep in LAYOUTS.items():
+    for name, (ep, zero, tp) in LAYOUTS.items():
         for starve in (False, True):
-            plugin = HybridParallelPlugin(ep_size=ep)
+            plugin = HybridParallelPlugin(ep_size=ep, zero_stage=zero, tp_size=tp)
             booster = Booster(plugin=plugin)
-            model = _model(starve)
+            model = tiny_moe(starve)
             model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
             inner = model.stage_modules[0].inner
             w1 = inner.blocks["0"].mlp.experts.w1
@@ -81,12 +61,14 @@ def _rank(rank, world):
                 formula.append(_a2a_formula(inner, plugin.ep_group))
                 tokens.append([list(b.mlp.last.tokens_per_expert) for b in inner.blocks.values()])
             unsub()
+            ids = {id(p): n for n, p in inner.named_parameters()}
+            held = sorted(ids[id(p)] for p, st in opt.state.items() if st)  # parameters whose state this rank holds
             state = model.full_state_dict()  # a collective: every rank gathers, two send it home
             state = state if rank in (0, world - 1) else None
             load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events
                     if isinstance(e, telemetry.ExpertLoad)]
             out[(name, starve)] = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens,
-                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load,
+                                       local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load, held=held,
                                        state=state)
             plugin.close()
     return out
@@ -100,10 +82,10 @@ def runs():
 @pytest.mark.parametrize("starve", [False, True])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_follows_single_process(runs, layout, starve):
-    ref, ref_norms, ref_state = _reference(starve)
+    ref, ref_norms, ref_state = moe_reference(starve)
     for rank, per in enumerate(runs):
         r = per[(layout, starve)]
-        assert r["local_experts"] == E // LAYOUTS[layout]
+        assert r["local_experts"] == E // LAYOUTS[layout][0]
         assert_follows((layout, starve, rank), r["losses"], r["norms"], ref, ref_norms)
         if r["state"] is not None:  # the whole model after 5 steps: every expert gathered from its EP rank
             assert r["state"].keys() == ref_state.keys()
@@ -127,11 +109,27 @@ def test_all_to_all_bytes_equal_formula(runs, layout):
 
 def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer per step on every rank: the tokens its router sent to each expert."""
-    rows = 8 // WORLD * 32  # this rank's tokens per step (support.engine: batch 8, seq 32, over dp)
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
+            rows = 8 // (WORLD // LAYOUTS[layout][2]) * 32  # this rank's tokens per step (batch 8, seq 32, over dp)
             load = r["load"]
             assert [(e[0], e[1], e[2]) for e in load] == [(rank, s, f"blocks.{b}.mlp") for s in range(STEPS)
                                                           for b in range(2)], (layout, starve)
             assert [e[3] for e in load] == [tok for step in r["tokens"] for tok in step]
             assert all(sum(e[3]) == rows * 2 and e[4] == 0 for e in load)  # top_k=2, dropless
+
+
+def test_zero1_shards_each_state_over_its_group(runs):
+    """ZeRO-1 under ep2×dp2: a non-expert parameter's optimizer state lives on exactly one of the 4 ranks;
+    an expert slice's on exactly one of its expert-dp group (ranks 0, 2 hold one half of the experts, 1, 3
+    the other), and every parameter has its state somewhere. Without ZeRO every rank holds all of its own."""
+    for starve in (False, True):
+        held = [set(per[("ep2xdp2_zero1", starve)]["held"]) for per in runs]
+        every = [set(per[("ep2xdp2", starve)]["held"]) for per in runs]
+        assert all(every[0] == h for h in every)  # the same names on each rank (each its own expert slices)
+        expert = {n for n in every[0] if ".experts." in n}
+        assert expert and expert != every[0]
+        for n in every[0] - expert:
+            assert sum(n in h for h in held) == 1, n
+        for n in expert:
+            assert sum(n in held[r] for r in (0, 2)) == 1 and sum(n in held[r] for r in (1, 3)) == 1, n

@@ -156,6 +156,11 @@ def apply_optimizer(optimizer: Optional[Optimizer], names_of: Dict[int, List[str
     if optimizer is None:
         return None
     cls = None
+    if zero_stage == 1 and grads.experts is not None:  # experts shard over their own group (expert_zero.py)
+        from .expert_zero import split_zero
+
+        optim = split_zero(optimizer, names_of, model, dims, grads.experts)
+        return HybridParallelOptimizer(optim, model, precision, loss_scaler, grads)
     if zero_stage == 1 and dims.dp * dims.cp > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

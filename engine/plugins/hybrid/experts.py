@@ -1,5 +1,8 @@
 """Expert parallelism inside data parallelism: ``HybridParallelPlugin(ep_size=k)``.
 
+With 1D tensor parallelism the MoE blocks stay whole on every tp rank (GPT's ``tp_plan`` leaves them out,
+they take the replicated residual stream as a norm does) and the EP groups are cut per tp coordinate.
+
 The ``dp`` ranks of one ``(pp, cp, tp)`` coordinate are cut into EP groups of ``k`` neighbours
 (dp index ``outer * k + e``): the ranks of an EP group hold different experts (``E / k`` each)
 and exchange tokens by all-to-all (:mod:`...moe.parallel`); the ranks with the same ``e`` (the
@@ -8,7 +11,8 @@ averaged over the whole dp (× cp) group as before; an expert's gradient already
 its whole EP group (the all-to-all's backward brought them), so it is summed over the expert-dp
 group and divided by the same dp (× cp) size: both are then the gradient of the mean loss over
 every rank's batch. A grouped expert weight gets a (zero) gradient even when no token reached it,
-so every rank reduces the same tensors every step. The same split as Colossal-AI's
+so every rank reduces the same tensors every step. ZeRO-1 shards the two kinds' optimizer state over
+those same two groups (:mod:`.expert_zero`). The same split as Colossal-AI's
 ``MoeHybridParallelPlugin`` (its ``moe_dp_group``) and torchtitan's ``dp_shard_mod_ep``.
 """
 
@@ -29,9 +33,14 @@ def _moe_layers(model: nn.Module):
 def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> None:
     """Refuse an EP layout before any group exists, naming what works."""
     ep = plugin.ep_size
+    layers = _moe_layers(model)
+    if layers and plugin.tp_size > 1 and (plugin.sequence_parallel or plugin.tp_mode != "1d"):
+        raise ValueError(f"HybridParallelPlugin(tp_size={plugin.tp_size}, tp_mode={plugin.tp_mode!r}, "
+                         f"sequence_parallel={plugin.sequence_parallel}): MoE blocks stay whole on every tp rank, "
+                         "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
+                         "tp_mode='1d', sequence_parallel=False")
     if ep == 1:
         return
-    layers = _moe_layers(model)
     if not layers:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {type(model).__name__} has no MoE block "
                          "(engine/moe.MoE) to split; build it with experts (the reference model: n_expert=8, top_k=2 "
@@ -44,13 +53,10 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
             ok = [d for d in range(1, moe.n_expert + 1) if moe.n_expert % d == 0]
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): n_expert={moe.n_expert} ({name}) does not "
                              f"divide over {ep} ranks; use an ep_size in {ok}")
-    for arg, v in (("tp_size", plugin.tp_size), ("pp_size", plugin.pp_size), ("cp_size", plugin.cp_size)):
+    for arg, v in (("pp_size", plugin.pp_size), ("cp_size", plugin.cp_size)):
         if v > 1:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}, {arg}={v}): expert parallelism composes with data "
                              f"parallelism only so far (docs/moe.md); set {arg}=1")
-    if plugin.zero_stage:
-        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, zero_stage={plugin.zero_stage}): ZeRO under expert "
-                         "parallelism is not built yet; set zero_stage=0")
     if plugin.precision == "fp16":
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}, precision='fp16'): the MoE auxiliary losses are not "
                          "loss-scaled yet; use precision='fp32' or 'bf16'")
