@@ -1,7 +1,9 @@
 """Checkpoints of a hybrid-parallel model and optimizer under the *unsplit* model's names.
 
-Model: gathered whole (DTensor shards made whole, each stage its own parameters) and written by
-world rank 0 through :class:`GeneralCheckpointIO`; loaded by copying each rank's slice in. Optimizer:
+Model: gathered whole (DTensor shards made whole, each stage its own parameters, every EP group its
+experts) and written by world rank 0 through :class:`GeneralCheckpointIO`; loaded by copying each
+rank's slice in, read with safetensors' ``get_slice`` where it is rows of the file's tensor (an
+expert-parallel rank reads only its own experts' bytes), so it loads at any ep_size. Optimizer:
 DCP, keyed by hand by the unsplit model's parameter names (torch's helper would key by each rank's
 stage wrapper, so stages would collide), which makes it load into any layout. Key scheme and
 guarantees: docs/hybrid.md, "Checkpoints".
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .. import comm
-from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, load_state_dict_shards, recover
+from ..checkpoint_io import GeneralCheckpointIO, atomic_dir, recover
 from ..checkpoint_io.hf import load_hf, save_hf
 
 
@@ -39,6 +41,16 @@ def _local(optim):
 def _blocked(nd, name: str, p, v) -> bool:
     """Whether optimizer state ``v`` of parameter ``p`` is a block of an N-d (2D/2.5D/3D) layout."""
     return nd is not None and name in nd.params and isinstance(v, torch.Tensor) and v.shape == p.shape
+
+
+def _refuse_experts(model, what: str) -> None:
+    """Optimizer checkpoints under expert parallelism are not built: the EP ranks hold different slices of
+    one parameter name, which this key scheme would write over each other."""
+    if getattr(model, "experts", None) is not None:
+        raise NotImplementedError(f"booster.{what} under HybridParallelPlugin(ep_size={model.experts.ep_size}): "
+                                  "optimizer checkpoints of expert-parallel models are not built yet (docs/moe.md); "
+                                  "save the model with booster.save_model (it loads at any ep_size), or train "
+                                  "with ep_size=1")
 
 
 def _names(model) -> Dict[int, List[str]]:
@@ -80,36 +92,47 @@ class HybridCheckpointIO(GeneralCheckpointIO):
     def load_model(self, model, path, strict: bool = True) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        from ..checkpoint_io.hf_files import HFReader
+
         view = _hf_view(model)
         if view is not None:  # each rank reads only its slice of each tensor
             load_hf(view, path, strict=strict)
             return
-        sd = load_state_dict_shards(path)
+        reader = HFReader(recover(path))  # the same file layout; get_slice reads only the rows asked for
+        saved = set(reader.names())
         nd = getattr(model, "nd", None)  # tp_mode 2d/2.5d/3d: parameters are blocks of the full tensors
+        ex = getattr(model, "experts", None)  # ep_size > 1: grouped expert weights hold E / ep experts
         for mod in model.stage_modules:
             for name, t in mod.inner.state_dict().items():
-                if name not in sd:
+                if name not in saved:
                     if strict:
                         raise RuntimeError(f"load_model({path}): missing key {name!r}; pass strict=False to skip it")
                     continue
-                src = sd[name]
                 blocked = nd is not None and name in nd.params
-                shape = nd.full_shape(name) if blocked else tuple(t.shape)
-                if tuple(src.shape) != shape:
-                    raise RuntimeError(f"load_model({path}): {name!r} has shape {tuple(src.shape)} in the "
+                expert = ex is not None and name in ex.names
+                shape = nd.full_shape(name) if blocked else ex.full_shape(t) if expert else tuple(t.shape)
+                if reader.shape(name) != shape:
+                    raise RuntimeError(f"load_model({path}): {name!r} has shape {reader.shape(name)} in the "
                                        f"checkpoint but {shape} in the model; was it saved from the "
                                        "same model configuration?")
+                if expert:  # this rank's experts only: rows [lo, hi) of the whole grouped weight
+                    lo, hi = ex.rows(t)
+                    src = reader.read_runs(name, [[(lo, hi)]] + [[(0, n)] for n in shape[1:]])
+                else:
+                    src = reader.read(name)
                 src = (nd.block(name, src) if blocked else src).to(dtype=t.dtype)
                 if isinstance(t, DTensor):
                     t.copy_(distribute_tensor(src.to(t.device), t.device_mesh, t.placements))
                 else:
                     t.copy_(src)
+        self.bytes_read = reader.bytes_read  # what this rank read from the files (the MoE test checks it)
         if comm.initialized():
             comm.barrier()
 
     # ---- optimizer ---------------------------------------------------------------------
     def save_optimizer(self, optimizer, path, model=None) -> None:
         optim, model = _targets(optimizer, model)
+        _refuse_experts(model, "save_optimizer")
         local, names = _local(optim), _names(model)
         sd: dict = {}
         for g in optim.param_groups:  # the global (non-ZeRO) view of the hyper-parameters
@@ -134,6 +157,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         optim, model = _targets(optimizer, model)
+        _refuse_experts(model, "load_optimizer")
         path = recover(path) if not comm.initialized() or dist.get_rank() == 0 else Path(path)
         if comm.initialized():
             comm.barrier()

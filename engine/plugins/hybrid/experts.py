@@ -124,6 +124,15 @@ class ExpertGroups:
                 self.names.add(f"{layer}.experts.{name}")
             moe.ep = self.handle
 
+    def full_shape(self, t) -> tuple:
+        """The whole grouped weight's shape, of which ``t`` is this rank's slice (``E / ep`` experts)."""
+        return (t.shape[0] * self.ep_size,) + tuple(t.shape[1:])
+
+    def rows(self, t) -> tuple:
+        """``[lo, hi)``: the rows (global experts) of the whole weight that slice ``t`` holds."""
+        lo = dist.get_rank(self.ep_group) * t.shape[0]
+        return lo, lo + t.shape[0]
+
     def full(self, t):
         """This rank's slice of a grouped expert weight -> every expert's (all-gathered over the EP group)."""
         import torch
