@@ -5,14 +5,14 @@ experts) and written by world rank 0 through :class:`GeneralCheckpointIO`; loade
 rank's slice in, read with safetensors' ``get_slice`` where it is rows of the file's tensor (an
 expert-parallel rank reads only its own experts' bytes), so it loads at any ep_size. Optimizer:
 DCP, keyed by hand by the unsplit model's parameter names (torch's helper would key by each rank's
-stage wrapper, so stages would collide), which makes it load into any layout. Key scheme and
-guarantees: docs/hybrid.md, "Checkpoints".
+stage wrapper, so stages would collide), N-d blocks and expert slices saved whole, which makes it load
+into any layout. Key scheme and guarantees: docs/hybrid.md, "Checkpoints".
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,19 +38,36 @@ def _local(optim):
     return optim.optim if isinstance(optim, ZeroRedundancyOptimizer) else optim
 
 
-def _blocked(nd, name: str, p, v) -> bool:
-    """Whether optimizer state ``v`` of parameter ``p`` is a block of an N-d (2D/2.5D/3D) layout."""
-    return nd is not None and name in nd.params and isinstance(v, torch.Tensor) and v.shape == p.shape
+def _cut(model, p, name: str, v) -> Optional[str]:
+    """How optimizer state ``v`` of parameter ``p`` is cut on this rank: ``"nd"`` (a block of an N-d
+    (2D/2.5D/3D) layout), ``"ep"`` (this EP rank's experts, rows of the grouped weight) or None (whole)."""
+    if not isinstance(v, torch.Tensor) or v.shape != p.shape:
+        return None
+    nd, ex = getattr(model, "nd", None), getattr(model, "experts", None)
+    if nd is not None and name in nd.params:
+        return "nd"
+    return "ep" if ex is not None and id(p) in ex.params else None
 
 
-def _refuse_experts(model, what: str) -> None:
-    """Optimizer checkpoints under expert parallelism are not built: the EP ranks hold different slices of
-    one parameter name, which this key scheme would write over each other."""
-    if getattr(model, "experts", None) is not None:
-        raise NotImplementedError(f"booster.{what} under HybridParallelPlugin(ep_size={model.experts.ep_size}): "
-                                  "optimizer checkpoints of expert-parallel models are not built yet (docs/moe.md); "
-                                  "save the model with booster.save_model (it loads at any ep_size), or train "
-                                  "with ep_size=1")
+def _whole(model, cut: Optional[str], name: str, v):
+    """State ``v`` made whole for the file (a collective over the tp or EP group)."""
+    return model.nd.full(name, v) if cut == "nd" else model.experts.full(v) if cut == "ep" else v
+
+
+def _whole_shape(model, cut: Optional[str], name: str, v) -> tuple:
+    if cut == "nd":
+        return model.nd.full_shape(name)
+    return model.experts.full_shape(v) if cut == "ep" else tuple(getattr(v, "shape", ()))
+
+
+def _mine(model, cut: Optional[str], name: str, v, whole):
+    """This rank's part of a whole state tensor read from the file."""
+    if cut == "nd":
+        return model.nd.block(name, whole)
+    if cut == "ep":
+        lo, hi = model.experts.rows(v)
+        return whole[lo:hi]
+    return whole
 
 
 def _names(model) -> Dict[int, List[str]]:
@@ -132,7 +149,6 @@ class HybridCheckpointIO(GeneralCheckpointIO):
     # ---- optimizer ---------------------------------------------------------------------
     def save_optimizer(self, optimizer, path, model=None) -> None:
         optim, model = _targets(optimizer, model)
-        _refuse_experts(model, "save_optimizer")
         local, names = _local(optim), _names(model)
         sd: dict = {}
         for g in optim.param_groups:  # the global (non-ZeRO) view of the hyper-parameters
@@ -140,13 +156,13 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             for n in (n for p in g["params"] for n in names.get(id(p), [])):
                 for k, v in hp.items():  # one leaf per hyper-parameter (DCP pickles non-tensors)
                     sd[f"param_groups.{n}.{k}"] = v
-        nd = getattr(model, "nd", None)
         for p in (p for g in local.param_groups for p in g["params"]):
             for n in names[id(p)]:
                 for k, v in local.state.get(p, {}).items():
-                    if _blocked(nd, n, p, v):  # N-d: saved whole (a collective over the tp group)
-                        v = nd.full(n, v)
-                    sd[f"state.{n}.{k}"] = v
+                    # N-d blocks and expert slices saved whole (a collective over the tp / EP group: under
+                    # ZeRO-1 the ranks of an EP group own the same parameters' state, their expert-dp
+                    # groups being partitioned alike)
+                    sd[f"state.{n}.{k}"] = _whole(model, _cut(model, p, n, v), n, v)
         scaler = getattr(optimizer, "loss_scaler", None)
         if scaler is not None:
             sd.update({f"loss_scaler.{k}": torch.tensor(float(v)) for k, v in scaler.state_dict().items()})
@@ -157,20 +173,18 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         optim, model = _targets(optimizer, model)
-        _refuse_experts(model, "load_optimizer")
         path = recover(path) if not comm.initialized() or dist.get_rank() == 0 else Path(path)
         if comm.initialized():
             comm.barrier()
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         local, names = _local(optim), _names(model)
-        nd = getattr(model, "nd", None)
         has_state = any(k.startswith("state.") for k in saved)
         if has_state:
             _init_optim_state(local)  # a zero-lr step: state tensors of the right shapes/placements
         want: dict = {}
         saved_name: Dict[int, str] = {}
         error = None
-        hint = ("hybrid optimizer checkpoints load into any pp/tp (1D, 2D, 2.5D, 3D)/dp/ZeRO-1 layout of the same "
+        hint = ("hybrid optimizer checkpoints load into any pp/tp (1D, 2D, 2.5D, 3D)/dp/ep/ZeRO-1 layout of the same "
                 "model and optimizer type, and into one process (booster without a plugin)")
         for p in (p for g in optim.param_groups for p in g["params"]):
             # a tied weight is saved under each name its stages use; read whichever exists
@@ -189,16 +203,16 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             for k, v in local.state.get(p, {}).items():
                 key = f"state.{saved_name[id(p)]}.{k}"
                 size = getattr(saved.get(key), "size", None)
-                blocked = _blocked(nd, names[id(p)][0], p, v)
-                shape = nd.full_shape(names[id(p)][0]) if blocked else tuple(getattr(v, "shape", ()))
+                cut = _cut(model, p, names[id(p)][0], v)
+                shape = _whole_shape(model, cut, names[id(p)][0], v)
                 if key not in saved:
                     error = error or (f"load_optimizer({path}): no {key!r} in the checkpoint ({type(local).__name__} "
                                       f"state has {sorted(local.state[p])}); {hint}")
                 elif isinstance(v, torch.Tensor) and size is not None and tuple(size) != shape:
                     error = error or (f"load_optimizer({path}): {key!r} has shape {tuple(size)} in the checkpoint "
                                       f"but {shape} here; {hint}")
-                else:  # N-d: read whole, this rank's block copied in below
-                    want[key] = v.new_empty(shape) if blocked else v
+                else:  # N-d / ep: read whole, this rank's block or experts copied in below
+                    want[key] = v.new_empty(shape) if cut else v
         # every rank learns of any rank's error before the collective load (else peers would hang)
         if comm.initialized():
             errors = [None] * dist.get_world_size()
@@ -215,8 +229,9 @@ class HybridCheckpointIO(GeneralCheckpointIO):
             st = local.state.get(p, {})
             for k in list(st):
                 v = want[f"state.{saved_name[id(p)]}.{k}"]
-                if _blocked(nd, names[id(p)][0], p, st[k]):
-                    st[k].copy_(nd.block(names[id(p)][0], v))
+                cut = _cut(model, p, names[id(p)][0], st[k])
+                if cut:
+                    st[k].copy_(_mine(model, cut, names[id(p)][0], st[k], v))
                 elif v is not st[k]:
                     st[k] = v
         if not has_state:
