@@ -184,7 +184,7 @@ class HybridCheckpointIO(GeneralCheckpointIO):
         want: dict = {}
         saved_name: Dict[int, str] = {}
         error = None
-        hint = ("hybrid optimizer checkpoints load into any pp/tp (1D, 2D, 2.5D, 3D)/dp/ep/ZeRO-1 layout of the same "
+        hint = ("hybrid optimizer checkpoints load into any pp/tp (1D, 2D, 2.5D, 3D)/dp/ZeRO-1 layout of the same "
                 "model and optimizer type, and into one process (booster without a plugin)")
         for p in (p for g in optim.param_groups for p in g["params"]):
             # a tied weight is saved under each name its stages use; read whichever exists
