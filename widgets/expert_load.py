@@ -31,6 +31,7 @@ from .state import ExpertLoad2D, ExpertLoadState, reduce_all
 
 DROPPED_COLOR = "#d62728"
 HEAT_PX, BAR_PX, GAP_PX, TOP_PX = 14, 60, 70, 70  # px per expert row, dropped bars, between panels, title
+HOVER_RANKS = 8  # ranks listed in a cell's hover (the busiest, past that)
 
 
 def imbalance(tokens: List[int]) -> float:
@@ -46,6 +47,17 @@ def _axis(kind: str, k: int) -> str:
 
 def _ref(kind: str, k: int) -> str:
     return kind if k == 1 else f"{kind}{k}"
+
+
+def _breakdown(by_rank: Dict[int, Tuple[int, ...]], expert: int) -> str:
+    """Hover lines ``rank r: tokens`` of one cell; past ``HOVER_RANKS`` ranks the busiest ones and a
+    count of the rest (the hover text is sent with every redraw: it stays bounded on a large job)."""
+    got = [(r, t[expert] if expert < len(t) else 0) for r, t in by_rank.items()]
+    if len(got) > HOVER_RANKS:
+        rest = len(got) - HOVER_RANKS
+        got = sorted(got, key=lambda rt: -rt[1])[:HOVER_RANKS]
+        return "<br>".join(f"rank {r}: {t:,}" for r, t in got) + f"<br>… +{rest} ranks"
+    return "<br>".join(f"rank {r}: {t:,}" for r, t in got)
 
 
 def _panel_title(layer: str, g: ExpertLoad2D) -> str:
@@ -86,8 +98,7 @@ def expert_load_dict(state: ExpertLoadState) -> dict:
         per_step = [sum(row[c] for row in g.z) for c in range(len(g.steps))]
         share = [[row[c] / per_step[c] if per_step[c] else 0.0 for c in range(len(g.steps))] for row in g.z]
         ranks = [state.per_rank(layer, s) for s in g.steps]
-        text = [["<br>".join(f"rank {r}: {t[e] if e < len(t) else 0:,}" for r, t in ranks[c].items())
-                 for c in range(len(g.steps))] for e in range(n)]
+        text = [[_breakdown(ranks[c], e) for c in range(len(g.steps))] for e in range(n)]
         data.append({"type": "heatmap", "name": layer, "x": g.steps, "y": list(range(n)), "z": g.z,
                      "coloraxis": "coloraxis", "xaxis": _ref("x", kh), "yaxis": _ref("y", kh),
                      "customdata": share, "text": text, "xgap": 1, "ygap": 1,

@@ -87,6 +87,10 @@ def test_later_event_replaces_old_steps_fall_off_and_empty_picture():
         st.grid("other")
     with pytest.raises(ValueError, match="keep_steps=0"):
         ExpertLoadState(keep_steps=0)
+    # a large job's hover lists the busiest ranks and counts the rest
+    many = ExpertLoadView.from_events([L(r, 0, "m", (r, 1)) for r in range(12)], live=False)
+    assert _heat(many.figure, "m").text[0][0] == "<br>".join(f"rank {r}: {r}" for r in range(11, 3, -1)) \
+        + "<br>… +4 ranks"
     v = ExpertLoadView.from_events([], live=False)
     assert "waiting for ExpertLoad" in v.figure.layout.title.text and v.figure.data == ()
 
