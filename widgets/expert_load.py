@@ -7,7 +7,8 @@ order, ``blocks.2`` before ``blocks.10``):
 * a heatmap, experts (y) × steps (x), each cell the token-to-expert assignments routed to that
   expert at that step summed over the ranks that reported it; one colour scale for every layer
   (from 0), so a hot expert in one layer reads as hot next to another layer's. Hover gives the
-  expert's share of the step's routed tokens and the per-rank breakdown;
+  expert's share of the step's routed tokens and the per-rank breakdown (up to ``HOVER_CELLS``
+  cells in all: past that only the tokens, so a redraw's message stays small);
 * under it, a bar per step: the assignments a capacity factor dropped (summed over ranks);
 * in the panel's title, at the newest step: the imbalance (the busiest expert's load over the
   mean, 1.0 = balanced) and the dropped share.
@@ -32,6 +33,9 @@ from .state import ExpertLoad2D, ExpertLoadState, reduce_all
 DROPPED_COLOR = "#d62728"
 HEAT_PX, BAR_PX, GAP_PX, TOP_PX = 14, 60, 70, 70  # px per expert row, dropped bars, between panels, title
 HOVER_RANKS = 8  # ranks listed in a cell's hover (the busiest, past that)
+# cells (experts x steps, all layers) up to which the hover carries the share and per-rank breakdown:
+# past it, every redraw would send megabytes of hover text, so cells hover with their tokens only
+HOVER_CELLS = 16_384
 
 
 def imbalance(tokens: List[int]) -> float:
@@ -81,6 +85,7 @@ def expert_load_dict(state: ExpertLoadState) -> dict:
     total = TOP_PX + plot_h + 40
     zmax = max((max(max(row) for row in g.z) for g in grids if g.z), default=1) or 1
     data, notes = [], []
+    detail = sum(len(g.z) * len(g.steps) for g in grids) <= HOVER_CELLS
     layout = {"template": template_json(), "height": total, "showlegend": False,
               "margin": {"l": 60, "r": 20, "t": TOP_PX, "b": 40},
               "coloraxis": {"colorscale": "Viridis", "cmin": 0, "cmax": zmax,
@@ -95,15 +100,18 @@ def expert_load_dict(state: ExpertLoadState) -> dict:
         bar = [max(0.0, (pos - bh) / plot_h), (pos - 8) / plot_h]
         pos -= bh
         n = len(g.z)
-        per_step = [sum(row[c] for row in g.z) for c in range(len(g.steps))]
-        share = [[row[c] / per_step[c] if per_step[c] else 0.0 for c in range(len(g.steps))] for row in g.z]
-        ranks = [state.per_rank(layer, s) for s in g.steps]
-        text = [[_breakdown(ranks[c], e) for c in range(len(g.steps))] for e in range(n)]
-        data.append({"type": "heatmap", "name": layer, "x": g.steps, "y": list(range(n)), "z": g.z,
-                     "coloraxis": "coloraxis", "xaxis": _ref("x", kh), "yaxis": _ref("y", kh),
-                     "customdata": share, "text": text, "xgap": 1, "ygap": 1,
-                     "hovertemplate": (f"{layer} · step %{{x}} · expert %{{y}}<br>%{{z:,}} tokens "
-                                       "(%{customdata:.0%} of the step's)<br>%{text}<extra></extra>")})
+        hm = {"type": "heatmap", "name": layer, "x": g.steps, "y": list(range(n)), "z": g.z,
+                "coloraxis": "coloraxis", "xaxis": _ref("x", kh), "yaxis": _ref("y", kh), "xgap": 1, "ygap": 1,
+                "hovertemplate": f"{layer} · step %{{x}} · expert %{{y}}<br>%{{z:,}} tokens<extra></extra>"}
+        if detail:  # the share of the step and the per-rank breakdown per cell: bytes per cell
+            per_step = [sum(row[c] for row in g.z) for c in range(len(g.steps))]
+            hm["customdata"] = [[round(row[c] / per_step[c], 3) if per_step[c] else 0.0
+                                   for c in range(len(g.steps))] for row in g.z]
+            ranks = [state.per_rank(layer, s) for s in g.steps]
+            hm["text"] = [[_breakdown(ranks[c], e) for c in range(len(g.steps))] for e in range(n)]
+            hm["hovertemplate"] = (f"{layer} · step %{{x}} · expert %{{y}}<br>%{{z:,}} tokens "
+                                     "(%{customdata:.0%} of the step's)<br>%{text}<extra></extra>")
+        data.append(hm)
         data.append({"type": "bar", "name": f"dropped · {layer}", "x": g.steps, "y": g.dropped,
                      "marker": {"color": DROPPED_COLOR}, "xaxis": _ref("x", kb), "yaxis": _ref("y", kb),
                      "customdata": g.ranks,

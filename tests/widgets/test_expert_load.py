@@ -91,6 +91,10 @@ def test_later_event_replaces_old_steps_fall_off_and_empty_picture():
     many = ExpertLoadView.from_events([L(r, 0, "m", (r, 1)) for r in range(12)], live=False)
     assert _heat(many.figure, "m").text[0][0] == "<br>".join(f"rank {r}: {r}" for r in range(11, 3, -1)) \
         + "<br>… +4 ranks"
+    # past HOVER_CELLS cells the hover carries the tokens only (a redraw's message stays small)
+    big = ExpertLoadView.from_events([L(0, s, "m", (1,) * 160) for s in range(300)], live=False)
+    h = _heat(big.figure, "m")
+    assert len(h.z) == 160 and len(h.x) == 128 and h.text is None and h.customdata is None  # 128 steps kept
     v = ExpertLoadView.from_events([], live=False)
     assert "waiting for ExpertLoad" in v.figure.layout.title.text and v.figure.data == ()
 
