@@ -7,10 +7,12 @@ bytes per rank and tier as stacked bars, with each rank's measured peak (from ``
 events) marked on them once the run starts. ``.checkpoint_plan`` (a ``CheckpointPlanView``) is
 always fed but shown (in ``views``, the widget, the static HTML and the summary) only from the
 first ``CheckpointPlanEvent`` on, so a run that never plans activation checkpointing gets no empty
-panel for it. One bus subscription and one redraw thread serve all the views: each wake
-it routes the queued events by type to the views that draw them and redraws only the views
-whose state changed (one thread for all of them keeps the wake-ups and GIL hand-offs down, and
-the emitting thread pays one queue append per event whatever the number of views).
+panel for it. ``.expert_load`` (an ``ExpertLoadView``: tokens per expert per step, per MoE layer)
+is shown the same way, from the first ``ExpertLoad`` on, so a dense run looks as before. One
+bus subscription and one redraw thread serve all the views: each wake it routes the queued
+events by type to the views that draw them and redraws only the views whose state changed
+(one thread for all of them keeps the wake-ups and GIL hand-offs down, and the emitting
+thread pays one queue append per event whatever the number of views).
 ``%colossal dashboard`` attaches the relay to the running cluster and shows one of these.
 """
 
@@ -25,6 +27,7 @@ from colossal_lab.engine.telemetry import StepMetrics
 from ._live import LiveView, columns_layout, template_json
 from .checkpoint_plan import CheckpointPlanView
 from .chunk_map import ChunkMap
+from .expert_load import ExpertLoadView
 from .fit_plan import FitPlan
 from .gauges import MemoryGauges
 from .state import MetricsState, reduce_all
@@ -77,8 +80,9 @@ def metrics_figure(metrics: MetricsState) -> go.Figure:
 
 class Dashboard(LiveView):
     """The views in one layout (metrics, chunk map, timeline, gauges; the fit plan when given a
-    plan; the checkpoint plan once one arrives), all fed from this process's telemetry bus
-    through one subscription and one redraw thread (``_throttle``, shared by every view).
+    plan; the checkpoint plan once one arrives; the expert load once an ``ExpertLoad`` arrives),
+    all fed from this process's telemetry bus through one subscription and one redraw thread
+    (``_throttle``, shared by every view).
 
     ``max_hz`` (5 by default) bounds the redraws of each view: a tick redraws only the views
     whose state changed, and in the browser each redraw is one ``Plotly.react`` on a plot that
@@ -98,6 +102,9 @@ class Dashboard(LiveView):
         # fed from the start (it keeps measured peaks), shown once a plan arrives
         self.checkpoint_plan = CheckpointPlanView(**kw)
         self.checkpoint_plan.on_first_plan = self._show_checkpoint_plan
+        # fed from the start, shown once the first ExpertLoad arrives (an MoE run)
+        self.expert_load = ExpertLoadView(**kw)
+        self.expert_load.on_first_load = self._show_checkpoint_plan
         self._box = None
         super().__init__(subscribe=subscribe, live=live, max_hz=max_hz)
 
@@ -105,18 +112,20 @@ class Dashboard(LiveView):
         """The views shown besides this one (the metrics), in display order."""
         parts: List[LiveView] = [self.chunk_map, self.timeline, self.gauges]
         parts += [self.fit_plan] if self.fit_plan is not None else []
-        return parts + ([self.checkpoint_plan] if self.checkpoint_plan.plans.plans else [])
+        parts += [self.checkpoint_plan] if self.checkpoint_plan.plans.plans else []
+        return parts + ([self.expert_load] if self.expert_load.experts.loads else [])
 
     def _fed_parts(self) -> List[LiveView]:
         """Every view besides this one that events are routed to, shown or not yet."""
         parts = self._parts()
-        return parts if self.checkpoint_plan in parts else parts + [self.checkpoint_plan]
+        return parts + [v for v in (self.checkpoint_plan, self.expert_load) if v not in parts]
 
     def _served_views(self) -> List[LiveView]:
         return [self] + self._fed_parts()
 
     def _show_checkpoint_plan(self, view: LiveView) -> None:
-        """The first plan arrived: add the view to the live widget (if one is shown already)."""
+        """The first plan (or expert load) arrived: add the view to the live widget (if one is
+        shown already)."""
         box, w = self._box, view.widget()
         if box is not None and w is not None and w not in box.children:
             box.children = tuple(box.children) + (w,)
@@ -129,6 +138,8 @@ class Dashboard(LiveView):
             out["fit_plan"] = self.fit_plan
         if self.checkpoint_plan.plans.plans:
             out["checkpoint_plan"] = self.checkpoint_plan
+        if self.expert_load.experts.loads:
+            out["expert_load"] = self.expert_load
         return out
 
     @property

@@ -21,6 +21,9 @@ ranks over a lossy relay and can be replayed:
 * ``MetricsState``: one ``StepMetrics`` per ``(rank, step)``.
 * ``CheckpointPlanState``: latest ``CheckpointPlanEvent`` per ``(rank, stage)`` by its own
   ``time``, and the highest ``MemorySample.peak`` measured per ``(rank, tier)``.
+* ``ExpertLoadState``: one ``ExpertLoad`` per ``(layer, step, rank)`` (a later arrival of the same
+  key replaces it, an equal one changes nothing), the newest ``keep_steps`` steps kept; per layer,
+  the tokens per expert and the dropped tokens per step summed over the ranks that reported.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from colossal_lab.engine.telemetry import (
     rank_busy,
     stage_means,
 )
-from colossal_lab.engine.telemetry.events import CheckpointPlanEvent
+from colossal_lab.engine.telemetry.events import CheckpointPlanEvent, ExpertLoad
 
 TIER_COLORS = {"cuda": "#76b900", "cpu": "#1f77b4", "nvme": "#ff7f0e"}
 KIND_COLORS = {"F": "#4c78a8", "B": "#e45756", "W": "#f58518", "send": "#9d9da1",
@@ -294,9 +297,107 @@ class CheckpointPlanState:
         return self.peaks.get((rank, tier))
 
 
+def _natural(name: str) -> tuple:
+    """Sort key that puts ``blocks.2.mlp`` before ``blocks.10.mlp``."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+@dataclass
+class ExpertLoad2D:
+    """One layer's load as a grid: ``z[e][i]`` tokens routed to expert ``e`` at ``steps[i]``,
+    summed over the ranks that reported that step; ``dropped[i]`` likewise; ``ranks[i]`` how
+    many ranks reported it (a step still arriving shows fewer)."""
+
+    steps: List[int]
+    z: List[List[int]]
+    dropped: List[int]
+    ranks: List[int]
+
+
+@dataclass
+class ExpertLoadState:
+    loads: Dict[Tuple[str, int, int], ExpertLoad] = field(default_factory=dict)  # (layer, step, rank)
+    keep_steps: int = 128  # older steps are dropped so a long run's picture stays bounded
+    # layer -> step -> {rank: event} (the same objects as in ``loads``): a redraw reads a layer
+    # without scanning every event kept
+    _by_layer: Dict[str, Dict[int, Dict[int, ExpertLoad]]] = field(default_factory=dict, repr=False,
+                                                                   compare=False)
+
+    # step -> events of that step kept: ``steps`` and the trimming read it, not every event
+    _per_step: Dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.keep_steps, int) and self.keep_steps > 0):
+            raise ValueError(f"ExpertLoadState(keep_steps={self.keep_steps!r}): must be a positive int")
+        given, self.loads, self._by_layer, self._per_step = list(self.loads.values()), {}, {}, {}
+        for e in given:
+            self.apply(e)
+
+    def apply(self, e: ExpertLoad) -> bool:
+        key = (e.layer, e.step, e.rank)
+        old = self.loads.get(key)
+        if old == e:
+            return False  # a replayed duplicate
+        if (e.step not in self._per_step and len(self._per_step) >= self.keep_steps
+                and e.step < min(self._per_step)):
+            return False  # older than every step kept: it would be dropped at once
+        self.loads[key] = e
+        self._by_layer.setdefault(e.layer, {}).setdefault(e.step, {})[e.rank] = e
+        if old is None:
+            self._per_step[e.step] = self._per_step.get(e.step, 0) + 1
+        if len(self._per_step) > self.keep_steps:
+            cutoff = sorted(self._per_step)[-self.keep_steps]
+            for s in [s for s in self._per_step if s < cutoff]:
+                del self._per_step[s]
+            for k in [k for k in self.loads if k[1] < cutoff]:
+                del self.loads[k]
+            for by_step in self._by_layer.values():
+                for s in [s for s in by_step if s < cutoff]:
+                    del by_step[s]
+        return True
+
+    @property
+    def layers(self) -> List[str]:
+        """Layer names in model order (numbers inside names compared as numbers)."""
+        return sorted((n for n, by_step in self._by_layer.items() if by_step), key=_natural)
+
+    @property
+    def steps(self) -> List[int]:
+        return sorted(self._per_step)
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted({r for _, _, r in self.loads})
+
+    def n_experts(self, layer: str) -> int:
+        return max((len(e.tokens) for by_rank in self._by_layer.get(layer, {}).values()
+                    for e in by_rank.values()), default=0)
+
+    def grid(self, layer: str) -> ExpertLoad2D:
+        """``layer``'s tokens per expert × step, summed over ranks (see ``ExpertLoad2D``)."""
+        by_step = self._by_layer.get(layer)
+        if not by_step:
+            raise KeyError(f"ExpertLoadState.grid(layer={layer!r}): no ExpertLoad for it; layers seen: {self.layers}")
+        n, steps = self.n_experts(layer), sorted(by_step)
+        z = [[0] * len(steps) for _ in range(n)]
+        dropped, ranks = [0] * len(steps), [0] * len(steps)
+        for i, s in enumerate(steps):
+            for e in by_step[s].values():
+                for x, t in enumerate(e.tokens):
+                    z[x][i] += t
+                dropped[i] += e.dropped
+                ranks[i] += 1
+        return ExpertLoad2D(steps, z, dropped, ranks)
+
+    def per_rank(self, layer: str, step: int) -> Dict[int, Tuple[int, ...]]:
+        """``{rank: tokens per expert}`` of ``layer`` at ``step``."""
+        return {r: e.tokens for r, e in sorted(self._by_layer.get(layer, {}).get(step, {}).items())}
+
+
 def reduce_all(events: Iterable, chunk: Optional[ChunkState] = None,
                timeline: Optional[TimelineState] = None, memory: Optional[MemoryState] = None,
-               metrics: Optional[MetricsState] = None, plans: Optional[CheckpointPlanState] = None) -> int:
+               metrics: Optional[MetricsState] = None, plans: Optional[CheckpointPlanState] = None,
+               experts: Optional[ExpertLoadState] = None) -> int:
     """Fold ``events`` into whichever states are given; returns how many changed something.
     Event types no state given here reads (a newer writer's, say) are skipped."""
     changed = 0
@@ -314,4 +415,6 @@ def reduce_all(events: Iterable, chunk: Optional[ChunkState] = None,
             changed += metrics.apply(e)
         elif isinstance(e, CheckpointPlanEvent) and plans is not None:
             changed += plans.apply(e)
+        elif isinstance(e, ExpertLoad) and experts is not None:
+            changed += experts.apply(e)
     return changed

@@ -1,11 +1,13 @@
 """A real JupyterLab in headless Chromium: a notebook launches a 2-rank cluster, shows the
-dashboard (``%colossal dashboard``), trains the tiny GPT with Gemini (CPU + NVMe tiers) and
-then with a 2-stage pipeline; while the cells run, the page must show chunks on more than
-one tier, pipeline bars, and values that change. Screenshots go to ``artifacts/``.
+dashboard (``%colossal dashboard``), trains the tiny GPT with Gemini (CPU + NVMe tiers), then
+with a 2-stage pipeline, then an MoE GPT under expert parallelism; while the cells run, the page
+must show chunks on more than one tier, pipeline bars, values that change, and the expert-load
+heatmap once (and only once) the MoE cell runs. Screenshots go to ``artifacts/``.
 
 Every event drawn comes from a real engine component on a rank (Gemini's chunk manager,
 the pipeline runtime's timers, the boosted optimizer's StepMetrics, the memory sampler the
-relay starts on each rank) through the relay; no cell starts anything for the gauges.
+relay starts on each rank, the hybrid optimizer's per-layer ExpertLoad) through the relay; no
+cell starts anything for the gauges.
 """
 
 import pytest
@@ -87,6 +89,26 @@ for step in range(PP_STEPS):
     time.sleep(PAUSE)
 print("pipeline done")"""
 
+MOE = """\
+%%colossal
+import time, torch
+from colossal_lab.engine import Booster
+from colossal_lab.engine.plugins import HybridParallelPlugin
+from colossal_lab.engine.models import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig.preset("tiny", n_expert=4, top_k=2, capacity_factor=0.5))
+plugin = HybridParallelPlugin(ep_size=2)
+booster = Booster(plugin=plugin)
+mm, mopt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+g = torch.Generator().manual_seed(plugin.dp_rank)
+for step in range(MOE_STEPS):
+    x = torch.randint(0, 256, (2, 32), generator=g)
+    _, loss = mm(x, x.roll(-1, 1))
+    booster.backward(loss, mopt)
+    mopt.step(); mopt.zero_grad()
+    time.sleep(PAUSE)
+print("moe done")"""
+
 JS_STATE = """() => {
   // read the rendered page: plotly's gd.data/layout plus the SVG it drew
   const plots = Array.from(document.querySelectorAll('.js-plotly-plot'));
@@ -116,13 +138,15 @@ def _notebook(path: Path) -> None:
     import nbformat as nbf
 
     nb = nbf.v4.new_notebook()
-    nb.cells = [nbf.v4.new_code_cell("STEPS, PP_STEPS, PAUSE = 16, 16, 0.6"),
+    nb.cells = [nbf.v4.new_code_cell("STEPS, PP_STEPS, MOE_STEPS, PAUSE = 16, 16, 6, 0.6"),
                 nbf.v4.new_code_cell(SETUP),
                 nbf.v4.new_code_cell("import colossal_lab as cl\n"
                                      "cl.current_cluster().push("
-                                     "{'STEPS': STEPS, 'PP_STEPS': PP_STEPS, 'PAUSE': PAUSE})"),
+                                     "{'STEPS': STEPS, 'PP_STEPS': PP_STEPS, 'MOE_STEPS': MOE_STEPS, "
+                                     "'PAUSE': PAUSE})"),
                 nbf.v4.new_code_cell(GEMINI),
                 nbf.v4.new_code_cell(PIPELINE),
+                nbf.v4.new_code_cell(MOE),
                 nbf.v4.new_code_cell("%colossal stop")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbf.write(nb, str(path))
@@ -273,7 +297,7 @@ def test_dashboard_live_in_jupyterlab(lab):
         rate = (busy[-1]["frames"] - busy[0]["frames"]) / max(1e-9, busy[-1]["t"] - busy[0]["t"])
         print(f"browser frames/s while the Gemini cell ran (4 plots): {rate:.1f}")
     text = "\n".join(outputs)
-    assert "gemini done" in text and "pipeline done" in text, text[-3000:]
+    assert "gemini done" in text and "pipeline done" in text and "moe done" in text, text[-3000:]
     assert not re.search(r"Traceback|Error", text), text[-3000:]
 
     gem = [s for s in _during(samples, 3) if "ChunkMap" in s["plots"]]
@@ -302,8 +326,17 @@ def test_dashboard_live_in_jupyterlab(lab):
            for d in s["plots"]["MemoryGauges"]["data"]
            if d["type"] == "indicator" and (d["value"] or 0) > 0 and "peak" in (d.get("title") or "")}
     assert {"rank 0 cpu", "rank 1 cpu"} <= rss, rss
+    # the expert-load heatmap: absent while the dense cells ran, drawn once the MoE cell emits
+    # ExpertLoad (one heatmap and one dropped-bars trace per MoE layer; capacity 0.5 drops tokens)
+    assert not any("ExpertLoadView" in s["plots"] for s in _during(samples, 3) + _during(samples, 4))
+    ep = [s["plots"]["ExpertLoadView"] for s in samples if "ExpertLoadView" in s["plots"]]
+    assert ep and max(p["heatmaps"] for p in ep) >= 2 and max(p["cells"] for p in ep) >= 2 * 4, ep[-1:]
+    names = {d["name"] for d in ep[-1]["data"]}
+    assert {"blocks.0.mlp", "blocks.1.mlp", "dropped · blocks.0.mlp", "dropped · blocks.1.mlp"} <= names, names
+    assert max(p["svg_bars"] for p in ep) > 0, "no dropped-token bars drawn"
     # after a reload every plot is drawn again from the kernel's latest state
-    assert set(before) >= {"Training", "ChunkMap", "PipelineTimeline", "MemoryGauges"}, before.keys()
+    assert set(before) >= {"Training", "ChunkMap", "PipelineTimeline", "MemoryGauges",
+                           "ExpertLoadView"}, before.keys()
     for k in before:
         assert k in after, f"{k} not drawn after reloading the page: {sorted(after)}"
         assert after[k]["title"] == before[k]["title"], (k, before[k]["title"], after[k]["title"])
