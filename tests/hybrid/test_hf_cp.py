@@ -23,7 +23,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -101,32 +100,24 @@ def _train_sp(name):
     return {"losses": losses, "norms": norms, "norm_tokens": seen}
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _refusals_at_forward():
     """Bad input at the forward of a boosted model: each refused before any collective, on every rank alike."""
     out = {}
     x = hf.stream(0, ROWS, T)
     plugin, booster, model, opt = _boost("llama", cp_size=2, cp_mode="ring")
-    out["odd_length"] = _error(lambda: model(input_ids=x[:, :14], labels=x[:, :14]))
+    out["odd_length"] = hf.error_of(lambda: model(input_ids=x[:, :14], labels=x[:, :14]))
     mask = torch.ones_like(x)
     mask[0, -3:] = 0
-    out["padding"] = _error(lambda: model(input_ids=x, attention_mask=mask, labels=x))
-    out["pipeline"] = _error(lambda: booster.execute_pipeline(
+    out["padding"] = hf.error_of(lambda: model(input_ids=x, attention_mask=mask, labels=x))
+    out["pipeline"] = hf.error_of(lambda: booster.execute_pipeline(
         iter([{"input_ids": x, "attention_mask": mask, "labels": x}]), model, None, opt))
     out["still_runs"] = model(x, labels=x).loss.item()  # positional input_ids too, after the refusals
     plugin.close()
     plugin, booster, model, opt = _boost(lambda: hf.mistral(sliding_window=8), cp_size=2, cp_mode="ulysses")
-    out["window"] = _error(lambda: model(input_ids=x, labels=x))
+    out["window"] = hf.error_of(lambda: model(input_ids=x, labels=x))
     plugin.close()
     plugin, booster, model, opt = _boost("llama", tp_size=2, sequence_parallel=True)
-    out["sp_length"] = _error(lambda: model(input_ids=x[:, :15], labels=x[:, :15]))
+    out["sp_length"] = hf.error_of(lambda: model(input_ids=x[:, :15], labels=x[:, :15]))
     plugin.close()
     return out
 
@@ -198,20 +189,11 @@ def test_bad_input_at_the_forward_is_refused(runs):
     assert runs[0]["refused"]["still_runs"] != runs[1]["refused"]["still_runs"]
 
 
-def _configure_error(model, **kw) -> str:
-    from colossal_lab.engine.plugins import HybridParallelPlugin
-
-    with pytest.raises(ValueError) as exc:
-        HybridParallelPlugin(**kw).configure(model, torch.optim.AdamW(model.parameters()))
-    assert not dist.is_initialized()  # refused before any process group exists
-    return str(exc.value)
-
-
 def test_bad_layouts_are_refused_before_any_group():
-    msg = _configure_error(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), cp_size=4,
-                           cp_mode="ulysses")
+    msg = hf.configure_error(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), cp_size=4,
+                             cp_mode="ulysses")
     assert "6 heads" in msg and "cp_mode='ring'" in msg and "[1, 2, 3, 6]" in msg, msg
-    msg = _configure_error(hf.bert(), cp_size=2)
+    msg = hf.configure_error(hf.bert(), cp_size=2)
     assert "not causal" in msg and "BERT" in msg, msg
-    msg = _configure_error(hf.llama(attention_dropout=0.1), cp_size=2)
+    msg = hf.configure_error(hf.llama(attention_dropout=0.1), cp_size=2)
     assert "config.attention_dropout=0.1" in msg, msg

@@ -20,7 +20,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
@@ -114,29 +113,21 @@ def _train(name, mode, schedule):
     return out
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def _refusals():
     """Bad batches at execute_pipeline: refused on every rank before any send, and the pipeline runs on."""
     out = {}
     x = _x(0)
     plugin, booster, model, opt = _boost("llama", "sp", "1f1b")
-    out["sp_length"] = _error(lambda: booster.execute_pipeline(
+    out["sp_length"] = hf.error_of(lambda: booster.execute_pipeline(
         iter([{"input_ids": x[:, :31], "labels": x[:, :31]}]), model, None, opt))
     out["sp_runs_on"] = booster.execute_pipeline(iter([_batch(0)]), model, None, opt)["loss"] is not None
     plugin.close()
     plugin, booster, model, opt = _boost("llama", "ring", "1f1b")
     mask = torch.ones_like(x)
     mask[0, -3:] = 0
-    out["cp_padding"] = _error(lambda: booster.execute_pipeline(
+    out["cp_padding"] = hf.error_of(lambda: booster.execute_pipeline(
         iter([{"input_ids": x, "attention_mask": mask, "labels": x}]), model, None, opt))
-    out["cp_length"] = _error(lambda: booster.execute_pipeline(
+    out["cp_length"] = hf.error_of(lambda: booster.execute_pipeline(
         iter([{"input_ids": x[:, :30], "labels": x[:, :30]}]), model, None, opt))
     res = booster.execute_pipeline(iter([{**_batch(0), "attention_mask": torch.ones_like(x)}]), model, None, opt)
     out["cp_runs_on"] = res["loss"] is not None
@@ -189,20 +180,11 @@ def test_bad_batches_are_refused_before_the_schedule(runs):
     assert sum(r["refused"]["sp_runs_on"] for r in runs) == 2 and sum(r["refused"]["cp_runs_on"] for r in runs) == 2
 
 
-def _configure_error(model, **kw) -> str:
-    from colossal_lab.engine.plugins import HybridParallelPlugin
-
-    with pytest.raises(ValueError) as exc:
-        HybridParallelPlugin(**kw).configure(model, torch.optim.AdamW(model.parameters()))
-    assert not dist.is_initialized()  # refused before any process group exists
-    return str(exc.value)
-
-
 def test_what_does_not_compose_with_pipelines_is_refused_before_any_group():
     pp = dict(pp_size=2, num_microbatches=2)
-    msg = _configure_error(hf.bert(layers=LAYERS), cp_size=2, **pp)  # an encoder: no causal ring
+    msg = hf.configure_error(hf.bert(layers=LAYERS), cp_size=2, **pp)  # an encoder: no causal ring
     assert "not causal" in msg and "cp_size=1" in msg, msg
-    msg = _configure_error(hf.bloom(layers=LAYERS), tp_size=2, sequence_parallel=True, **pp)  # no layout to cut
+    msg = hf.configure_error(hf.bloom(layers=LAYERS), tp_size=2, sequence_parallel=True, **pp)  # no layout to cut
     assert "base_model_pp_plan" in msg, msg
     from colossal_lab.engine.plugins import HybridParallelPlugin
 

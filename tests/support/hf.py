@@ -257,3 +257,27 @@ def measured_run(build, plugin, data, lora_config=None, pipeline: bool = False, 
         del model, opt, booster
         gc.collect()
     return {"peak": dict(meter.peak), "losses": losses}
+
+
+def error_of(fn) -> str:
+    """The text of the ``ValueError`` ``fn()`` raises, or ``"no error"``: what a refusal test collects on each rank."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def configure_error(model, optimizer=None, **plugin_kw) -> str:
+    """The ``ValueError`` text of ``HybridParallelPlugin(**plugin_kw).configure(model, ...)``, checked to come before
+    any process group exists (the refusals' contract). ``optimizer`` defaults to AdamW over the model."""
+    import pytest
+    import torch.distributed as dist
+
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    optimizer = optimizer if optimizer is not None else torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError) as exc:
+        HybridParallelPlugin(**plugin_kw).configure(model, optimizer)
+    assert not dist.is_initialized()  # refused before any process group exists
+    return str(exc.value)
