@@ -197,3 +197,7 @@ def test_bad_layouts_are_refused_before_any_group():
     assert "not causal" in msg and "BERT" in msg, msg
     msg = hf.configure_error(hf.llama(attention_dropout=0.1), cp_size=2)
     assert "config.attention_dropout=0.1" in msg, msg
+    # layers mixing tokens outside the attention function, named by config.layer_types (the sweep found MiniMax's
+    # linear attention giving a wrong curve under cp2, and no Conv1d to tell it by)
+    msg = hf.configure_error(hf.from_config("minimax", layers=2), cp_size=2)
+    assert "['linear_attention']" in msg and "cp_size=1" in msg, msg

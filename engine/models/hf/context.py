@@ -29,7 +29,8 @@ its ``shift_labels``; the model's own loss divides by the batch's target count o
 (the same share as above). Stages hand on ``(B, T/cp, C)``: the p2p buffers are the rank's shard.
 
 Refused before any work, naming the option: a model outside the registry, non-causal attention
-(encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers),
+(encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers; a
+``config.layer_types`` naming linear, hybrid, convolution or indexed-sparse layers),
 attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
 sequence, a cache (generation), and Ulysses heads that do not divide over tp_size * cp_size.
 transformers is imported only inside the functions that need it (an HF model exists).
@@ -61,6 +62,21 @@ def _where(plugin) -> str:
     return f"HybridParallelPlugin(cp_size={plugin.cp_size}, cp_mode={plugin.cp_mode!r})"
 
 
+#: words in a ``config.layer_types`` entry that mark a layer whose token mixing ring / Ulysses cannot reach:
+#: "linear_attention" (MiniMax, Jamba, ...), "hybrid" / "hybrid_sliding" (Zamba, Falcon-H1), "conv" (LFM),
+#: "indexed_attention" (DeepSeek-V3.2's sparse indexer), "compressed_sparse_attention" (DeepSeek-V4)
+_NOT_ATTENTION = ("linear", "hybrid", "conv", "mamba", "indexed", "compressed")
+
+
+def _layer_types(cfg) -> list:
+    """``layer_types`` of the config and of its text config (composite models), as strings."""
+    out = []
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        types = getattr(c, "layer_types", None) if c is not None else None
+        out += [str(t) for t in types or ()]
+    return out
+
+
 def check_context_parallel(model: nn.Module, plugin) -> None:
     """Everything ring / Ulysses attention needs of an HF model, before any process group exists."""
     where, cp, tp = _where(plugin), plugin.cp_size, plugin.tp_size
@@ -84,6 +100,12 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {name} mixes tokens outside attention ({mixers} hold a causal convolution: "
                          "state-space or linear-attention layers), which would run on each rank's shard alone; "
                          "ring / Ulysses reach attention only; set cp_size=1")
+    others = sorted({t for t in _layer_types(cfg) if any(w in t for w in _NOT_ATTENTION)})
+    if others:
+        raise ValueError(f"{where}: {name}'s config.layer_types names {others}: layers that mix tokens other than "
+                         "through the attention function (linear attention, state-space or convolution mixers, or a "
+                         "sparse indexer choosing keys over the whole sequence), which would run on each rank's shard "
+                         "alone; ring / Ulysses reach attention only; set cp_size=1")
     for key in _DROPOUT:
         if float(getattr(cfg, key, 0.0) or 0.0) > 0:
             raise ValueError(f"{where}: config.{key}={getattr(cfg, key)} (attention dropout) is not applied by "
