@@ -113,11 +113,24 @@ def _layout_or_raise(model: nn.Module) -> Layout:
     return found
 
 
+#: config fields whose layers read what only the first stage holds (Gemma 3n / Gemma 4)
+_CROSS_STAGE = {
+    "hidden_size_per_layer_input": "per-layer embeddings looked up from the token ids for every layer",
+    "num_kv_shared_layers": "later layers reuse earlier layers' keys and values",
+}
+
+
 def num_layers(model: nn.Module) -> int:
     """How many decoder (encoder) layers the pipeline divides among its stages. A model whose layers read the
-    token ids themselves (DeepSeek-V4's hash-routed experts take ``input_ids``) is refused: a later stage
-    receives hidden states only."""
+    token ids themselves (DeepSeek-V4's hash-routed experts take ``input_ids``, Gemma 4's per-layer embeddings) or
+    another layer's keys and values is refused: a later stage receives hidden states only."""
     layers = model.get_submodule(_layout_or_raise(model).layers)
+    cfg = getattr(model, "config", None)
+    for key, what in _CROSS_STAGE.items():
+        value = getattr(cfg, key, None)
+        if value:
+            raise ValueError(f"pipeline parallelism: {type(model).__name__} has config.{key}={value} ({what}), which "
+                             "a stage after the first cannot compute from the hidden states it receives; use pp_size=1")
     for layer in layers:
         if "input_ids" in inspect.signature(layer.forward).parameters:
             raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
