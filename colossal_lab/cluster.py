@@ -114,6 +114,7 @@ class Cluster:
         self._warden = None  # subprocess.Popen of colossal_lab._warden (launchers other than local)
         self._restarting: Optional[threading.Thread] = None  # the restart after a failure, if under way
         self._restart_error: Optional[BaseException] = None
+        self._stopping = threading.Event()  # set by stop(): a restart under way gives up instead of finishing
 
     # ------------------------------------------------------------------ properties
     @property
@@ -277,8 +278,14 @@ class Cluster:
         """Stop every rank and the controller; no process is left behind.
 
         ``fast`` (used at interpreter exit, where Jupyter allows a few seconds before it kills
-        the kernel) skips leaving the process group and kills local ranks at once."""
-        self._settle(raise_error=False, timeout=5 if fast else None)
+        the kernel) skips leaving the process group and kills local ranks at once. A restart under
+        way in the background (after a failure) is given up, not waited for: the engines it started
+        are stopped with the rest."""
+        t = self._restarting
+        if t is not None and t is not threading.current_thread():
+            self._stopping.set()  # restart() leaves its wait for the new engines within 0.1 s
+            t.join(5 if fast else 30)
+            self._restarting, self._restart_error = None, None
         with self._lock:
             client, ipp_cluster = self._client, self._ipp
             self._client = None
@@ -332,12 +339,16 @@ class Cluster:
                 pass
             self._kill_local(old_pids)
             self._ipp.stop_engines_sync()
+            if self._stopping.is_set():
+                raise RuntimeError("restart given up: the cluster is stopping")
             self._ipp.start_engines_sync(self.n)
             deadline = time.monotonic() + max(60.0, self.config.timeout)
             while True:
                 new = [e for e in self._client.ids if e not in old_ids]
                 if len(new) >= self.n:
                     break
+                if self._stopping.is_set():  # stop() ends the engines just started with the rest
+                    raise RuntimeError("restart given up: the cluster is stopping")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"restart: only {len(new)} of {self.n} engines came back")
                 time.sleep(0.1)

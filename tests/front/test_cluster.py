@@ -287,9 +287,17 @@ def test_stop_leaves_no_process(cluster):
 
     before = {p.pid for p in me.children(recursive=True) if ours(p)}
     assert set(cluster.pids) <= before  # engines are our descendants (local launcher)
+    # stopped while fresh ranks start in the background after a rank died: the restart is given up, not
+    # finished (its hooks never run), and the engines it started are stopped with the rest
+    finished = []
+    cluster.restart_hooks.append(lambda c: finished.append(c))
+    with pytest.raises(cl.RankError):
+        cluster.run(rank1_process_dies)
+    restarting = cluster._restarting
+    assert restarting is not None and restarting.is_alive()
     with cluster:  # context-manager exit stops it
         pass
-    assert not cluster.running
+    assert not cluster.running and not restarting.is_alive() and finished == []
     alive = [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE and ours(p)]
     assert alive == [], f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
     orphans = []
