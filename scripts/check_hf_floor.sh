@@ -13,20 +13,34 @@ shift || true
 TESTS=("$@")
 # By default, the tests of what the adapter reads from transformers and peft, whose names and shapes moved
 # between releases (engine/models/hf/version.py says which): the tensor-parallel plan and its style names,
-# the LM head a 5.5 instance plan leaves out (test_hf_tp, test_memory_vocab; 2D reads the same plan:
+# the LM head a 5.5 instance plan leaves out (test_hf_tp; 2D reads the same plan:
 # test_hf_tp_nd's four ranks), the pipeline cut from base_model_pp_plan and the base forward a stage runs
 # with masks, positions and token types (test_hf_pp, test_hf_pp_inputs), the attention-function registry
 # (test_hf_cp), safetensors names and from_pretrained / save_pretrained (test_hf_checkpoint,
 # test_export_llama), peft (test_lora), and the planners' meta-device models and plan cuts built from a
 # config (the planning tests named below). Left to the installed release: what only composes those
-# parts (tp2 x dp2, 3D on eight ranks, cp x tp, measured memory peaks, an autoplan search, int8 serving).
+# parts (tp2 x dp2, tp2 x pp2, the four-rank checkpoint and LoRA worlds (FOUR_RANKS), 3D on eight ranks, cp x tp,
+# measured memory peaks (test_memory_vocab), an autoplan search, int8 serving).
+FOUR_RANKS=()
+for t in tests/hybrid/test_hf_checkpoint.py::test_tp2_dp2_checkpoint_loads_in_transformers \
+    tests/hybrid/test_hf_checkpoint.py::test_save_pretrained_loads_into_tp2_dp2 \
+    tests/hybrid/test_hf_checkpoint.py::test_meta_model_boosted_then_loaded_tp2_dp2 \
+    tests/hybrid/test_hf_checkpoint.py::test_pipeline_checkpoint_loads_in_transformers \
+    tests/hybrid/test_hf_checkpoint.py::test_save_pretrained_loads_into_pipeline \
+    tests/hybrid/test_hf_checkpoint.py::test_meta_model_boosted_then_loaded_into_pipeline \
+    tests/hybrid/test_hf_checkpoint.py::test_pipeline_files_match_save_pretrained \
+    tests/engine/test_lora.py::test_pipelined_llama_follows_single_process_peft \
+    tests/engine/test_lora.py::test_pipelined_llama_adapter_loads_in_peft \
+    tests/engine/test_lora.py::test_tp2_pp2_shards_adapters_like_their_base_layer; do
+  FOUR_RANKS+=(--deselect "$t")
+done
 [ ${#TESTS[@]} -gt 0 ] || TESTS=(
   tests/hybrid/test_hf_tp.py --deselect tests/hybrid/test_hf_tp.py::test_tp2_with_dp2_follows_the_curve_on_four_ranks
-  tests/planner/test_memory_vocab.py
   tests/hybrid/test_hf_tp_nd.py --deselect tests/hybrid/test_hf_tp_nd.py::test_3d_on_eight_ranks_follows_the_single_process_curve
-  tests/hybrid/test_hf_pp.py tests/hybrid/test_hf_pp_inputs.py
+  tests/hybrid/test_hf_pp.py --deselect tests/hybrid/test_hf_pp.py::test_tp2_by_pp2_follows_the_curve_on_four_ranks
+  tests/hybrid/test_hf_pp_inputs.py
   tests/hybrid/test_hf_cp.py --deselect tests/hybrid/test_hf_cp.py::test_cp_composes_with_tensor_parallelism
-  tests/hybrid/test_hf_checkpoint.py tests/engine/test_export_llama.py tests/engine/test_lora.py
+  tests/hybrid/test_hf_checkpoint.py "${FOUR_RANKS[@]}" tests/engine/test_export_llama.py tests/engine/test_lora.py
   tests/planner/test_memory_hf.py::test_an_hf_config_plans_as_its_model_and_defaults_seq_to_its_context
   tests/planner/test_memory_hf.py::test_tensor_parallel_plans_refuse_what_the_plugin_refuses
   tests/planner/test_layout_hf.py::test_the_layouts_of_an_hf_model_are_those_the_plugins_run

@@ -203,7 +203,7 @@ def test_fp8_gpt_trains_on_cpu_kernels():
     assert n == 2 * 7 + 1  # 7 linears per block + lm_head
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for s in range(12):
+    for s in range(6):  # each CPU fp8 matmul is slow (~0.3 s at these shapes); the loss falls by ~1 in 6 steps
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(*batch(s))
         loss.backward()
