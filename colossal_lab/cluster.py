@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from .batchjobs import forget_ended, place_job_script, remove_job_scripts
 from .errors import RankError, RankFailure, clean_traceback, is_collective_timeout
 from .listen import store_listener
-from .startup import start_failure, wait_for_engines
+from .startup import engine_launcher, start_failure, wait_for_engines
 
 _current: Optional["Cluster"] = None
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -159,7 +159,7 @@ class Cluster:
         kw = dict(cfg.ipp_kw)
         kw.setdefault("delay", 0)  # engines wait for the controller's connection info anyway
         kw.setdefault("log_level", logging.WARNING)
-        self._ipp = ipp.Cluster(n=cfg.n, engines=cfg.launcher, **kw)
+        self._ipp = ipp.Cluster(n=cfg.n, engines=engine_launcher(cfg.launcher), **kw)
         place_job_script(self._ipp)  # a batch launcher's script: not into the notebook's folder
         _live.add(self)
         try:

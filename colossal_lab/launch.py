@@ -45,9 +45,10 @@ HEARTBEAT_ENGINE_ARGS = ["--IPEngine.max_heartbeat_misses=10"]
 IPP_ENV = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
 
 
-def _far_engine_config(launcher: str, ipp_kw: dict) -> None:
+def _far_engine_config(launcher: str, ipp_kw: dict, start_timeout: float) -> None:
     """ipyparallel settings for engines that may run on other hosts (the caller's own win): the
-    heartbeats above, and for ``mpi`` Open MPI forwarding ipyparallel's variables to every host."""
+    heartbeats above, for ``mpi`` Open MPI forwarding ipyparallel's variables to every host, and for
+    ``ssh`` the first ssh to each host allowed ``start_timeout`` (``ssh_launcher.py``)."""
     import copy
 
     from traitlets.config import Config
@@ -61,6 +62,8 @@ def _far_engine_config(launcher: str, ipp_kw: dict) -> None:
         listed = [v for v in env.get("OMPI_MCA_mca_base_env_list", "").split(";") if v]
         env["OMPI_MCA_mca_base_env_list"] = ";".join(listed + [v for v in IPP_ENV if v not in listed])
         cfg.MPIEngineSetLauncher.environment = env
+    if launcher == "ssh" and "probe_timeout" not in cfg.PatientSSHEngineSetLauncher:
+        cfg.PatientSSHEngineSetLauncher.probe_timeout = float(start_timeout)
     ipp_kw["config"] = cfg
 
 
@@ -113,7 +116,7 @@ def make_config(n: Any, backend: str = "auto", launcher: str = "local", *, timeo
             master_addr = (route_address(far[0]) if far else None) or socket.gethostbyname(socket.gethostname())
         check_reachable(lname, master_addr, far)
         ipp_kw.setdefault("controller_location", master_addr)
-        _far_engine_config(lname, ipp_kw)
+        _far_engine_config(lname, ipp_kw, start_timeout)
     # the controller, the rendezvous store and the relay listen on master_addr's address only,
     # never on every interface (listen.py); the controller of a local launch on loopback
     ip = bind_ip(master_addr)

@@ -91,6 +91,16 @@ def check_reachable(launcher: str, master_addr: str, far: List[str]) -> None:
                    f"{', '.join(far)} would take for their own host")
 
 
+def engine_launcher(launcher: str):
+    """What ``ipyparallel.Cluster(engines=...)`` is given: the launcher's name, except for ``ssh``, whose own
+    subclass waits ``start_timeout`` for its first ssh to each host rather than a fixed 10 s (ssh_launcher.py)."""
+    if launcher == "ssh":
+        from .ssh_launcher import PatientSSHEngineSetLauncher
+
+        return PatientSSHEngineSetLauncher
+    return launcher
+
+
 def _engine_set(launcher: str, n: int, ipp_kw: Dict[str, Any]):
     """An unstarted engine-set launcher, configured as ``ipyparallel.Cluster`` would."""
     import ipyparallel as ipp

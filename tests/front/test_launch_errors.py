@@ -198,6 +198,12 @@ def test_ssh_hosts_elsewhere_with_a_loopback_master_addr():
         assert make_config(2, "gloo", "ssh", config=c).master_addr == here
     c.SSHEngineSetLauncher.engines = {"localhost": 2}  # all on this machine: any address will do
     assert make_config(2, "gloo", "ssh", config=c, master_addr="127.0.0.1").master_addr == "127.0.0.1"
+    # the first ssh to each host waits start_timeout (tests/multihost/test_two_hosts.py probes it through a real ssh)
+    got = make_config(2, "gloo", "ssh", config=c, master_addr="127.0.0.1", start_timeout=77)
+    assert got.ipp_kw["config"].PatientSSHEngineSetLauncher.probe_timeout == 77.0
+    from colossal_lab.startup import engine_launcher
+
+    assert engine_launcher("ssh").__name__ == "PatientSSHEngineSetLauncher" and engine_launcher("mpi") == "mpi"
 
 
 def test_magic_reports_the_missing_piece_as_a_usage_error(tmp_path, monkeypatch):

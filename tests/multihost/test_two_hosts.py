@@ -2,7 +2,12 @@
 namespaces (``support.hosts``): each rank's host, LOCAL_RANK counted per host, the rendezvous and
 gloo crossing the hosts' addresses, DDP and a 2-stage pipeline (one stage per host) on the
 one-process curve, and both hosts' telemetry through the relay. One cluster per launcher, driven
-like a notebook by ``support.host_driver`` on host A."""
+like a notebook by ``support.host_driver`` on host A. Also: the SSH launcher's first ssh to a host
+waits ``start_timeout``, not ipyparallel's fixed 10 s."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 from support import host_work as W
@@ -73,3 +78,31 @@ def test_mpi_ranks_on_both_hosts_local_rank_per_host(rig, mpi):
     assert {r["master_addr"] for r in ranks} == {rig.a.addr}
     assert [r["sum"] for r in ranks] == [6.0] * 3
     assert ranks[0]["pid"] in rig.a.pids() and {r["pid"] for r in ranks[1:]} <= set(rig.b.pids())
+
+
+# On host A: the SSH engine launcher's shell probe of host B through a real ssh that starts 11 s late (a
+# loaded machine's first contact; ipyparallel's own probe gives up at 10 s), once with probe_timeout=2 and
+# once with 60 (what cl.launch passes: start_timeout)
+_PROBE = r"""
+import json, sys
+from colossal_lab.ssh_launcher import PatientSSHEngineLauncher
+late_ssh = ["sh", "-c", 'sleep 11 >/dev/null 2>&1; exec ssh "$@"', "ssh"]
+out = {}
+for limit in (2.0, 60.0):
+    el = PatientSSHEngineLauncher(ssh_cmd=late_ssh, ssh_args=["-F", sys.argv[1]], location=sys.argv[2],
+                                  remote_python=sys.executable, probe_timeout=limit)
+    try:
+        out[str(limit)] = list(el.ssh_sender.get_shell_info())
+    except Exception as exc:
+        out[str(limit)] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_the_first_ssh_to_a_host_waits_start_timeout(rig):
+    r = subprocess.run(rig.a.prefix() + [sys.executable, "-c", _PROBE, str(rig.ssh_config), rig.b.name],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "did not answer within 2 s" in out["2.0"] and "start_timeout" in out["2.0"], out  # the limit given fires
+    assert out["60.0"][0].startswith("linux") and out["60.0"][1].endswith("sh"), out
