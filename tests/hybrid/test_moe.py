@@ -221,7 +221,7 @@ def _moe_gpt(**kw):
 @pytest.mark.parametrize("plugin_kw, model, match", [
     (dict(ep_size=2), lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
     (dict(ep_size=4), lambda: _moe_gpt(n_expert=6), r"n_expert=6 .* use an ep_size in \[1, 2, 3, 6\]"),
-    (dict(ep_size=2, pp_size=2, num_microbatches=2), _moe_gpt, r"pp_size=2\): expert parallelism composes with"),
+    (dict(ep_size=2, cp_size=2), _moe_gpt, r"cp_size=2\): expert parallelism composes with"),
     (dict(ep_size=2, tp_size=2, sequence_parallel=True), _moe_gpt, r"MoE blocks stay whole.*sequence_parallel=False"),
     (dict(tp_size=4, tp_mode="2d"), _moe_gpt, r"MoE blocks stay whole.*use tp_mode='1d'"),  # GPT's tp_nd_plan
 ])
