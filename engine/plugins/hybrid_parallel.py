@@ -115,7 +115,7 @@ class HybridParallelPlugin(Plugin):
         check_budget("HybridParallelPlugin", activation_checkpointing, activation_budget)
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0, 1 or 2 "
-                             "(ZeRO-3 is GeminiPlugin)")
+                             "(ZeRO-3 is GeminiPlugin, which has no ep_size: with experts split use zero_stage=2)")
         if precision not in self.supported_precisions:
             raise ValueError(f"HybridParallelPlugin(precision={precision!r}): "
                              f"choose one of {self.supported_precisions}")
