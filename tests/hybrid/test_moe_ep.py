@@ -14,8 +14,8 @@ WORLD = 4
 # (FSDP2) shards parameters, gradients and state the same way; under tp the MoE blocks stay whole on each tp
 # rank and EP groups are cut per tp coordinate; under pp each stage's two dp ranks form its EP group
 # ep4 runs execute_pipeline's microbatch loop without a pipeline (2 microbatches: each one's auxiliary losses
-# weigh 1/2, as its loss does)
-LAYOUTS = {"ep2xdp2": dict(ep_size=2), "ep4": dict(ep_size=4, num_microbatches=2),
+# weigh 1/2, as its loss does) under ZeRO-2, where dp == ep leaves each expert's one copy out of FSDP2
+LAYOUTS = {"ep2xdp2": dict(ep_size=2), "ep4_zero2": dict(ep_size=4, num_microbatches=2, zero_stage=2),
            "ep2xdp2_zero1": dict(ep_size=2, zero_stage=1),
            "ep2xtp2": dict(ep_size=2, tp_size=2), "ep2xdp2_zero2": dict(ep_size=2, zero_stage=2),
            "ep2xpp2_1f1b": dict(ep_size=2, pp_size=2, num_microbatches=2, pp_style="1f1b"),
@@ -171,14 +171,16 @@ def test_expert_load_events(runs):
 
 def test_zero2_shards_gradients_over_each_group(runs):
     """ZeRO-2 under ep2×dp2: after backward a rank holds a quarter of every non-expert gradient (FSDP2 over the
-    4 dp ranks) and half of its expert slices' (over its expert-dp pair); without ZeRO every rank holds all."""
+    4 dp ranks) and half of its expert slices' (over its expert-dp pair); without ZeRO every rank holds all.
+    Under ep4 (one copy of each expert) the experts' gradients stay whole, the rest a quarter."""
     for per in runs:
         for starve in (False, True):
+            ep4 = per[("ep4_zero2", starve)]["share"]
+            assert ep4["expert"][0] == ep4["expert"][1] and ep4["dense"][0] * 4 == ep4["dense"][1], ep4
             z2, plain = per[("ep2xdp2_zero2", starve)]["share"], per[("ep2xdp2", starve)]["share"]
             assert plain["dense"][0] == plain["dense"][1] and plain["expert"][0] == plain["expert"][1]
             assert z2["dense"][1] == plain["dense"][1] and z2["expert"][1] == plain["expert"][1]
-            # fully_shard cuts dim 0 in 4 (padding the last rank's piece): within one row of each parameter
-            assert abs(z2["dense"][0] - z2["dense"][1] / 4) < 0.05 * z2["dense"][1], z2
+            assert z2["dense"][0] * 4 == z2["dense"][1], z2  # fully_shard cuts dim 0 in 4 (every dim 0 divides)
             assert z2["expert"][0] * 2 == z2["expert"][1], z2  # 2 experts per rank: one row each
 
 

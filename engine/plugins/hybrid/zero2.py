@@ -28,7 +28,7 @@ def check_zero2(plugin) -> None:
         raise ValueError(f"HybridParallelPlugin(zero_stage=2, {a}={v}): ZeRO-2 (FSDP2 over dp) composes with data and "
                          f"expert parallelism only so far; use zero_stage=1 with {a}={v}, or {a}=1")
     if plugin.precision == "fp16":
-        raise ValueError("HybridParallelPlugin(zero_stage=2, precision='fp16'): the loss scaler does not unscale "
+        raise ValueError("HybridParallelPlugin(zero_stage=2, precision='fp16'): the loss scaler is not built over "
                          "FSDP2's sharded gradients here; use precision='fp32' or 'bf16', or zero_stage=1")
 
 
@@ -65,4 +65,3 @@ def apply_zero2(model, dims, experts) -> Set[int]:
     if experts is not None:  # fully_shard made new (DTensor) parameters: the expert set by name again
         experts.params = {id(p) for n, p in model.named_model_parameters() if n in experts.names}
     return {id(p) for _, p in model.named_model_parameters() if hasattr(p, "device_mesh")}
-
