@@ -10,6 +10,7 @@ each expert got and the tokens dropped are kept per layer in ``last`` for loggin
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Tuple
 
@@ -98,16 +99,47 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and (self.aux_loss_coef or self.z_loss_coef):
             out = _AuxLoss.apply(out, self.aux_loss_coef * bal + self.z_loss_coef * z, self.aux_grad_scale)
         self.last = MoEStats(tuple(r.counts.tolist()), r.dropped, float(bal.detach()), float(z.detach()))
-        if self.training and torch.is_grad_enabled() and not _in_backward():  # a recompute is no new load
+        # a recompute is no new load, nor a pipeline's metadata inference (``not_counted``)
+        if self.training and torch.is_grad_enabled() and not _in_backward() and _COUNTING[0]:
             load = self.step_load or [0] * self.n_expert
             self.step_load = [a + b for a, b in zip(load, self.last.tokens_per_expert)]
             self.step_dropped += r.dropped
         return out.view(B, T, d)
 
 
+_COUNTING = [True]  # False inside ``not_counted``
+
+
+@contextlib.contextmanager
+def not_counted():
+    """Forwards run inside add nothing to the step's expert load: torch's pipeline stages run one real
+    forward per stage at their first step to learn the shapes they send (on placeholder tensors past the
+    first stage), which trains nothing."""
+    was, _COUNTING[0] = _COUNTING[0], False
+    try:
+        yield
+    finally:
+        _COUNTING[0] = was
+
+
 def _in_backward() -> bool:
     """True inside autograd's backward (an activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def aux_loss_scale(module: nn.Module, scale: float):
+    """The auxiliary losses of the forwards run inside get the gradient weight ``scale`` (each MoE layer's
+    ``aux_grad_scale``): a microbatch loop that back-propagates ``loss / m`` gives them ``1 / m``, as the
+    unsplit batch's loss would (Megatron's schedules set ``MoEAuxLossAutoScaler``'s scale the same way)."""
+    layers = [m for _, m in moe_layers(module)]
+    for m in layers:
+        m.aux_grad_scale = scale
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.aux_grad_scale  # back to the class default
 
 
 def moe_layers(module: nn.Module) -> Iterator[Tuple[str, MoE]]:

@@ -10,6 +10,7 @@ by hand (forward+loss = ``F``, backward = ``B``). Details: docs/hybrid.md, "Meas
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..device import to_device
+from ..moe import aux_loss_scale
 from ..telemetry import RankBusy, fractions_from_busy, rank_busy, stage_means
 from .schedules import MULTI_STAGE_STYLES, ScheduleSpec
 from .timing import SpanRecorder
@@ -118,7 +120,9 @@ class PipelineRuntime:
             args = (batch[self.input_key],) if self.holds_first else ()
             target = torch.arange(m)
             try:
-                with self.recorder.timing_p2p():
+                with self.recorder.timing_p2p(), contextlib.ExitStack() as aux:
+                    for mod in self.modules:  # the schedule divides every gradient by m: the aux losses weigh 1
+                        aux.enter_context(aux_loss_scale(mod, self.loss_scale()))
                     out = sched.step(*args, target=target, losses=losses, return_outputs=return_outputs,
                                      **{k: batch[k] for k in stage_keys})
             finally:
@@ -137,7 +141,9 @@ class PipelineRuntime:
         (module,) = self.modules
         outs = []
         for i, mb in enumerate(self._mbs):
-            with self.recorder.timed("F", i):
+            # each microbatch's MoE auxiliary losses weigh 1/m, as its loss does (torch's schedules, with a
+            # pipeline, divide every gradient by m after the step instead: there they keep weight 1)
+            with self.recorder.timed("F", i), aux_loss_scale(module, self.loss_scale() / m):
                 out = module(mb[self.input_key], **{k: mb[k] for k in stage_keys})
                 loss = self._criterion(out, mb) * self.loss_scale()
             with self.recorder.timed("B", i):

@@ -100,5 +100,21 @@ def build_stages(model: nn.Module, stage_ids: List[int], num_stages: int, group,
         # a transformers model built on meta: storage for this stage's (shards of) tensors only, for load_model
         mod = to_empty_for_load(mod, device) if needs_empty(mod) else mod.to(device)
         modules.append(mod)
-        stages.append(PipelineStage(mod, s, num_stages, device, group=group))
+        stages.append(_load_not_counted(PipelineStage(mod, s, num_stages, device, group=group)))
     return modules, stages
+
+
+def _load_not_counted(stage):
+    """The stage's shape inference (a real forward on its first step, on placeholder tensors past the first
+    stage) kept out of the MoE blocks' expert load (``moe.not_counted``); torch names it
+    ``_forward_metadata_inference`` (2.13), an older torch infers shapes otherwise and needs nothing here."""
+    from ..moe.layer import not_counted
+
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is not None:
+        def uncounted(*args, **kwargs):
+            with not_counted():
+                return infer(*args, **kwargs)
+
+        stage._forward_metadata_inference = uncounted
+    return stage

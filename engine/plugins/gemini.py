@@ -56,6 +56,7 @@ class GeminiPlugin(Plugin):
     pack_order: str = "execution"
     activation_checkpointing: Union[bool, str] = False
     activation_budget: Optional[int] = None
+    ep_size: int = 1  # expert parallelism: not built under Gemini (refused, naming what works)
     _managers: List = field(default_factory=list, init=False, repr=False)
 
     controls_precision = True
@@ -92,6 +93,11 @@ class GeminiPlugin(Plugin):
         if self.nvme_direct_io and not self.nvme_offload_dir:
             raise ValueError("GeminiPlugin(nvme_direct_io=True): needs nvme_offload_dir=... (a directory on a "
                              "local disk), or set nvme_direct_io=False")
+        if self.ep_size != 1:
+            raise ValueError(f"GeminiPlugin(ep_size={self.ep_size!r}): expert parallelism under Gemini is not built "
+                             "(it needs chunks of expert parameters per expert-data-parallel group); an MoE model "
+                             "trains under GeminiPlugin with every expert on every rank (ep_size=1), and with experts "
+                             "split over ranks under HybridParallelPlugin(ep_size=..., zero_stage=2) or zero_stage=1")
         from ..autockpt_dist import check_budget
 
         check_budget("GeminiPlugin", self.activation_checkpointing, self.activation_budget, budget_optional=True)
@@ -129,7 +135,7 @@ class GeminiPlugin(Plugin):
         if ac:
             check_checkpointing(model, f"GeminiPlugin(activation_checkpointing={ac!r})", layers=ac == "auto",
                                 instead="use activation_checkpointing=True")
-        skip = ("precision", "activation_checkpointing", "activation_budget")
+        skip = ("precision", "activation_checkpointing", "activation_budget", "ep_size")
         options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
         gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
                                         group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)

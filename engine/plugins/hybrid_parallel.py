@@ -2,10 +2,11 @@
 
 Built on torch: pipelines are ``torch.distributed.pipelining`` (:mod:`..pipeline`), tensor
 parallelism is DTensor's ``parallelize_module`` (:mod:`..tensor_parallel`), ZeRO-1 is torch's
-``ZeroRedundancyOptimizer``. Written by hand, because torch has no piece for them: the gradient
-sync at ``optimizer.step()`` (dp mean bucketed per dtype; the copies a split made of a tied weight
-summed), the fp16 overflow vote over *all* ranks (a stage that skipped alone would desynchronise
-the pipeline), and measured timelines. Arguments, model contract and details: docs/hybrid.md.
+``ZeroRedundancyOptimizer``, ZeRO-2 FSDP2's ``fully_shard`` (:mod:`.hybrid.zero2`; dp and ep only).
+Written by hand, because torch has no piece for them: the gradient sync at ``optimizer.step()`` (dp
+mean bucketed per dtype; the copies a split made of a tied weight summed), the fp16 overflow vote over
+*all* ranks (a stage that skipped alone would desynchronise the pipeline), and measured timelines.
+Arguments, model contract and details: docs/hybrid.md.
 
 ``tp_mode="2d" | "2.5d" | "3d"`` swaps DTensor for :mod:`..tp_nd` (SUMMA, Tesseract and 3D
 layers on explicit collectives over a grid cut from each tp group of the same mesh); each rank then
@@ -19,7 +20,9 @@ holds the same parameters). ``execute_pipeline`` and a direct forward cut the ba
 
 ``ep_size=k`` is expert parallelism for a model with MoE blocks (:mod:`..moe`): the dp ranks are cut
 into EP groups of ``k`` that each hold ``E / k`` experts and exchange tokens by all-to-all; expert
-gradients reduce over the ranks holding the same experts (:mod:`.hybrid.experts`, docs/moe.md).
+gradients reduce over the ranks holding the same experts (:mod:`.hybrid.experts`, docs/moe.md). Under a
+pipeline the EP groups are cut from each stage's dp ranks, which run the same schedule, so their
+all-to-alls meet in the same order.
 
 ``activation_checkpointing=True`` recomputes every layer; ``"auto"`` with ``activation_budget=<bytes>``
 (the peak activation memory of one training step on one rank) plans, per stage and at its first
@@ -110,9 +113,9 @@ class HybridParallelPlugin(Plugin):
             if not (isinstance(v, int) and v >= 1 or optional and v is None):
                 raise ValueError(f"HybridParallelPlugin({name}={v!r}): must be an int >= 1")
         check_budget("HybridParallelPlugin", activation_checkpointing, activation_budget)
-        if zero_stage not in (0, 1):
-            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0 or 1 "
-                             "(ZeRO-2/3 are LowLevelZeroPlugin / GeminiPlugin)")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"HybridParallelPlugin(zero_stage={zero_stage!r}): choose 0, 1 or 2 "
+                             "(ZeRO-3 is GeminiPlugin, which has no ep_size: with experts split use zero_stage=2)")
         if precision not in self.supported_precisions:
             raise ValueError(f"HybridParallelPlugin(precision={precision!r}): "
                              f"choose one of {self.supported_precisions}")
@@ -168,6 +171,10 @@ class HybridParallelPlugin(Plugin):
         self.grads = GradSync(TiedCopies(), None)  # the gradient sync at optimizer.step(), once configured
         self._model: Optional[HybridParallelModule] = None
         self._hf = False  # a transformers model: HF batches and criterion (models/hf/loss.py)
+        if zero_stage == 2:
+            from .hybrid.zero2 import check_zero2
+
+            check_zero2(self)
 
     @classmethod
     def auto(cls, model_or_config, *, batch: int, world_size: Optional[int] = None, seq: Optional[int] = None,
@@ -275,7 +282,12 @@ class HybridParallelPlugin(Plugin):
             for mod in hp_model.stage_modules:
                 self.experts.shard(mod.inner)
             hp_model.experts = self.experts
-        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group, self.experts)
+        reduced = frozenset()
+        if self.zero_stage == 2 and dims.dp * dims.cp > 1:  # FSDP2: gradients reduce-scattered in backward
+            from .hybrid.zero2 import apply_zero2
+
+            reduced = frozenset(apply_zero2(hp_model, dims, self.experts))
+        self.grads = GradSync(apply_ties(hp_model, names_of, dims), dims.grad_group, self.experts, reduced)
         hp_optim = apply_optimizer(optimizer, names_of, hp_model, dims, self.zero_stage, self.precision,
                                    self._scaler, self.grads)
         if dataloader is not None and self.dp_size > 1 and hasattr(dataloader, "dataset"):

@@ -221,7 +221,7 @@ def _moe_gpt(**kw):
 @pytest.mark.parametrize("plugin_kw, model, match", [
     (dict(ep_size=2), lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
     (dict(ep_size=4), lambda: _moe_gpt(n_expert=6), r"n_expert=6 .* use an ep_size in \[1, 2, 3, 6\]"),
-    (dict(ep_size=2, pp_size=2, num_microbatches=2), _moe_gpt, r"pp_size=2\): expert parallelism composes with"),
+    (dict(ep_size=2, cp_size=2), _moe_gpt, r"cp_size=2\): expert parallelism composes with"),
     (dict(ep_size=2, tp_size=2, sequence_parallel=True), _moe_gpt, r"MoE blocks stay whole.*sequence_parallel=False"),
     (dict(tp_size=4, tp_mode="2d"), _moe_gpt, r"MoE blocks stay whole.*use tp_mode='1d'"),  # GPT's tp_nd_plan
 ])
@@ -246,6 +246,24 @@ def test_ep_refuses_top_k_over_experts_and_bad_world(monkeypatch):
         HybridParallelPlugin(ep_size=4)
     with pytest.raises(ValueError, match=r"ep_size=0\): must be an int >= 1"):
         HybridParallelPlugin(ep_size=0)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda P: P.HybridParallelPlugin(ep_size=2, zero_stage=2, pp_size=2, num_microbatches=2),
+     r"zero_stage=2, pp_size=2\): ZeRO-2 .* use zero_stage=1 with pp_size=2"),
+    (lambda P: P.HybridParallelPlugin(zero_stage=2, tp_size=2), r"zero_stage=2, tp_size=2\)"),
+    (lambda P: P.HybridParallelPlugin(ep_size=2, zero_stage=2, precision="fp16"),
+     r"zero_stage=2, precision='fp16'\).*use precision='fp32' or 'bf16'"),
+    (lambda P: P.HybridParallelPlugin(ep_size=2, zero_stage=3), r"zero_stage=3\).*no ep_size.*zero_stage=2"),
+    (lambda P: P.GeminiPlugin(ep_size=2), r"GeminiPlugin\(ep_size=2\).*not built.*ep_size=1.*zero_stage=2"),
+])
+def test_zero2_and_gemini_refusals(make, match):
+    """What ZeRO-2 under the hybrid plugin does not compose with yet, and Gemini's missing ep_size, are refused
+    at construction, naming what works."""
+    from colossal_lab.engine import plugins
+
+    with pytest.raises(ValueError, match=match):
+        make(plugins)
 
 
 def test_expert_load_counts_a_step_and_round_trips():

@@ -53,10 +53,9 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
             ok = [d for d in range(1, moe.n_expert + 1) if moe.n_expert % d == 0]
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): n_expert={moe.n_expert} ({name}) does not "
                              f"divide over {ep} ranks; use an ep_size in {ok}")
-    for arg, v in (("pp_size", plugin.pp_size), ("cp_size", plugin.cp_size)):
-        if v > 1:
-            raise ValueError(f"HybridParallelPlugin(ep_size={ep}, {arg}={v}): expert parallelism composes with data "
-                             f"parallelism only so far (docs/moe.md); set {arg}=1")
+    if plugin.cp_size > 1:
+        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, cp_size={plugin.cp_size}): expert parallelism composes "
+                         "with data, tensor and pipeline parallelism so far (docs/moe.md); set cp_size=1")
     if plugin.precision == "fp16":
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}, precision='fp16'): the MoE auxiliary losses are not "
                          "loss-scaled yet; use precision='fp32' or 'bf16'")

@@ -82,13 +82,15 @@ class GradSync:
     """``sync(model)``: tied copies summed, then the mean over ``group`` (dp × cp; None: this rank
     alone) and the N-d batch pieces."""
 
-    def __init__(self, ties: TiedCopies, group: Optional[Any], experts: Optional[Any] = None):
+    def __init__(self, ties: TiedCopies, group: Optional[Any], experts: Optional[Any] = None,
+                 reduced: frozenset = frozenset()):
         self.ties, self.group = ties, group
         self.experts = experts  # an experts.ExpertGroups under expert parallelism (its parameters reduce apart)
+        self.reduced = reduced  # ids of parameters whose gradients FSDP2 reduced in backward (zero_stage=2)
 
     def __call__(self, model) -> None:
         self.ties.sum_grads()
-        named = list(model.named_model_parameters())
+        named = [(n, p) for n, p in model.named_model_parameters() if id(p) not in self.reduced]
         if self.experts is not None:  # summed over their expert-dp group, divided as the rest (hybrid/experts.py)
             own = self.experts.params
             self._sync_experts([p for _, p in named if id(p) in own])
