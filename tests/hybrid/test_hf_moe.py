@@ -85,7 +85,7 @@ def _a2a_formula(tokens, ep_group, d: int) -> int:
     return total
 
 
-def _run(rank, world, family, ep, starve, lora):
+def _run(rank, world, family, ep, starve, lora, save=None):
     from peft import LoraConfig
 
     from colossal_lab.engine import Booster
@@ -115,6 +115,8 @@ def _run(rank, world, family, ep, starve, lora):
         formula.append(_a2a_formula(tok, plugin.ep_group, 64))
     local = {n: tuple(p.shape) for n, p in inner.named_parameters() if ".experts." in n}
     state = model.full_state_dict()  # a collective: every rank gathers; rank 0 sends it home
+    if save:  # transformers' layout: every expert gathered into its slot of the grouped weights
+        booster.save_model(model, save, shard=True, size_per_shard=0.05)
     out = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, local=local,
                labels=sorted(COMM.bytes), state=state if rank == 0 else None,
                before=before if rank == 0 else None)
@@ -122,19 +124,44 @@ def _run(rank, world, family, ep, starve, lora):
     return out
 
 
-def _rank(rank, world):
+def _load(rank, world, path, ep):
+    """A fresh model, every weight scrambled, boosted at ``ep`` and loaded from ``path``: its whole state."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(ep_size=ep)
+    booster = Booster(plugin=plugin)
+    model = build("mixtral")
+    torch.manual_seed(123)
+    for p in model.parameters():
+        p.data.normal_()
+    model, *_ = booster.boost(model)
+    booster.load_model(model, path)
+    state = model.full_state_dict()
+    plugin.close()
+    return state if rank == 0 else None
+
+
+def _rank(rank, world, path):
     out = {}
     for family in FAMILIES:
         for layout, ep in LAYOUTS.items():
             for starve in (False, True):
-                out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False)
+                save = path if (family, layout, starve) == ("mixtral", "ep2xdp2", False) else None
+                out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False, save=save)
+    out["loaded_ep4"] = _load(rank, world, path, 4)
     out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_rank, WORLD, timeout=600, preload=True)
+def saved(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_moe") / "mixtral"
+
+
+@pytest.fixture(scope="module")
+def runs(saved):
+    return run_distributed(_rank, WORLD, str(saved), timeout=600, preload=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -162,6 +189,8 @@ def test_follows_one_process(runs, family):
 def test_all_to_all_bytes_equal_routing(runs):
     for per in runs:
         for key, r in per.items():
+            if key == "loaded_ep4":
+                continue
             assert r["counted"] == r["formula"], key
             assert min(r["counted"]) > 0 and r["labels"] == ["combine", "counts", "dispatch"], key
 
@@ -179,6 +208,21 @@ def test_lora_under_ep2(runs):
     assert moved and all("lora_" in k for k in moved), sorted(moved)[:4]
     assert all(k in moved for k in state if "lora_A" in k)  # every adapter trained
     assert max((state[k] - v).abs().max().item() for k, v in ref_state.items()) < 1e-4
+
+
+def test_checkpoint_in_transformers_layout(runs, saved):
+    """``save_model`` at ep2×dp2 writes what ``from_pretrained`` loads (names, shapes, every expert in its slot,
+    several safetensors files); the same files load into ep4 with every weight equal."""
+    from transformers import AutoModelForCausalLM
+
+    state = runs[0][("mixtral", "ep2xdp2", False)]["state"]
+    assert len(list(saved.glob("*.safetensors"))) > 1 and (saved / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(saved).state_dict()
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert loaded["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * 32, 64)
+    at_ep4 = runs[0]["loaded_ep4"]
+    assert at_ep4.keys() == state.keys() and all(torch.equal(at_ep4[k], v) for k, v in state.items())
 
 
 def test_refused_before_any_group():

@@ -150,3 +150,34 @@ def tokens_per_expert(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
     global expert (what the router chose, before any all-to-all)."""
     return {name: mod.forward.tokens_per_expert for name, mod, _ in expert_modules(model)
             if isinstance(mod.forward, _ExpertParallelForward)}
+
+
+def checkpoint_view(hf: nn.Module, experts):
+    """``checkpoint_io``'s view of ``hf`` whose grouped expert weights hold this EP rank's rows (``experts``:
+    the plugin's ``ExpertGroups``): every expert weight listed whole, gathered over the EP group to save, and
+    read back as this rank's rows only (``get_slice``), so ``save_model`` writes transformers' names and shapes
+    and ``load_model`` loads any file at any ep_size."""
+    from ...checkpoint_io.hf_layout import ModuleView
+
+    class ExpertView(ModuleView):
+        def entries(self):
+            return [(n, experts.full_shape(t) if n in experts.names else tuple(t.shape), t.dtype)
+                    for n, t in self.tensors.items()]
+
+        def iter_full(self, keep):
+            for n, t in super().iter_full(keep):  # every rank walks the same names: the gathers pair up
+                yield n, experts.full(t).detach() if n in experts.names else t
+
+        @torch.no_grad()
+        def load(self, reader, source, done):
+            mine = {n: t for n, t in self.tensors.items() if n in experts.names and n in source}
+            self.tensors = {n: t for n, t in self.tensors.items() if n not in mine}
+            try:
+                super().load(reader, source, done)
+            finally:
+                self.tensors = {**self.tensors, **mine}
+            for n, t in mine.items():  # rows [lo, hi) of the whole grouped weight: this rank's experts
+                lo, hi = experts.rows(t)
+                t.copy_(reader.read_runs(source[n], [[(lo, hi)]] + [[(0, s)] for s in t.shape[1:]]).to(t.dtype))
+
+    return ExpertView(hf)
