@@ -16,7 +16,9 @@ pytest.importorskip("transformers")
 WORLD, STEPS, CLIP, E, TOP_K = 4, 5, 0.5, 4, 2
 STARVED = [1, 2]  # experts a router hook keeps out of every token's choice in the "starved" runs
 FAMILIES = ("mixtral", "qwen2_moe")
-LAYOUTS = {"ep2xdp2": 2, "ep4": 4}
+# layout -> (ep_size, tp_size); under tp the attention is split by the model's own plan and the experts stay whole
+# on each tp rank, the EP groups cut per tp coordinate
+LAYOUTS = {"ep2xdp2": (2, 1), "ep4": (4, 1), "ep2xtp2": (2, 2)}
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -85,7 +87,7 @@ def _a2a_formula(tokens, ep_group, d: int) -> int:
     return total
 
 
-def _run(rank, world, family, ep, starve, lora, save=None):
+def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
     from peft import LoraConfig
 
     from colossal_lab.engine import Booster
@@ -93,7 +95,7 @@ def _run(rank, world, family, ep, starve, lora, save=None):
     from colossal_lab.engine.moe.parallel import COMM
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
-    plugin = HybridParallelPlugin(ep_size=ep)
+    plugin = HybridParallelPlugin(ep_size=ep, tp_size=tp)
     booster = Booster(plugin=plugin)
     model = build(family, starve)
     if lora:
@@ -106,7 +108,8 @@ def _run(rank, world, family, ep, starve, lora, save=None):
     losses, norms, counted, formula, tokens = [], [], [], [], []
     for s in range(STEPS):
         COMM.reset()
-        step_losses, step_norms = loop(model, opt, booster, steps=1, first=s, clip=CLIP, split=(rank, world))
+        step_losses, step_norms = loop(model, opt, booster, steps=1, first=s, clip=CLIP,
+                                         split=(plugin.dp_rank, plugin.dp_size))
         losses += step_losses
         norms += step_norms
         tok = list(hf_moe.tokens_per_expert(inner).values())
@@ -145,10 +148,10 @@ def _load(rank, world, path, ep):
 def _rank(rank, world, path):
     out = {}
     for family in FAMILIES:
-        for layout, ep in LAYOUTS.items():
+        for layout, (ep, tp) in LAYOUTS.items():
             for starve in (False, True):
                 save = path if (family, layout, starve) == ("mixtral", "ep2xdp2", False) else None
-                out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False, save=save)
+                out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False, save=save, tp=tp)
     out["loaded_ep4"] = _load(rank, world, path, 4)
     out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
     return out
@@ -168,13 +171,14 @@ def runs(saved):
 def test_follows_one_process(runs, family):
     for starve in (False, True):
         ref, ref_norms, ref_state = reference(family, starve)
-        for layout, ep in LAYOUTS.items():
+        for layout, (ep, tp) in LAYOUTS.items():
             for rank, per in enumerate(runs):
                 r = per[(family, layout, starve)]
                 assert_follows((family, layout, starve, rank), r["losses"], r["norms"], ref, ref_norms)
                 # this rank kept E / ep experts of each layer's grouped weights
                 assert r["local"] and all(shape[0] == E // ep for shape in r["local"].values())
-                assert len(r["tokens"][0]) == 2 and all(sum(t) == 2 * 32 * TOP_K for s in r["tokens"] for t in s)
+                rows = 8 * tp // WORLD * 32  # this rank's tokens per step: batch 8 × 32 over the dp ranks
+                assert len(r["tokens"][0]) == 2 and all(sum(t) == rows * TOP_K for s in r["tokens"] for t in s)
                 if starve:  # the starved experts got no token from any rank at any step, and still the curve agreed
                     assert all(t[e] == 0 for s in r["tokens"] for t in s for e in STARVED)
                 else:
@@ -233,7 +237,8 @@ def test_refused_before_any_group():
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     cases = [(HybridParallelPlugin(ep_size=3), build("mixtral"), r"ep_size in \[1, 2, 4\]"),
-             (HybridParallelPlugin(ep_size=2, tp_size=2), build("qwen2_moe"), "set tp_size=1"),
+             (HybridParallelPlugin(ep_size=2, tp_size=2, sequence_parallel=True), build("qwen2_moe"),
+              "sequence_parallel=False"),
              (HybridParallelPlugin(ep_size=2), llama(), "has no MoE block"),
              (HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2), build("mixtral"), "set pp_size=1")]
     for plugin, model, match in cases:

@@ -86,16 +86,28 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
     found = expert_modules(model)
     if not found:
         return []
-    ep = plugin.ep_size
-    if ep > 1 and plugin.tp_size > 1:
-        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, tp_size={plugin.tp_size}): expert parallelism of a "
-                         "transformers MoE model composes with data parallelism only so far (docs/moe.md); set "
-                         "tp_size=1, or ep_size=1")
+    ep, tp = plugin.ep_size, plugin.tp_size
+    if tp > 1 and (plugin.sequence_parallel or plugin.tp_mode != "1d"):
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}, tp_mode={plugin.tp_mode!r}, sequence_parallel="
+                         f"{plugin.sequence_parallel}): {type(model).__name__}'s experts stay whole on every tp rank, "
+                         "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
+                         "tp_mode='1d', sequence_parallel=False")
     for name, mod, attrs in found:
         if not attrs:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
                              f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
     return [(name, n_experts(mod, attrs)) for name, mod, attrs in found]
+
+
+def whole_experts(model: nn.Module, plan: dict) -> dict:
+    """The model's own tensor-parallel plan without its entries at or under an experts module (transformers'
+    ``moe_tp_experts``, ``packed_colwise`` on the grouped weights): under tp the experts stay whole on every tp
+    rank and take the replicated residual stream (after the row-parallel ``o_proj``) as a norm does; the
+    router is in no plan. The same layout as our GPT's MoE blocks under tp (docs/moe.md)."""
+    experts = [p for p, style in ep_plan(model).items() if style == DISPATCH]
+    if not experts:
+        return plan
+    return {k: v for k, v in plan.items() if not any(k == e or k.startswith(e + ".") for e in experts)}
 
 
 def shard(model: nn.Module, handle) -> Iterator[Tuple[str, nn.Parameter]]:

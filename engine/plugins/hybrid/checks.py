@@ -62,7 +62,7 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     from ...models.hf import reads_dict_plan
 
     if reads_dict_plan(model):  # its tp_plan is transformers' dict (property), not the contract's method
-        if plugin.ep_size > 1:  # experts split over EP: named before the plan's MoE styles (models/hf/moe.py)
+        if plugin.tp_size > 1:  # experts whole per tp rank: what that needs, named first (models/hf/moe.py)
             from ...models.hf.moe import check as check_hf_moe
 
             check_hf_moe(model, plugin)
