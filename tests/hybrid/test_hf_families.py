@@ -11,9 +11,10 @@ attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (pos
 cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (tp2 splits attention and
 keeps the experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). Each tiny, random, fp32,
 on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of
-plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW:
-AdamW scales a gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step,
-and the curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
+plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process within 1e-4 relative, loss
+and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key bias's, whose effect
+softmax cancels) up to a full step, and the curves would part on noise, not on a fault. A mode a family's config
+rules out is refused, named.
 """
 
 from __future__ import annotations
