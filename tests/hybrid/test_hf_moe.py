@@ -90,7 +90,7 @@ def _a2a_formula(tokens, ep_group, d: int) -> int:
 def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
     from peft import LoraConfig
 
-    from colossal_lab.engine import Booster
+    from colossal_lab.engine import Booster, telemetry
     from colossal_lab.engine.models.hf import moe as hf_moe
     from colossal_lab.engine.moe.parallel import COMM
     from colossal_lab.engine.plugins import HybridParallelPlugin
@@ -106,6 +106,8 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
     model, opt, *_ = booster.boost(model, opt)
     inner = model.stage_modules[0].inner
     losses, norms, counted, formula, tokens = [], [], [], [], []
+    events = []
+    unsubscribe = telemetry.subscribe(events.append)
     for s in range(STEPS):
         COMM.reset()
         step_losses, step_norms = loop(model, opt, booster, steps=1, first=s, clip=CLIP,
@@ -116,12 +118,14 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
         tokens.append(tok)
         counted.append(COMM.total)
         formula.append(_a2a_formula(tok, plugin.ep_group, 64))
+    unsubscribe()
+    load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events if isinstance(e, telemetry.ExpertLoad)]
     local = {n: tuple(p.shape) for n, p in inner.named_parameters() if ".experts." in n}
     state = model.full_state_dict()  # a collective: every rank gathers; rank 0 sends it home
     if save:  # transformers' layout: every expert gathered into its slot of the grouped weights
         booster.save_model(model, save, shard=True, size_per_shard=0.05)
     out = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, local=local,
-               labels=sorted(COMM.bytes), state=state if rank == 0 else None,
+               labels=sorted(COMM.bytes), load=load, state=state if rank == 0 else None,
                before=before if rank == 0 else None)
     plugin.close()
     return out
@@ -197,6 +201,19 @@ def test_all_to_all_bytes_equal_routing(runs):
                 continue
             assert r["counted"] == r["formula"], key
             assert min(r["counted"]) > 0 and r["labels"] == ["combine", "counts", "dispatch"], key
+
+
+def test_expert_load_events(runs):
+    """One ExpertLoad per MoE layer per step on every rank, with the tokens its router sent to each expert."""
+    for rank, per in enumerate(runs):
+        for key, r in per.items():
+            if key == "loaded_ep4" or key[2] == "lora":
+                continue
+            load = r["load"]
+            assert [e[:3] for e in load] == [(rank, s, f"model.layers.{b}.mlp") for s in range(STEPS)
+                                             for b in range(2)], key
+            assert [e[3] for e in load] == [list(t) for step in r["tokens"] for t in step], key
+            assert not any(e[4] for e in load)  # dropless
 
 
 def test_lora_under_ep2(runs):

@@ -20,7 +20,8 @@ with our counted collectives and groups cut from dp instead of its DeviceMesh an
 from __future__ import annotations
 
 import fnmatch
-from typing import Dict, Iterator, List, Tuple
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -123,17 +124,21 @@ def shard(model: nn.Module, handle) -> Iterator[Tuple[str, nn.Parameter]]:
             yield f"{name}.{attr}", p
         if hasattr(mod, "num_experts"):
             mod.num_experts = hi - lo  # what its own forward indexes (local ids)
-        mod.forward = _ExpertParallelForward(mod.forward, handle, E)
+        mod.forward = _ExpertParallelForward(mod, handle, E)
 
 
 class _ExpertParallelForward:
     """The experts module's forward over an EP group: ``(hidden (N, d), top_k_index (N, k) global ids,
     top_k_weights (N, k)) -> (N, d)``, as the unsplit module computes it. ``tokens_per_expert`` holds the
-    last call's assignments from this rank to each global expert."""
+    last call's assignments from this rank to each global expert; ``step_load`` adds them up over a step's
+    training forwards (an activation checkpoint's recompute not counted), for ``moe.take_load``."""
 
-    def __init__(self, local_forward, handle, n_expert: int):
-        self.local_forward, self.handle, self.n_expert = local_forward, handle, n_expert
+    def __init__(self, module: nn.Module, handle, n_expert: int):
+        self.local_forward, self.handle, self.n_expert = module.forward, handle, n_expert
+        self.module = weakref.ref(module)  # its ``training`` flag (a strong reference would be a cycle)
         self.tokens_per_expert: Tuple[int, ...] = ()
+        self.step_load: Optional[List[int]] = None
+        self.step_dropped = 0  # dropless: always 0 (MoE's field, for the same event)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         N, k = top_k_index.shape
@@ -141,6 +146,9 @@ class _ExpertParallelForward:
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within one
         counts = torch.bincount(flat, minlength=self.n_expert)
         self.tokens_per_expert = tuple(counts.tolist())
+        if self.module().training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            load = self.step_load or [0] * self.n_expert
+            self.step_load = [a + b for a, b in zip(load, self.tokens_per_expert)]
         token = order // k
         local, local_counts, state = self.handle.dispatch(hidden_states[token], counts)
         per = local_counts.numel()
@@ -155,6 +163,14 @@ class _ExpertParallelForward:
         w = top_k_weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         out = torch.zeros_like(hidden_states).index_add(0, token, (ys * w).to(hidden_states.dtype))
         return out
+
+
+def load_counters(model: nn.Module) -> Iterator[Tuple[str, "_ExpertParallelForward"]]:
+    """Per MoE layer under expert parallelism: its name (the block holding the experts, as an ``ExpertLoad``
+    names it) and the counter of its routed tokens."""
+    for name, mod, _ in expert_modules(model):
+        if isinstance(mod.forward, _ExpertParallelForward):
+            yield name.rpartition(".")[0], mod.forward
 
 
 def tokens_per_expert(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
