@@ -58,6 +58,8 @@ def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module, List[str]]]:
     """``(module name, experts module, its grouped weights' attribute names)`` for every MoE layer the
     model's ep plan names; a style we do not run raises, naming it."""
     plan = ep_plan(model)
+    if not plan:  # not a transformers MoE family
+        return []
     mods = dict(model.named_modules())
     params = [n for n, _ in model.named_parameters()]
     out, weights = [], {}
