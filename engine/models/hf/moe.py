@@ -96,7 +96,7 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
                          "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
                          "tp_mode='1d', sequence_parallel=False")
     for name, mod, attrs in found:
-        if not attrs:
+        if ep > 1 and not attrs:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
                              f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
     return [(name, n_experts(mod, attrs)) for name, mod, attrs in found]
