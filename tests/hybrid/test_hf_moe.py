@@ -87,7 +87,7 @@ def _a2a_formula(tokens, ep_group, d: int) -> int:
     return total
 
 
-def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
+def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
     from peft import LoraConfig
 
     from colossal_lab.engine import Booster, telemetry
@@ -95,7 +95,7 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1):
     from colossal_lab.engine.moe.parallel import COMM
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
-    plugin = HybridParallelPlugin(ep_size=ep, tp_size=tp)
+    plugin = HybridParallelPlugin(ep_size=ep, tp_size=tp, zero_stage=zero)
     booster = Booster(plugin=plugin)
     model = build(family, starve)
     if lora:
@@ -158,6 +158,7 @@ def _rank(rank, world, path):
                 out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False, save=save, tp=tp)
     out["loaded_ep4"] = _load(rank, world, path, 4)
     out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
+    out[("mixtral", "ep2xdp2", "zero1")] = _run(rank, world, "mixtral", 2, False, lora=False, zero=1)
     return out
 
 
@@ -207,13 +208,21 @@ def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer per step on every rank, with the tokens its router sent to each expert."""
     for rank, per in enumerate(runs):
         for key, r in per.items():
-            if key == "loaded_ep4" or key[2] == "lora":
+            if key == "loaded_ep4" or key[2] in ("lora", "zero1"):
                 continue
             load = r["load"]
             assert [e[:3] for e in load] == [(rank, s, f"model.layers.{b}.mlp") for s in range(STEPS)
                                              for b in range(2)], key
             assert [e[3] for e in load] == [list(t) for step in r["tokens"] for t in step], key
             assert not any(e[4] for e in load)  # dropless
+
+
+def test_zero1_under_ep2(runs):
+    """ZeRO-1 (non-expert state over dp, expert state over expert-dp) on Mixtral at ep2×dp2: the same curve."""
+    ref, ref_norms, _ = reference("mixtral")
+    for rank, per in enumerate(runs):
+        r = per[("mixtral", "ep2xdp2", "zero1")]
+        assert_follows(("zero1", rank), r["losses"], r["norms"], ref, ref_norms)
 
 
 def test_lora_under_ep2(runs):
@@ -262,3 +271,11 @@ def test_refused_before_any_group():
         with pytest.raises(ValueError, match=match):
             Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
         assert not dist.is_initialized()
+    from peft import LoraConfig
+
+    booster = Booster(plugin=HybridParallelPlugin(ep_size=2))  # LoRA on the grouped expert weights themselves
+    model = booster.enable_lora(build("mixtral"), lora_config=LoraConfig(
+        r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with pytest.raises(ValueError, match="target the attention"):
+        booster.boost(model, torch.optim.AdamW(model.parameters()))
+    assert not dist.is_initialized()

@@ -96,6 +96,10 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
                          "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
                          "tp_mode='1d', sequence_parallel=False")
     for name, mod, attrs in found:
+        if ep > 1 and not attrs and hasattr(mod, "base_layer"):  # peft's ParamWrapper around the experts
+            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} carries LoRA adapters on its grouped expert "
+                             "weights (peft target_parameters), which are not split over EP yet; target the "
+                             "attention (target_modules=['q_proj', 'v_proj', ...]) or set ep_size=1")
         if ep > 1 and not attrs:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
                              f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
