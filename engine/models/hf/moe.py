@@ -15,6 +15,8 @@ unit weights: whichever ``experts_implementation`` the config chose) and mixes t
 routing weights on the sending rank. That is transformers' ``AllToAllEP`` (``distributed/expert_parallel.py``)
 with our counted collectives and groups cut from dp instead of its DeviceMesh and
 ``all_to_all_single_autograd``. The router (``mlp.gate``), shared experts and attention stay replicated.
+Under 1D tensor parallelism the model's tp plan loses its expert entries (:func:`whole_experts`): the experts
+stay whole on every tp rank, as our GPT's MoE blocks do. Checkpoints go through :func:`checkpoint_view`.
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ class _ExpertParallelForward:
         self.step_dropped = 0  # dropless: always 0 (MoE's field, for the same event)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        N, k = top_k_index.shape
+        k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)  # (N·k,) assignment a = token a // k, choice a % k
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within one
         counts = torch.bincount(flat, minlength=self.n_expert)
