@@ -386,7 +386,8 @@ SHORT = (("issue 31", "MoE (issue 31)"), ("carries no tensor-parallel plan", "no
          ("attention dropout", "attention dropout"), ("names a parameter", "per-parameter style"),
          ("does not divide", "heads do not divide"), ("takes no **kwargs", "forward takes no **kwargs"),
          ("mixes tokens outside attention", "token mixing outside attention"), ("moe_", "MoE (issue 31)"),
-         ("grouped_gemm", "MoE (issue 31)"), ("ep_router", "MoE (issue 31)"))
+         ("grouped_gemm", "MoE (issue 31)"), ("ep_router", "MoE (issue 31)"),
+         ("experts stay whole", "MoE experts under sp"))
 
 
 def short(r: dict) -> str:

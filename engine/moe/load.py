@@ -26,6 +26,12 @@ def take_load(model: nn.Module, rank: int, step: int) -> List:
             out.append(ExpertLoad(rank=rank, step=step, layer=name, tokens=tuple(moe.step_load),
                                   dropped=moe.step_dropped))
         moe.step_load, moe.step_dropped = None, 0
+    from ..models.hf.moe import load_counters
+
+    for name, counter in load_counters(model):  # a transformers MoE family's experts under ep (models/hf/moe.py)
+        if counter.step_load is not None:
+            out.append(ExpertLoad(rank=rank, step=step, layer=name, tokens=tuple(counter.step_load), dropped=0))
+        counter.step_load = None
     return out
 
 

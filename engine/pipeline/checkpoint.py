@@ -92,6 +92,10 @@ def _hf_view(model):
     if len(inners) > 1 or getattr(model, "_plugin_pp", 1) > 1:
         return StagesView(inners)
     nd = getattr(model, "nd", None)
+    if nd is None and getattr(model, "experts", None) is not None:  # EP: expert rows (models/hf/moe.py)
+        from ..models.hf.moe import checkpoint_view
+
+        return checkpoint_view(inners[0], model.experts)
     return ModuleView(inners[0]) if nd is None else NdView(inners[0], nd)
 
 

@@ -8,12 +8,13 @@ sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and `
 scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases, LayerNorm), EXAONE 4,
 Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a bare per-head parameter in its
 attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
-cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (experts: tp refused,
-naming issue 31; cp2 and pp2 run). Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence
-parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting
-every step) follow the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW:
-AdamW scales a gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step,
-and the curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
+cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (tp2 splits attention and
+keeps the experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). Each tiny, random, fp32,
+on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of
+plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process within 1e-4 relative, loss
+and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key bias's, whose effect
+softmax cancels) up to a full step, and the curves would part on noise, not on a fault. A mode a family's config
+rules out is refused, named.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
            ("camembert", "tp2"): "carries no tensor-parallel plan", ("camembert", "sp"): "base_model_pp_plan",
            ("camembert", "pp2"): "base_model_pp_plan",
-           ("qwen3_moe", "tp2"): "issue 31", ("qwen3_moe", "sp"): "issue 31"}
+           ("qwen3_moe", "sp"): "experts stay whole on every tp rank"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 

@@ -63,6 +63,10 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> Tuple[
     if user_plan is not None:
         return dict(user_plan), "tp_plan="
     plan, source = read_plan(model)
+    if plan:  # a mixture of experts' experts stay whole per tp rank (moe.py)
+        from .moe import whole_experts
+
+        plan = whole_experts(model, plan)
     if not plan:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} (model_type={model_type!r}) "

@@ -62,6 +62,10 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
     from ...models.hf import reads_dict_plan
 
     if reads_dict_plan(model):  # its tp_plan is transformers' dict (property), not the contract's method
+        if plugin.tp_size > 1:  # experts whole per tp rank: what that needs, named first (models/hf/moe.py)
+            from ...models.hf.moe import check as check_hf_moe
+
+            check_hf_moe(model, plugin)
         check_hf(model, plugin)
         return
     nd = plugin.tp_mode != "1d" and plugin.tp_size > 1

@@ -1,0 +1,219 @@
+"""Expert parallelism for transformers' mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, ...).
+
+transformers 5 builds these models' experts as one module per MoE layer holding grouped weights
+(``experts.gate_up_proj: [E, 2h, d]``, ``experts.down_proj: [E, d, h]``) whose forward takes
+``(hidden_states (N, d), top_k_index (N, k), top_k_weights (N, k))`` with expert ids local to the module,
+and ships an expert-parallel plan beside the tensor-parallel one (``config.base_model_ep_plan``):
+``"grouped_gemm"`` on each grouped weight (rows = experts, sharded over EP) and ``"ep_dispatch_experts"``
+on the experts module (its tokens reach the experts' ranks). We read that plan rather than re-type it,
+and run it with our own pieces: the weights keep rows ``[e·E/ep, (e+1)·E/ep)`` as plain parameters (so the
+plugin's expert gradient sync, clipping, ZeRO-1 split and ``full_state_dict`` treat them as our GPT's, and
+the gathered state dict has transformers' names and shapes), and the experts module's forward sends each
+(token, expert) pair to the expert's rank through :class:`...moe.ExpertParallel` (the counted all-to-alls of
+``engine/moe/parallel.py``), runs the module's own forward there on the arrived rows (local expert ids,
+unit weights: whichever ``experts_implementation`` the config chose) and mixes the returned outputs by the
+routing weights on the sending rank. That is transformers' ``AllToAllEP`` (``distributed/expert_parallel.py``)
+with our counted collectives and groups cut from dp instead of its DeviceMesh and
+``all_to_all_single_autograd``. The router (``mlp.gate``), shared experts and attention stay replicated.
+Under 1D tensor parallelism the model's tp plan loses its expert entries (:func:`whole_experts`): the experts
+stay whole on every tp rank, as our GPT's MoE blocks do. Checkpoints go through :func:`checkpoint_view`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .plan import _prefixed
+
+#: transformers' expert-parallel style names this module runs (``config.base_model_ep_plan``)
+WEIGHTS, DISPATCH = "grouped_gemm", "ep_dispatch_experts"
+
+
+def _is_hf(module: nn.Module) -> bool:
+    from . import is_hf_model
+
+    return is_hf_model(module)
+
+
+def ep_plan(model: nn.Module) -> Dict[str, str]:
+    """Every transformers model inside ``model`` (itself, or a peft wrapper's base model): its
+    ``base_model_ep_plan`` under the names ``model``'s ``named_modules`` gives (pattern -> style)."""
+    plan: Dict[str, str] = {}
+    for prefix, m in model.named_modules():
+        own = getattr(getattr(m, "config", None), "base_model_ep_plan", None) if _is_hf(m) else None
+        for k, v in _prefixed(m, own).items():
+            plan[f"{prefix}.{k}" if prefix else k] = v
+    return plan
+
+
+def _matches(pattern: str, names: List[str]) -> List[str]:
+    """Names matching ``pattern`` where each ``*`` is one dotted part (as transformers' plans mean it)."""
+    return [n for n in names if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]
+
+
+def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module, List[str]]]:
+    """``(module name, experts module, its grouped weights' attribute names)`` for every MoE layer the
+    model's ep plan names; a style we do not run raises, naming it."""
+    plan = ep_plan(model)
+    if not plan:  # not a transformers MoE family
+        return []
+    mods = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters()]
+    out, weights = [], {}
+    for pattern, style in plan.items():
+        if style == WEIGHTS:
+            for n in _matches(pattern, params):
+                owner, _, attr = n.rpartition(".")
+                weights.setdefault(owner, []).append(attr)
+        elif style != DISPATCH:
+            raise ValueError(f"expert parallelism: {type(model).__name__}'s ep plan entry {pattern!r} has style "
+                             f"{style!r}; colossal-lab runs {WEIGHTS!r} and {DISPATCH!r} so far (issue 31)")
+    for pattern, style in plan.items():
+        if style == DISPATCH:
+            for n in _matches(pattern, list(mods)):
+                out.append((n, mods[n], sorted(weights.get(n, []))))
+    return sorted(out, key=lambda t: t[0])
+
+
+def n_experts(module: nn.Module, attrs: List[str]) -> int:
+    """The experts of one module: its grouped weights' first dimension."""
+    return getattr(module, attrs[0]).shape[0] if attrs else getattr(module, "num_experts")
+
+
+def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
+    """``[(experts module, its expert count)]`` of a transformers MoE model (empty for any other model),
+    refusing what does not run yet, before any process group exists."""
+    found = expert_modules(model)
+    if not found:
+        return []
+    ep, tp = plugin.ep_size, plugin.tp_size
+    if tp > 1 and (plugin.sequence_parallel or plugin.tp_mode != "1d"):
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}, tp_mode={plugin.tp_mode!r}, sequence_parallel="
+                         f"{plugin.sequence_parallel}): {type(model).__name__}'s experts stay whole on every tp rank, "
+                         "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
+                         "tp_mode='1d', sequence_parallel=False")
+    for name, mod, attrs in found:
+        if ep > 1 and not attrs and hasattr(mod, "base_layer"):  # peft's ParamWrapper around the experts
+            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} carries LoRA adapters on its grouped expert "
+                             "weights (peft target_parameters), which are not split over EP yet; target the "
+                             "attention (target_modules=['q_proj', 'v_proj', ...]) or set ep_size=1")
+        if ep > 1 and not attrs:
+            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
+                             f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
+    return [(name, n_experts(mod, attrs)) for name, mod, attrs in found]
+
+
+def whole_experts(model: nn.Module, plan: dict) -> dict:
+    """The model's own tensor-parallel plan without its entries at or under an experts module (transformers'
+    ``moe_tp_experts``, ``packed_colwise`` on the grouped weights): under tp the experts stay whole on every tp
+    rank and take the replicated residual stream (after the row-parallel ``o_proj``) as a norm does; the
+    router is in no plan. The same layout as our GPT's MoE blocks under tp (docs/moe.md)."""
+    experts = [p for p, style in ep_plan(model).items() if style == DISPATCH]
+    if not experts:
+        return plan
+    return {k: v for k, v in plan.items() if not any(k == e or k.startswith(e + ".") for e in experts)}
+
+
+def shard(model: nn.Module, handle) -> Iterator[Tuple[str, nn.Parameter]]:
+    """Cut every experts module's grouped weights to this EP rank's rows and route its forward through
+    ``handle`` (an :class:`...moe.ExpertParallel`); yields each new parameter with its name in ``model``."""
+    for name, mod, attrs in expert_modules(model):
+        E = n_experts(mod, attrs)
+        lo, hi = handle.local_experts(E)
+        for attr in attrs:
+            full = getattr(mod, attr)
+            p = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+            setattr(mod, attr, p)
+            yield f"{name}.{attr}", p
+        if hasattr(mod, "num_experts"):
+            mod.num_experts = hi - lo  # what its own forward indexes (local ids)
+        mod.forward = _ExpertParallelForward(mod, handle, E)
+
+
+class _ExpertParallelForward:
+    """The experts module's forward over an EP group: ``(hidden (N, d), top_k_index (N, k) global ids,
+    top_k_weights (N, k)) -> (N, d)``, as the unsplit module computes it. ``tokens_per_expert`` holds the
+    last call's assignments from this rank to each global expert; ``step_load`` adds them up over a step's
+    training forwards (an activation checkpoint's recompute not counted), for ``moe.take_load``."""
+
+    def __init__(self, module: nn.Module, handle, n_expert: int):
+        self.local_forward, self.handle, self.n_expert = module.forward, handle, n_expert
+        self.module = weakref.ref(module)  # its ``training`` flag (a strong reference would be a cycle)
+        self.tokens_per_expert: Tuple[int, ...] = ()
+        self.step_load: Optional[List[int]] = None
+        self.step_dropped = 0  # dropless: always 0 (MoE's field, for the same event)
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)  # (N·k,) assignment a = token a // k, choice a % k
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within one
+        counts = torch.bincount(flat, minlength=self.n_expert)
+        self.tokens_per_expert = tuple(counts.tolist())
+        if self.module().training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            load = self.step_load or [0] * self.n_expert
+            self.step_load = [a + b for a, b in zip(load, self.tokens_per_expert)]
+        token = order // k
+        local, local_counts, state = self.handle.dispatch(hidden_states[token], counts)
+        per = local_counts.numel()
+        ids = torch.repeat_interleave(torch.arange(per, device=local.device), local_counts).unsqueeze(1)
+        if local.shape[0]:  # each arrived row through its one expert, weight 1 (the weights apply at home)
+            y = self.local_forward(local, ids, torch.ones_like(ids, dtype=local.dtype))
+        else:  # no row for any of this rank's experts: a zero-row result still connected to backward, so the
+            # grouped weights get a (zero) gradient and the reverse all-to-all runs as on every other rank
+            y = self.local_forward(local.sum(0, keepdim=True), ids.new_zeros((1, 1)),
+                                   local.new_ones((1, 1)))[:0]
+        ys = self.handle.combine(y, state)  # (N·k, d) in ``order``
+        w = top_k_weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        out = torch.zeros_like(hidden_states).index_add(0, token, (ys * w).to(hidden_states.dtype))
+        return out
+
+
+def load_counters(model: nn.Module) -> Iterator[Tuple[str, "_ExpertParallelForward"]]:
+    """Per MoE layer under expert parallelism: its name (the block holding the experts, as an ``ExpertLoad``
+    names it) and the counter of its routed tokens."""
+    for name, mod, _ in expert_modules(model):
+        if isinstance(mod.forward, _ExpertParallelForward):
+            yield name.rpartition(".")[0], mod.forward
+
+
+def tokens_per_expert(model: nn.Module) -> Dict[str, Tuple[int, ...]]:
+    """Per experts module under expert parallelism: the last forward's assignments from this rank to each
+    global expert (what the router chose, before any all-to-all)."""
+    return {name: mod.forward.tokens_per_expert for name, mod, _ in expert_modules(model)
+            if isinstance(mod.forward, _ExpertParallelForward)}
+
+
+def checkpoint_view(hf: nn.Module, experts):
+    """``checkpoint_io``'s view of ``hf`` whose grouped expert weights hold this EP rank's rows (``experts``:
+    the plugin's ``ExpertGroups``): every expert weight listed whole, gathered over the EP group to save, and
+    read back as this rank's rows only (``get_slice``), so ``save_model`` writes transformers' names and shapes
+    and ``load_model`` loads any file at any ep_size."""
+    from ...checkpoint_io.hf_layout import ModuleView
+
+    class ExpertView(ModuleView):
+        def entries(self):
+            return [(n, experts.full_shape(t) if n in experts.names else tuple(t.shape), t.dtype)
+                    for n, t in self.tensors.items()]
+
+        def iter_full(self, keep):
+            for n, t in super().iter_full(keep):  # every rank walks the same names: the gathers pair up
+                yield n, experts.full(t).detach() if n in experts.names else t
+
+        @torch.no_grad()
+        def load(self, reader, source, done):
+            mine = {n: t for n, t in self.tensors.items() if n in experts.names and n in source}
+            self.tensors = {n: t for n, t in self.tensors.items() if n not in mine}
+            try:
+                super().load(reader, source, done)
+            finally:
+                self.tensors = {**self.tensors, **mine}
+            for n, t in mine.items():  # rows [lo, hi) of the whole grouped weight: this rank's experts
+                lo, hi = experts.rows(t)
+                t.copy_(reader.read_runs(source[n], [[(lo, hi)]] + [[(0, s)] for s in t.shape[1:]]).to(t.dtype))
+
+    return ExpertView(hf)

@@ -1,0 +1,284 @@
+"""transformers' MoE families under HybridParallelPlugin(ep_size=...): tiny random Mixtral and Qwen2-MoE (4 experts,
+top-2, fp32) on 4 real gloo ranks follow the one-process curve within 1e-4 over 5 steps at ep2×dp2 and ep4, also
+with experts starved of tokens; the all-to-all bytes counted equal the routing's; the gathered state dict has
+transformers' names and shapes and equals the one-process model's; LoRA (peft, attention) trains under ep2 with only
+its adapters moving. One distributed world; every case runs inside the rank function."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.dist import run_distributed
+from support.engine import assert_follows
+from support.hf import LR, SEED, loop
+
+pytest.importorskip("transformers")
+
+WORLD, STEPS, CLIP, E, TOP_K = 4, 5, 0.5, 4, 2
+STARVED = [1, 2]  # experts a router hook keeps out of every token's choice in the "starved" runs
+FAMILIES = ("mixtral", "qwen2_moe")
+# layout -> (ep_size, tp_size); under tp the attention is split by the model's own plan and the experts stay whole
+# on each tp rank, the EP groups cut per tp coordinate
+LAYOUTS = {"ep2xdp2": (2, 1), "ep4": (4, 1), "ep2xtp2": (2, 2)}
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _starve(gate, args, out):
+    """The router's top-k again with experts ``STARVED`` masked out (softmax, renormalised as the family does)."""
+    logits = out[0]
+    masked = logits.clone()
+    masked[:, STARVED] = -1e4
+    top, idx = torch.topk(torch.softmax(masked.float(), -1), gate.top_k, dim=-1)
+    if getattr(gate, "norm_topk_prob", True):  # Mixtral always renormalises
+        top = top / top.sum(-1, keepdim=True)
+    return logits, top.to(logits.dtype), idx
+
+
+def build(family: str, starve: bool = False):
+    """A tiny random model of ``family`` (hidden 64, 2 layers, every MLP an MoE of 4 experts, top-2)."""
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                  vocab_size=256, max_position_embeddings=64, num_experts_per_tok=TOP_K)
+    torch.manual_seed(SEED)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=E, **common))
+    else:  # a shared expert and its gate beside the routed ones; top-k weights not renormalised
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                                   shared_expert_intermediate_size=32, num_experts=E, **common))
+    if starve:
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(_starve)
+    return model
+
+
+def _with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(SEED + 1)  # the adapters' initialisation, alike in both runs
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
+def reference(family: str, starve: bool = False, lora: bool = False):
+    """One process, whole batches, plain torch AdamW + clip: (losses, gradient norms, final state)."""
+    model = build(family, starve)
+    if lora:
+        model = _with_lora(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, norms = loop(model, opt, steps=STEPS, clip=CLIP)
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _a2a_formula(tokens, ep_group, d: int) -> int:
+    """Bytes this rank's all-to-alls carry in one step, from every EP rank's routing (``tokens``: per MoE layer
+    this rank's assignments to each global expert): rows sent to other ranks' experts and rows returned to them,
+    forward and backward, 4 bytes per element, plus the int64 counts to the other ranks (docs/moe.md)."""
+    me, p = dist.get_rank(ep_group), dist.get_world_size(ep_group)
+    per, total = E // p, 0
+    for layer in tokens:
+        mine = torch.tensor(layer)
+        every = [torch.zeros_like(mine) for _ in range(p)]
+        dist.all_gather(every, mine, group=ep_group)
+        local = slice(me * per, (me + 1) * per)
+        sent = int(mine.sum() - mine[local].sum())
+        recv = sum(int(every[q][local].sum()) for q in range(p) if q != me)
+        total += 2 * (sent + recv) * d * 4 + E * 8 * (p - 1) // p
+    return total
+
+
+def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
+    from peft import LoraConfig
+
+    from colossal_lab.engine import Booster, telemetry
+    from colossal_lab.engine.models.hf import moe as hf_moe
+    from colossal_lab.engine.moe.parallel import COMM
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(ep_size=ep, tp_size=tp, zero_stage=zero)
+    booster = Booster(plugin=plugin)
+    model = build(family, starve)
+    if lora:
+        torch.manual_seed(SEED + 1)
+        model = booster.enable_lora(model, lora_config=LoraConfig(**LORA))
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt, *_ = booster.boost(model, opt)
+    inner = model.stage_modules[0].inner
+    losses, norms, counted, formula, tokens = [], [], [], [], []
+    events = []
+    unsubscribe = telemetry.subscribe(events.append)
+    for s in range(STEPS):
+        COMM.reset()
+        step_losses, step_norms = loop(model, opt, booster, steps=1, first=s, clip=CLIP,
+                                         split=(plugin.dp_rank, plugin.dp_size))
+        losses += step_losses
+        norms += step_norms
+        tok = list(hf_moe.tokens_per_expert(inner).values())
+        tokens.append(tok)
+        counted.append(COMM.total)
+        formula.append(_a2a_formula(tok, plugin.ep_group, 64))
+    unsubscribe()
+    load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events if isinstance(e, telemetry.ExpertLoad)]
+    local = {n: tuple(p.shape) for n, p in inner.named_parameters() if ".experts." in n}
+    state = model.full_state_dict()  # a collective: every rank gathers; rank 0 sends it home
+    if save:  # transformers' layout: every expert gathered into its slot of the grouped weights
+        booster.save_model(model, save, shard=True, size_per_shard=0.05)
+    out = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, local=local,
+               labels=sorted(COMM.bytes), load=load, state=state if rank == 0 else None,
+               before=before if rank == 0 else None)
+    plugin.close()
+    return out
+
+
+def _load(rank, world, path, ep):
+    """A fresh model, every weight scrambled, boosted at ``ep`` and loaded from ``path``: its whole state."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(ep_size=ep)
+    booster = Booster(plugin=plugin)
+    model = build("mixtral")
+    torch.manual_seed(123)
+    for p in model.parameters():
+        p.data.normal_()
+    model, *_ = booster.boost(model)
+    booster.load_model(model, path)
+    state = model.full_state_dict()
+    plugin.close()
+    return state if rank == 0 else None
+
+
+def _rank(rank, world, path):
+    out = {}
+    for family in FAMILIES:
+        for layout, (ep, tp) in LAYOUTS.items():
+            for starve in (False, True):
+                save = path + "_" + layout if family == "mixtral" and not starve and layout != "ep4" else None
+                out[(family, layout, starve)] = _run(rank, world, family, ep, starve, lora=False, save=save, tp=tp)
+    out["loaded_ep4"] = _load(rank, world, path + "_ep2xdp2", 4)
+    out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
+    out[("mixtral", "ep2xdp2", "zero1")] = _run(rank, world, "mixtral", 2, False, lora=False, zero=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_moe") / "mixtral"
+
+
+@pytest.fixture(scope="module")
+def runs(saved):
+    return run_distributed(_rank, WORLD, str(saved), timeout=600, preload=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_follows_one_process(runs, family):
+    for starve in (False, True):
+        ref, ref_norms, ref_state = reference(family, starve)
+        for layout, (ep, tp) in LAYOUTS.items():
+            for rank, per in enumerate(runs):
+                r = per[(family, layout, starve)]
+                assert_follows((family, layout, starve, rank), r["losses"], r["norms"], ref, ref_norms)
+                # this rank kept E / ep experts of each layer's grouped weights
+                assert r["local"] and all(shape[0] == E // ep for shape in r["local"].values())
+                rows = 8 * tp // WORLD * 32  # this rank's tokens per step: batch 8 × 32 over the dp ranks
+                assert len(r["tokens"][0]) == 2 and all(sum(t) == rows * TOP_K for s in r["tokens"] for t in s)
+                if starve:  # the starved experts got no token from any rank at any step, and still the curve agreed
+                    assert all(t[e] == 0 for s in r["tokens"] for t in s for e in STARVED)
+                else:
+                    assert all(t[e] > 0 for s in r["tokens"] for t in s for e in range(E))
+            state = runs[0][(family, layout, starve)]["state"]  # every expert gathered into its slot, HF names
+            assert state.keys() == ref_state.keys()
+            assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in ref_state.items()}
+            diff = {k: (state[k] - v).abs().max().item() for k, v in ref_state.items()}
+            assert max(diff.values()) < 1e-4, (family, layout, starve, sorted(diff.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_all_to_all_bytes_equal_routing(runs):
+    for per in runs:
+        for key, r in per.items():
+            if key == "loaded_ep4":
+                continue
+            assert r["counted"] == r["formula"], key
+            assert min(r["counted"]) > 0 and r["labels"] == ["combine", "counts", "dispatch"], key
+
+
+def test_expert_load_events(runs):
+    """One ExpertLoad per MoE layer per step on every rank, with the tokens its router sent to each expert."""
+    for rank, per in enumerate(runs):
+        for key, r in per.items():
+            if key == "loaded_ep4" or key[2] in ("lora", "zero1"):
+                continue
+            load = r["load"]
+            assert [e[:3] for e in load] == [(rank, s, f"model.layers.{b}.mlp") for s in range(STEPS)
+                                             for b in range(2)], key
+            assert [e[3] for e in load] == [list(t) for step in r["tokens"] for t in step], key
+            assert not any(e[4] for e in load)  # dropless
+
+
+def test_zero1_under_ep2(runs):
+    """ZeRO-1 (non-expert state over dp, expert state over expert-dp) on Mixtral at ep2×dp2: the same curve."""
+    ref, ref_norms, _ = reference("mixtral")
+    for rank, per in enumerate(runs):
+        r = per[("mixtral", "ep2xdp2", "zero1")]
+        assert_follows(("zero1", rank), r["losses"], r["norms"], ref, ref_norms)
+
+
+def test_lora_under_ep2(runs):
+    """peft adapters on the attention of a Mixtral under ep2×dp2: the one-process PEFT curve, only adapters moved."""
+    ref, ref_norms, ref_state = reference("mixtral", lora=True)
+    for rank, per in enumerate(runs):
+        r = per[("mixtral", "ep2xdp2", "lora")]
+        assert_follows(("lora", rank), r["losses"], r["norms"], ref, ref_norms)
+    r = runs[0][("mixtral", "ep2xdp2", "lora")]
+    state, before = r["state"], r["before"]
+    assert state.keys() == ref_state.keys()
+    moved = {k for k in state if not torch.equal(state[k], before[k])}
+    assert moved and all("lora_" in k for k in moved), sorted(moved)[:4]
+    assert all(k in moved for k in state if "lora_A" in k)  # every adapter trained
+    assert max((state[k] - v).abs().max().item() for k, v in ref_state.items()) < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["ep2xdp2", "ep2xtp2"])
+def test_checkpoint_in_transformers_layout(runs, saved, layout):
+    """``save_model`` at ep2×dp2 and ep2×tp2 writes what ``from_pretrained`` loads (names, shapes, every expert in
+    its slot, several safetensors files); the ep2×dp2 files load into ep4 with every weight equal."""
+    from transformers import AutoModelForCausalLM
+
+    state = runs[0][("mixtral", layout, False)]["state"]
+    where = saved.parent / f"{saved.name}_{layout}"
+    assert len(list(where.glob("*.safetensors"))) > 1 and (where / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(where).state_dict()
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert loaded["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * 32, 64)
+    if layout == "ep2xdp2":
+        at_ep4 = runs[0]["loaded_ep4"]
+        assert at_ep4.keys() == state.keys() and all(torch.equal(at_ep4[k], v) for k, v in state.items())
+
+
+def test_refused_before_any_group():
+    """Bad layouts fail at boost, before a process group exists, naming what works."""
+    from support.hf import llama
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    cases = [(HybridParallelPlugin(ep_size=3), build("mixtral"), r"ep_size in \[1, 2, 4\]"),
+             (HybridParallelPlugin(ep_size=2, tp_size=2, sequence_parallel=True), build("qwen2_moe"),
+              "sequence_parallel=False"),
+             (HybridParallelPlugin(ep_size=2), llama(), "has no MoE block"),
+             (HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2), build("mixtral"), "set pp_size=1")]
+    for plugin, model, match in cases:
+        with pytest.raises(ValueError, match=match):
+            Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
+        assert not dist.is_initialized()
+    from peft import LoraConfig
+
+    booster = Booster(plugin=HybridParallelPlugin(ep_size=2))  # LoRA on the grouped expert weights themselves
+    model = booster.enable_lora(build("mixtral"), lora_config=LoraConfig(
+        r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with pytest.raises(ValueError, match="target the attention"):
+        booster.boost(model, torch.optim.AdamW(model.parameters()))
+    assert not dist.is_initialized()
