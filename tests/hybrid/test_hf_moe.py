@@ -2,14 +2,15 @@
 top-2, fp32) on 4 real gloo ranks follow the one-process curve within 1e-4 over 5 steps at ep2×dp2 and ep4, also
 with experts starved of tokens; the all-to-all bytes counted equal the routing's; the gathered state dict has
 transformers' names and shapes and equals the one-process model's; LoRA (peft, attention) trains under ep2 with only
-its adapters moving. One distributed world; every case runs inside the rank function."""
+its adapters moving; ep2 × pp2 (Mixtral, 1F1B) follows it too. One distributed world; every case runs inside the rank
+function."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from support.dist import run_distributed
-from support.engine import assert_follows
-from support.hf import LR, SEED, loop
+from support.engine import assert_follows, batch
+from support.hf import LR, SEED, loop, pipeline_loop
 
 pytest.importorskip("transformers")
 
@@ -131,6 +132,28 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
     return out
 
 
+def _run_pp(rank, world, family):
+    """ep2 × pp2 (1F1B, 2 microbatches): each stage's two dp ranks form its EP group. A step's loss is the mean of
+    the dp replicas' last-stage losses, as one process's over the whole batch."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2)
+    booster = Booster(plugin=plugin)
+    model = build(family)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+
+    def batch_of(s):
+        x = batch(s, plugin.dp_rank, plugin.dp_size)[0].contiguous()
+        return {"input_ids": x, "labels": x}
+
+    losses, norms = pipeline_loop(model, opt, booster, steps=STEPS, clip=CLIP, batch_of=batch_of)
+    total = torch.tensor([0.0 if loss is None else loss for loss in losses])
+    dist.all_reduce(total)
+    plugin.close()
+    return {"losses": (total / plugin.dp_size).tolist(), "norms": norms}
+
+
 def _load(rank, world, path, ep):
     """A fresh model, every weight scrambled, boosted at ``ep`` and loaded from ``path``: its whole state."""
     from colossal_lab.engine import Booster
@@ -159,6 +182,7 @@ def _rank(rank, world, path):
     out["loaded_ep4"] = _load(rank, world, path + "_ep2xdp2", 4)
     out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
     out[("mixtral", "ep2xdp2", "zero1")] = _run(rank, world, "mixtral", 2, False, lora=False, zero=1)
+    out[("mixtral", "ep2xpp2")] = _run_pp(rank, world, "mixtral")
     return out
 
 
@@ -225,6 +249,13 @@ def test_zero1_under_ep2(runs):
         assert_follows(("zero1", rank), r["losses"], r["norms"], ref, ref_norms)
 
 
+def test_ep2_by_pp2_follows_one_process(runs):
+    ref, ref_norms, _ = reference("mixtral")
+    for rank, per in enumerate(runs):
+        r = per[("mixtral", "ep2xpp2")]
+        assert_follows(("mixtral", "ep2xpp2", rank), r["losses"], r["norms"], ref, ref_norms)
+
+
 def test_lora_under_ep2(runs):
     """peft adapters on the attention of a Mixtral under ep2×dp2: the one-process PEFT curve, only adapters moved."""
     ref, ref_norms, ref_state = reference("mixtral", lora=True)
@@ -269,7 +300,7 @@ def test_refused_before_any_group():
              (HybridParallelPlugin(ep_size=2, tp_size=2, sequence_parallel=True), build("qwen2_moe"),
               "sequence_parallel=False"),
              (HybridParallelPlugin(ep_size=2), llama(), "has no MoE block"),
-             (HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2), build("mixtral"), "set pp_size=1")]
+             (HybridParallelPlugin(ep_size=2, zero_stage=2), build("mixtral"), "use zero_stage=1")]
     for plugin, model, match in cases:
         with pytest.raises(ValueError, match=match):
             Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
