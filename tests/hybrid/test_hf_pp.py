@@ -266,11 +266,10 @@ def test_layers_that_do_not_split_name_the_stage_counts_that_work():
 
 
 def test_a_family_without_a_pipeline_layout_is_refused():
-    from transformers import BloomConfig, BloomForCausalLM
-
-    bloom = BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
-    with pytest.raises(ValueError, match=r"model_type='bloom'.*no config.base_model_pp_plan.*use pp_size=1"):
-        _configure(bloom, pp_size=2, num_microbatches=2)
+    # XLM: no base_model_pp_plan, and its blocks are four parallel lists (attentions, ffns, two norms), not one
+    with pytest.raises(ValueError, match=r"model_type='xlm'.*no config.base_model_pp_plan.*4 lists of 4 blocks"
+                                         r".*use pp_size=1"):
+        _configure(hf.from_config("xlm", dff=128), pp_size=2, num_microbatches=2)
 
 
 def test_bad_checkpoint_layers_and_padded_batches_are_refused():

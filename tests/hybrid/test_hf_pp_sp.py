@@ -202,8 +202,8 @@ def test_what_does_not_compose_with_pipelines_is_refused_before_any_group():
     pp = dict(pp_size=2, num_microbatches=2)
     msg = _configure_error(hf.bert(layers=LAYERS), cp_size=2, **pp)  # an encoder: no causal ring
     assert "not causal" in msg and "cp_size=1" in msg, msg
-    msg = _configure_error(hf.bloom(layers=LAYERS), tp_size=2, sequence_parallel=True, **pp)  # no layout to cut
-    assert "base_model_pp_plan" in msg, msg
+    msg = _configure_error(hf.from_config("xlm", dff=128), tp_size=2, sequence_parallel=True, **pp)  # no layer list
+    assert "base_model_pp_plan" in msg and "4 lists of 4 blocks" in msg, msg
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     with pytest.raises(ValueError, match="both cut the sequence"):  # sp and cp together, with or without pp
