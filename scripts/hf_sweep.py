@@ -378,7 +378,11 @@ def table(results, modes) -> str:
 
 
 #: a few words for each refusal the engine gives (matched in its message), for the compact table
-SHORT = (("issue 31", "MoE (issue 31)"), ("carries no tensor-parallel plan", "no tp plan"),
+SHORT = (("does not hand x back", "base forward does more than its modules"),
+         ("not one layer list", "no single layer list"), ("registered after its layer list", "post module runs twice"),
+         ("is not cut by tensor parallelism", "blocks tp cannot cut"),
+         ("built-in plan does not cut", "config flag tp cannot cut"), ("issue 31", "MoE (issue 31)"),
+         ("carries no tensor-parallel plan", "no tp plan"),
          ("no config.base_model_pp_plan", "no pp plan"), ("AttentionInterface", "no attention registry"),
          ("one value per attention head", "per-head parameter"), ("attention sinks", "attention sinks"),
          ("softcap", "soft-capping"), ("sliding_window", "sliding window"), ("take input_ids", "layers read ids"),

@@ -8,8 +8,11 @@ sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and `
 scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases, LayerNorm), EXAONE 4,
 Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a bare per-head parameter in its
 attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
-cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (experts: tp refused,
-naming issue 31; cp2 and pp2 run). Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence
+cp2 counts them on the whole sequence; BERT's built-in tp plan, shared by structure, and a pipeline layout
+read from its module tree; sp refused: BERT-style blocks) and Qwen3-MoE (experts: tp refused, naming issue 31;
+cp2 and pp2 run). Two with built-in tables (engine/models/hf/tables.py) and layouts read from the module tree:
+Falcon (grouped query_key_value) and CTRL, whose derived layout is refused by its check (its base forward
+scales the hidden states and adds positions itself). Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence
 parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting
 every step) follow the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW:
 AdamW scales a gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step,
@@ -35,9 +38,10 @@ MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
 # what a config rules out, refused before any group: (family, mode) -> words of the error
 REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
-           ("camembert", "tp2"): "carries no tensor-parallel plan", ("camembert", "sp"): "base_model_pp_plan",
-           ("camembert", "pp2"): "base_model_pp_plan",
-           ("qwen3_moe", "tp2"): "issue 31", ("qwen3_moe", "sp"): "issue 31"}
+           ("camembert", "sp"): "closes them outside itself",
+           ("qwen3_moe", "tp2"): "issue 31", ("qwen3_moe", "sp"): "issue 31",
+           ("falcon", "cp2"): "AttentionInterface",
+           ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
@@ -117,3 +121,11 @@ def test_layouts_the_sweep_found_are_refused_before_any_group():
     assert "mixes tokens outside attention" in msg and "cp_size=1" in msg, msg
     msg = _configure_error(hf.bert(is_decoder=True), tp_size=2, sequence_parallel=True)
     assert "intermediate" in msg and "sequence_parallel=False" in msg, msg
+
+
+def test_blocks_the_built_in_plans_cannot_cut_are_refused_before_any_group():
+    """BitNet's sub-norms span the width tp cuts; Falcon's multi-query q | k | v shares one key/value head."""
+    msg = _configure_error(hf.from_config("bitnet"), tp_size=2)
+    assert "is not cut by tensor parallelism" in msg and "attn_sub_norm" in msg and "tp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("falcon", new_decoder_architecture=False, multi_query=True), tp_size=2)
+    assert "config.multi_query=True" in msg and "tp_plan=" in msg, msg

@@ -172,7 +172,7 @@ TABLES = {
             "h.*.self_attention.query_key_value": "colwise",
             "h.*.self_attention.dense": "rowwise",
             "h.*.mlp.dense_h_to_4h": "colwise",
-            "h.*.mlp.dense_4h_to_h": "rowwise",
+            "h.*.mlp.dense_4h_to_h": ("rowwise", {"owned": True}),  # the block adds the attention into it in place
         },
         "head": {},
         "per_rank": {"h.*.self_attention": ("num_heads", "num_kv_heads")},
