@@ -121,6 +121,9 @@ def _stand_in_for(module: Optional[nn.Module], tokens: Optional[nn.Module]) -> s
 
 
 def _layout_or_raise(model: nn.Module) -> Layout:
+    stage = getattr(model, "_cl_stage", None)
+    if stage is not None:  # a stage: the layout it was cut by (its own tree now holds stand-ins)
+        return stage[2]
     found, why = layout_or_reason(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     where = f"pipeline parallelism: {type(model).__name__} (model_type={model_type!r})"
@@ -148,7 +151,36 @@ def num_layers(model: nn.Module) -> int:
             raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
                              "input_ids (token-id routing), which a stage after the first does not receive; "
                              "use pp_size=1")
+    if getattr(model, "_cl_stage", None) is None:
+        _check_own_loss(model)
     return len(layers)
+
+
+def _check_own_loss(model: nn.Module) -> None:
+    """The pipeline's last stage computes the model's own loss as ``model.loss_function`` (:mod:`.loss`); a task
+    forward that computes it otherwise (TrOCR's unshifted cross-entropy) must agree with it, or training would
+    follow another objective. Where the forward's source does not call ``loss_function``, one tiny forward of
+    the unsplit model tells (skipped on the meta device); a disagreement is refused, before any group."""
+    if getattr(model, "_cl_loss_checked", False):
+        return
+    try:
+        calls = "loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        calls = False
+    first = next(iter(model.parameters()), None)
+    if calls or first is None or first.device.type == "meta" or not hasattr(model, "loss_function"):
+        return
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    x = torch.arange(8, device=first.device).remainder(vocab).view(1, 8)
+    with torch.no_grad():
+        out = model(input_ids=x, labels=x)
+        own = getattr(out, "loss", None)
+        generic = model.loss_function(logits=out.logits, labels=x, vocab_size=vocab) if own is not None else None
+    if own is not None and not torch.allclose(own, generic, rtol=1e-4, atol=1e-6):
+        raise ValueError(f"pipeline parallelism: {type(model).__name__}'s forward computes its loss itself "
+                         f"({own.item():.4g} on a probe batch), not as model.loss_function ({generic.item():.4g}), "
+                         "which a pipeline's last stage computes; use pp_size=1")
+    model._cl_loss_checked = True
 
 
 def stage_layers(model: nn.Module, stage: int, num_stages: int) -> range:

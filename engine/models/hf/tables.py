@@ -84,6 +84,14 @@ TABLES = {
             "encoder.layer.*.output.dense": "rowwise",
         },
         "head": {},
+        # Megatron-BERT, RemBERT, BigBird, RoFormer reshape by these (BERT itself with -1)
+        "per_rank": {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")},
+    },
+    # BigBird: BERT's blocks, but its attention module is replaced at run time (block-sparse <-> full by the
+    # sequence length: set_attention_type), by a new one holding whole head counts around the cut linears
+    "big_bird": {
+        "refuse_tp": "its attention module is replaced at run time (block-sparse or full, by the sequence length) "
+                     "with one counting every head around the cut projections",
     },
     # XGLM and BioGPT: OPT-like blocks (q/k/v/out_proj, fc1/fc2); XGLM's attention reshapes by num_heads and
     # embed_dim, BioGPT's with -1
@@ -163,6 +171,30 @@ TABLES = {
         },
         "head": {},
         "per_rank": {"h.*.attn": ("split_size", "n_head")},
+    },
+    # GPT-NeoX-Japanese: query_key_value packs each head's q, k, v together ((heads, 3 * head_dim) outputs): a
+    # contiguous cut gives whole heads; its dense bias is a separate whole parameter the layer adds once
+    "gpt_neox_japanese": {
+        "base": {
+            "layers.*.attention.query_key_value": "colwise",
+            "layers.*.attention.dense": "rowwise",
+            "layers.*.mlp.dense_h_to_4h": "colwise",
+            "layers.*.mlp.dense_4h_to_h": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.attention": ("num_attention_heads",)},
+    },
+    # ModernBERT decoder: q/k/v/Wo (views with -1); its MLP's Wi packs input | gate, each cut alike
+    "modernbert-decoder": {
+        "base": {
+            "layers.*.attn.q_proj": "colwise",
+            "layers.*.attn.k_proj": "colwise",
+            "layers.*.attn.v_proj": "colwise",
+            "layers.*.attn.Wo": "rowwise",
+            "layers.*.mlp.Wi": ("packed_colwise", {"parts": 2}),
+            "layers.*.mlp.Wo": "rowwise",
+        },
+        "head": {},
     },
     # Falcon: query_key_value packs per key/value group ((kv, heads/kv + 2, head_dim) outputs, the 40B "new decoder
     # architecture") or per head ((heads, 3, head_dim), without multi-query), so a contiguous cut gives a rank whole
