@@ -380,7 +380,10 @@ def table(results, modes) -> str:
 
 #: a few words for each refusal the engine gives (matched in its message), for the compact table
 SHORT = (("does not hand x back", "base forward does more than its modules"),
-         ("not one layer list", "no single layer list"), ("registered after its layer list", "post module runs twice"),
+         ("not one layer list", "no single layer list"), ("names no nn.ModuleList", "pp plan names no layer list"),
+         ("computes its loss itself", "own loss is not loss_function"),
+         ("cannot cut its residual stream", "residual stream cannot be cut"),
+         ("registered after its layer list", "post module runs twice"),
          ("is not cut by tensor parallelism", "blocks tp cannot cut"),
          ("built-in plan does not cut", "config flag tp cannot cut"), ("issue 31", "MoE (issue 31)"),
          ("carries no tensor-parallel plan", "no tp plan"),

@@ -31,8 +31,9 @@ CLIP = 0.5  # below every gradient norm here, so clipping acts at every step
 LAYERS = 4  # two stages of two, or four (interleaved: two chunks per rank)
 
 
-# no pp plan in transformers for GPT-2, OPT, BERT: the built-in tables; learned positions (GPT-2), positions
-# from the attention mask (OPT), tied heads; BERT: the embeddings block on the first stage, the MLM head on the last
+# no pp plan in transformers for GPT-2, OPT, BERT: the built-in tables (GPT-2, OPT) and the layout read from the
+# module tree (BERT: derive.py); learned positions (GPT-2), positions from the attention mask (OPT), tied heads;
+# BERT: the embeddings block on the first stage, the MLM head on the last
 MODELS = {name: functools.partial(getattr(hf, name), layers=LAYERS)
           for name in ("llama", "qwen2", "gpt2", "opt", "bert")}
 MODELS["llama_tied"] = functools.partial(hf.llama, layers=LAYERS, tie_word_embeddings=True)

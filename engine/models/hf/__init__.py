@@ -148,6 +148,10 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no layer list "
                          f"(config.base_model_pp_plan or the module tree's) for sequence parallelism to cut "
                          f"between: {why}; set sequence_parallel=False")
+    why = table_for(model).get("refuse_sp")
+    if why:
+        raise ValueError(f"{where}: {type(model).__name__} cannot cut its residual stream: {why}; "
+                         "set sequence_parallel=False")
     from .sequence import check_regions
 
     try:

@@ -9,7 +9,8 @@ sliced to the rank's heads (:mod:`.alibi`). Values are style names (:mod:`.style
 families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
 does not own it runs instead (:mod:`.pipeline`), and the task head (``head``); families with neither a
 ``base_model_pp_plan`` nor a ``pp`` entry get a layout read from their module tree (:mod:`.derive`).
-``refuse_tp`` names why a family's blocks cannot be cut by a 1-D plan at all (the error says it);
+``refuse_tp`` names why a family's blocks cannot be cut by a 1-D plan at all (the error says it), ``refuse_sp`` why
+its residual stream cannot be cut for sequence parallelism;
 ``refuse_if`` maps a config flag to what it switches on that the entry's plan cannot cut (or to ``(what, other
 flag)``: unless that other flag is set too).
 
@@ -183,6 +184,8 @@ TABLES = {
         },
         "head": {},
         "per_rank": {"layers.*.attention": ("num_attention_heads",)},
+        "refuse_sp": "its attention hands its dense bias out whole to the layer, which adds it after the region "
+                     "(on a sequence shard, where the bias's gradient covers only this rank's tokens)",
     },
     # ModernBERT decoder: q/k/v/Wo (views with -1); its MLP's Wi packs input | gate, each cut alike
     "modernbert-decoder": {
