@@ -14,10 +14,10 @@ its residual stream cannot be cut for sequence parallelism;
 ``refuse_if`` maps a config flag to what it switches on that the entry's plan cannot cut (or to ``(what, other
 flag)``: unless that other flag is set too).
 
-An entry marked ``by_structure`` also serves every family whose base model has a linear for each of its
-``base`` patterns and no entry of its own (BERT's serves RoBERTa, CamemBERT, XLM-R, ELECTRA, ERNIE, ...: the
-same ``encoder.layer.*.attention.self.query`` blocks under other names of the same classes' copies);
-:func:`table_for` is the one lookup.
+An entry ``{"like": other, ...}`` is ``other``'s with its own keys on top. An entry marked ``by_structure`` also
+serves every family whose base model has a linear for each of its ``base`` patterns and no entry of its own
+(BERT's serves RoBERTa, CamemBERT, XLM-R, ELECTRA, ERNIE, ...: the same ``encoder.layer.*.attention.self.query``
+blocks in each family's copy of BERT's classes); :func:`table_for` is the one lookup.
 """
 
 from __future__ import annotations
@@ -85,9 +85,12 @@ TABLES = {
             "encoder.layer.*.output.dense": "rowwise",
         },
         "head": {},
-        # Megatron-BERT, RemBERT, BigBird, RoFormer reshape by these (BERT itself with -1)
-        "per_rank": {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")},
     },
+    # BERT's blocks whose attention reshapes by its head counts (BERT's own with -1): BERT's entry ("like"), and
+    # these counts per rank
+    **{model_type: {"like": "bert",
+                    "per_rank": {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")}}
+       for model_type in ("megatron-bert", "rembert", "roformer")},
     # BigBird: BERT's blocks, but its attention module is replaced at run time (block-sparse <-> full by the
     # sequence length: set_attention_type), by a new one holding whole head counts around the cut linears
     "big_bird": {
@@ -238,7 +241,9 @@ def table_for(model) -> dict:
     whose every ``base`` pattern names a linear of the model; ``{}`` when none."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in TABLES:
-        return TABLES[model_type]
+        entry = TABLES[model_type]
+        like = {k: v for k, v in TABLES[entry["like"]].items() if k != "by_structure"} if "like" in entry else {}
+        return {**like, **{k: v for k, v in entry.items() if k != "like"}}
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None) if prefix else None
     base = base if base is not None and base is not model else model
