@@ -1,6 +1,7 @@
 """Families the other HF tests don't name, under every parallel mode of HybridParallelPlugin, with no
-parallel code and no table of ours: what the adapter reads from transformers (each model's own
-``tp_plan`` and ``base_model_pp_plan``, its attention through ``AttentionInterface``) is all it has.
+parallel code: for most, what the adapter reads from transformers (each model's own ``tp_plan`` and
+``base_model_pp_plan``, its attention through ``AttentionInterface``) is all it has; for the last three below,
+the built-in tables and the pipeline layout read from the module tree.
 
 Gemma (scaled embeddings, ``1 + weight`` norms), Gemma 2 (logit soft-capping), Gemma 3 (per-head q/k norms,
 sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and ``gate_up_proj``), GPT-NeoX
