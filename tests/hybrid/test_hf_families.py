@@ -130,3 +130,14 @@ def test_blocks_the_built_in_plans_cannot_cut_are_refused_before_any_group():
     assert "is not cut by tensor parallelism" in msg and "attn_sub_norm" in msg and "tp_size=1" in msg, msg
     msg = _configure_error(hf.from_config("falcon", new_decoder_architecture=False, multi_query=True), tp_size=2)
     assert "config.multi_query=True" in msg and "tp_plan=" in msg, msg
+
+
+def test_pipelines_a_stage_cut_would_train_wrong_are_refused_before_any_group():
+    """TrOCR: its base forward applies a dropout itself before the layers (a later stage would apply it again:
+    the derived layout's check sees it with dropout on), and its own loss is not model.loss_function (unshifted),
+    which the last stage computes; the sweep saw the latter as a wrong curve."""
+    pp = dict(pp_size=2, num_microbatches=2)
+    msg = _configure_error(hf.from_config("trocr", decoder_ffn_dim=128, dropout=0.1), **pp)
+    assert "does not hand x back" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("trocr", decoder_ffn_dim=128, dropout=0.0), **pp)
+    assert "computes its loss itself" in msg and "pp_size=1" in msg, msg
