@@ -3,7 +3,8 @@
 For each ``model_type`` of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` it builds a tiny random fp32
 model from the family's own default config, shrunk through the config's own attribute names (hidden 64,
 4 heads, 2 key/value heads, head dim 16, MLP 128, 4 layers, vocabulary 256, 4 experts of which 2 routed, dropout
-off; :data:`OVERRIDES` only where generic shrinking cannot work), and runs it under ``HybridParallelPlugin``
+and router jitter off (both random in training: the ranks and one process would draw differently);
+:data:`OVERRIDES` only where generic shrinking cannot work), and runs it under ``HybridParallelPlugin``
 with ``tp_size=2``, ``tp_size=2, sequence_parallel=True``, ``cp_size=2`` (ring) and ``pp_size=2`` (1F1B, 2
 microbatches) against the same loop in one process (``support.hf.family_loop``: 3 steps of SGD, clip 0.1,
 the loop of ``tests/hybrid/test_hf_families.py``). Each (family, mode) ends as
@@ -104,7 +105,7 @@ def tiny_config(model_type: str):
         if isinstance(fields.get(name), int) and fields[name] > 64:
             kw[name] = 64
     for name, v in fields.items():
-        if isinstance(v, float) and ("dropout" in name or "pdrop" in name or "drop_path" in name):
+        if isinstance(v, float) and ("dropout" in name or "pdrop" in name or "drop_path" in name or "jitter" in name):
             kw[name] = 0.0
         if name.endswith("_token_id") and isinstance(v, int) and v >= 256:
             kw[name] = 0
@@ -378,7 +379,14 @@ def table(results, modes) -> str:
 
 
 #: a few words for each refusal the engine gives (matched in its message), for the compact table
-SHORT = (("issue 31", "MoE (issue 31)"), ("carries no tensor-parallel plan", "no tp plan"),
+SHORT = (("does not hand x back", "base forward does more than its modules"),
+         ("not one layer list", "no single layer list"), ("names no nn.ModuleList", "pp plan names no layer list"),
+         ("computes its loss itself", "own loss is not loss_function"),
+         ("cannot cut its residual stream", "residual stream cannot be cut"),
+         ("registered after its layer list", "post module runs twice"),
+         ("is not cut by tensor parallelism", "blocks tp cannot cut"),
+         ("built-in plan does not cut", "config flag tp cannot cut"), ("issue 31", "MoE (issue 31)"),
+         ("carries no tensor-parallel plan", "no tp plan"),
          ("no config.base_model_pp_plan", "no pp plan"), ("AttentionInterface", "no attention registry"),
          ("one value per attention head", "per-head parameter"), ("attention sinks", "attention sinks"),
          ("softcap", "soft-capping"), ("sliding_window", "sliding window"), ("take input_ids", "layers read ids"),

@@ -1,6 +1,7 @@
 """Families the other HF tests don't name, under every parallel mode of HybridParallelPlugin, with no
-parallel code and no table of ours: what the adapter reads from transformers (each model's own
-``tp_plan`` and ``base_model_pp_plan``, its attention through ``AttentionInterface``) is all it has.
+parallel code: for most, what the adapter reads from transformers (each model's own ``tp_plan`` and
+``base_model_pp_plan``, its attention through ``AttentionInterface``) is all it has; for the last three below,
+the built-in tables and the pipeline layout read from the module tree.
 
 Gemma (scaled embeddings, ``1 + weight`` norms), Gemma 2 (logit soft-capping), Gemma 3 (per-head q/k norms,
 sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and ``gate_up_proj``), GPT-NeoX
@@ -8,13 +9,16 @@ sliding windows), Phi (partial rotary, biases), Phi-3 (packed ``qkv_proj`` and `
 scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases, LayerNorm), EXAONE 4,
 Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a bare per-head parameter in its
 attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
-cp2 counts them on the whole sequence; no tp or pipeline plan: refused) and Qwen3-MoE (tp2 splits attention and
-keeps the experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). Each tiny, random, fp32,
-on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of
-plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process within 1e-4 relative, loss
-and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key bias's, whose effect
-softmax cancels) up to a full step, and the curves would part on noise, not on a fault. A mode a family's config
-rules out is refused, named.
+cp2 counts them on the whole sequence; BERT's built-in tp plan, shared by structure, and a pipeline layout
+read from its module tree; sp refused: BERT-style blocks) and Qwen3-MoE (tp2 splits attention and keeps the
+experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). Two with built-in tables
+(engine/models/hf/tables.py) and layouts read from the module tree: Falcon (grouped query_key_value) and CTRL,
+whose derived layout is refused by its check (its base forward scales the hidden states and adds positions
+itself). Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence
+parallelism, cp2 (ring) and pp2 (1F1B, 2 microbatches). Three steps of plain SGD with clipping at 0.1 (acting
+every step) follow the same loop in one process within 1e-4 relative, loss and gradient norm. SGD, not AdamW:
+AdamW scales a gradient that is rounding noise (a key bias's, whose effect softmax cancels) up to a full step,
+and the curves would part on noise, not on a fault. A mode a family's config rules out is refused, named.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
 # what a config rules out, refused before any group: (family, mode) -> words of the error
 REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
-           ("camembert", "tp2"): "carries no tensor-parallel plan", ("camembert", "sp"): "base_model_pp_plan",
-           ("camembert", "pp2"): "base_model_pp_plan",
-           ("qwen3_moe", "sp"): "experts stay whole on every tp rank"}
+           ("camembert", "sp"): "closes them outside itself",
+           ("qwen3_moe", "sp"): "experts stay whole on every tp rank",
+           ("falcon", "cp2"): "AttentionInterface",
+           ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
@@ -118,3 +123,22 @@ def test_layouts_the_sweep_found_are_refused_before_any_group():
     assert "mixes tokens outside attention" in msg and "cp_size=1" in msg, msg
     msg = _configure_error(hf.bert(is_decoder=True), tp_size=2, sequence_parallel=True)
     assert "intermediate" in msg and "sequence_parallel=False" in msg, msg
+
+
+def test_blocks_the_built_in_plans_cannot_cut_are_refused_before_any_group():
+    """BitNet's sub-norms span the width tp cuts; Falcon's multi-query q | k | v shares one key/value head."""
+    msg = _configure_error(hf.from_config("bitnet"), tp_size=2)
+    assert "is not cut by tensor parallelism" in msg and "attn_sub_norm" in msg and "tp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("falcon", new_decoder_architecture=False, multi_query=True), tp_size=2)
+    assert "config.multi_query=True" in msg and "tp_plan=" in msg, msg
+
+
+def test_pipelines_a_stage_cut_would_train_wrong_are_refused_before_any_group():
+    """TrOCR: its base forward applies a dropout itself before the layers (a later stage would apply it again:
+    the derived layout's check sees it with dropout on), and its own loss is not model.loss_function (unshifted),
+    which the last stage computes; the sweep saw the latter as a wrong curve."""
+    pp = dict(pp_size=2, num_microbatches=2)
+    msg = _configure_error(hf.from_config("trocr", decoder_ffn_dim=128, dropout=0.1), **pp)
+    assert "does not hand x back" in msg and "pp_size=1" in msg, msg
+    msg = _configure_error(hf.from_config("trocr", decoder_ffn_dim=128, dropout=0.0), **pp)
+    assert "computes its loss itself" in msg and "pp_size=1" in msg, msg

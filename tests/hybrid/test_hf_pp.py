@@ -31,8 +31,9 @@ CLIP = 0.5  # below every gradient norm here, so clipping acts at every step
 LAYERS = 4  # two stages of two, or four (interleaved: two chunks per rank)
 
 
-# no pp plan in transformers for GPT-2, OPT, BERT: the built-in tables; learned positions (GPT-2), positions
-# from the attention mask (OPT), tied heads; BERT: the embeddings block on the first stage, the MLM head on the last
+# no pp plan in transformers for GPT-2, OPT, BERT: the built-in tables (GPT-2, OPT) and the layout read from the
+# module tree (BERT: derive.py); learned positions (GPT-2), positions from the attention mask (OPT), tied heads;
+# BERT: the embeddings block on the first stage, the MLM head on the last
 MODELS = {name: functools.partial(getattr(hf, name), layers=LAYERS)
           for name in ("llama", "qwen2", "gpt2", "opt", "bert")}
 MODELS["llama_tied"] = functools.partial(hf.llama, layers=LAYERS, tie_word_embeddings=True)
@@ -266,11 +267,10 @@ def test_layers_that_do_not_split_name_the_stage_counts_that_work():
 
 
 def test_a_family_without_a_pipeline_layout_is_refused():
-    from transformers import BloomConfig, BloomForCausalLM
-
-    bloom = BloomForCausalLM(BloomConfig(hidden_size=64, n_head=4, n_layer=2, vocab_size=256))
-    with pytest.raises(ValueError, match=r"model_type='bloom'.*no config.base_model_pp_plan.*use pp_size=1"):
-        _configure(bloom, pp_size=2, num_microbatches=2)
+    # XLM: no base_model_pp_plan, and its blocks are four parallel lists (attentions, ffns, two norms), not one
+    with pytest.raises(ValueError, match=r"model_type='xlm'.*no config.base_model_pp_plan.*4 lists of 4 blocks"
+                                         r".*use pp_size=1"):
+        _configure(hf.from_config("xlm", dff=128), pp_size=2, num_microbatches=2)
 
 
 def test_bad_checkpoint_layers_and_padded_batches_are_refused():

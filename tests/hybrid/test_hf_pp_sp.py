@@ -184,8 +184,8 @@ def test_what_does_not_compose_with_pipelines_is_refused_before_any_group():
     pp = dict(pp_size=2, num_microbatches=2)
     msg = hf.configure_error(hf.bert(layers=LAYERS), cp_size=2, **pp)  # an encoder: no causal ring
     assert "not causal" in msg and "cp_size=1" in msg, msg
-    msg = hf.configure_error(hf.bloom(layers=LAYERS), tp_size=2, sequence_parallel=True, **pp)  # no layout to cut
-    assert "base_model_pp_plan" in msg, msg
+    msg = hf.configure_error(hf.from_config("xlm", dff=128), tp_size=2, sequence_parallel=True, **pp)  # no layer list
+    assert "base_model_pp_plan" in msg and "4 lists of 4 blocks" in msg, msg
     # Gemma 4's per-layer embeddings are looked up from the token ids in every layer: a later stage hung (the sweep)
     gemma4 = hf.from_config("gemma4_text", layers=LAYERS, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)
     msg = hf.configure_error(gemma4, **pp)

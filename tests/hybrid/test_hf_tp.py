@@ -240,8 +240,8 @@ def test_tied_weights_sharded_differently_are_refused():
 def test_modes_not_run_yet_are_refused():  # (pipelines: test_hf_pp.py; 2D/2.5D/3D: test_hf_tp_nd.py)
     # sequence and context parallelism run now, with pipelines too (test_hf_cp.py, test_hf_pp_sp.py); what they
     # cannot do is refused there; here: sequence parallelism on a model with no layer list to cut between
-    with pytest.raises(ValueError, match=r"base_model_pp_plan.*sequence_parallel=False"):
-        _configure(hf.bloom(), tp_size=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"base_model_pp_plan.*4 lists of 4 blocks.*sequence_parallel=False"):
+        _configure(hf.from_config("xlm", dff=128), tp_size=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"cp_size=2.*not causal"):
         _configure(hf.bert(), cp_size=2)
 

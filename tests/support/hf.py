@@ -117,6 +117,11 @@ FAMILY_FIELDS = {
     "doge": {}, "camembert": {"is_decoder": True, "num_key_value_heads": None, "head_dim": None,
                   "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    # built-in plans and a pipeline layout read from the module tree (engine/models/hf/tables.py, derive.py):
+    # Falcon's grouped query_key_value (the 40B layout; multi-query is refused), CTRL (tp from the table; its base
+    # forward scales and adds positions itself, so its derived layout is refused)
+    "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "head_dim": None},
+    "ctrl": {"dff": 128},
 }
 
 

@@ -38,3 +38,20 @@ def test_sweep_refuses_an_unknown_family_or_mode():
     for args, words in ((["--families", "no_such_family"], "--families"), (["--modes", "tp3"], "--modes")):
         proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+
+
+def test_compact_cells_name_the_new_refusals():
+    """The compact table's words for the refusals of layouts read from the module tree and of built-in plans."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_sweep", os.path.join(ROOT, "scripts", "hf_sweep.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    cells = {"no config.base_model_pp_plan, and the layout read from its module tree does not hold: its base "
+             "forward ... does not hand x back": "base forward does more than its modules",
+             "it has no config.base_model_pp_plan, and its base model holds 4 lists of 4 blocks (...), not one "
+             "layer list to cut between": "no single layer list",
+             "BitNetForCausalLM (model_type='bitnet') is not cut by tensor parallelism: ...": "blocks tp cannot cut",
+             "carries no tensor-parallel plan (no model.tp_plan, ...)": "no tp plan"}
+    for detail, words in cells.items():
+        assert sweep.short({"status": "refused", "detail": detail}) == f"refused: {words}", detail

@@ -38,7 +38,7 @@ from .plan import (
     torch_plan,
     unmatched,
 )
-from .tables import TABLES
+from .tables import TABLES, table_for
 
 __all__ = ["apply_tensor_parallel", "check_batch", "check_tensor_parallel", "export_llama", "is_hf_model",
            "nd_plan", "num_layers",
@@ -69,6 +69,10 @@ def resolve_plan(model: nn.Module, user_plan: Optional[dict], tp: int) -> Tuple[
         plan = whole_experts(model, plan)
     if not plan:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
+        why = table_for(model).get("refuse_tp")
+        if why:
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} (model_type={model_type!r}) "
+                             f"is not cut by tensor parallelism: {why}; use tp_size=1")
         raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} (model_type={model_type!r}) "
                          "carries no tensor-parallel plan (no model.tp_plan, no config.base_model_tp_plan) and "
                          "colossal-lab has no built-in one for it; pass HybridParallelPlugin(tp_plan={"
@@ -139,14 +143,19 @@ def nd_plan(model: nn.Module, user_plan: Optional[dict], mode: str) -> dict:
 def check_sequence_parallel(model: nn.Module, plugin) -> None:
     """Sequence parallelism cuts the residual stream of the model's layer list: it needs that list (the
     pipeline layout; under ``pp_size > 1`` the stages hand on sequence shards, :mod:`.sequence`)."""
-    from .pipeline import layout
+    from .pipeline import layout_or_reason
 
     where = f"HybridParallelPlugin(sequence_parallel=True, tp_size={plugin.tp_size})"
-    if layout(model) is None:
+    found, why = layout_or_reason(model)
+    if found is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no "
-                         "config.base_model_pp_plan naming its layer list, which sequence parallelism cuts "
-                         "between; set sequence_parallel=False")
+        raise ValueError(f"{where}: {type(model).__name__} (model_type={model_type!r}) has no layer list "
+                         f"(config.base_model_pp_plan or the module tree's) for sequence parallelism to cut "
+                         f"between: {why}; set sequence_parallel=False")
+    why = table_for(model).get("refuse_sp")
+    if why:
+        raise ValueError(f"{where}: {type(model).__name__} cannot cut its residual stream: {why}; "
+                         "set sequence_parallel=False")
     from .sequence import check_regions
 
     try:

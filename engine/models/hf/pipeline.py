@@ -12,8 +12,10 @@ mask helper, learned position embeddings) is recomputed exactly as the unsplit m
 a later stage must not run again (GPT-2's position embedding, a dropout before the layers) are stood in
 for as :mod:`.tables` says. The layout comes from ``config.base_model_pp_plan`` (entries before the layer
 list: embeddings, after it: final norms; the head is every other module of the task model), or from the built-in
-table for families that ship none (GPT-2, OPT, BERT). Built on ``copy.deepcopy`` with a memo (the other
-stages' modules are never copied), as the reference GPT's ``pipeline_stage`` is.
+table for families that ship none (GPT-2, OPT), or else from the model's module tree (:mod:`.derive`: BERT and
+its copies, BLOOM, Falcon, ..., each checked by one layer-less forward before it is used). Built on
+``copy.deepcopy`` with a memo (the other stages' modules are never copied), as the reference GPT's
+``pipeline_stage`` is.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Layout:
     pre: Dict[str, str]
     post: Dict[str, str]
     head: Tuple[str, ...]
+    derived: bool = False  # read from the module tree (derive.py), checked before use
+    returns: int = 0  # what a stood-in layer returns (PassThrough), as that check found
 
 
 def _join(*parts: str) -> str:
@@ -56,7 +60,13 @@ def _module(model: nn.Module, name: str) -> Optional[nn.Module]:
 
 
 def layout(model: nn.Module) -> Optional[Layout]:
-    """The model's pipeline layout, or None when neither its config nor the built-in table gives one."""
+    """The model's pipeline layout, or None when neither its config, the built-in table nor its module tree
+    gives one (:func:`layout_or_reason` says why)."""
+    return layout_or_reason(model)[0]
+
+
+def layout_or_reason(model: nn.Module) -> Tuple[Optional[Layout], str]:
+    """The layout (module docstring), or None and why not."""
     prefix = getattr(model, "base_model_prefix", "")
     base = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     config = getattr(model, "config", None)
@@ -70,7 +80,7 @@ def layout(model: nn.Module) -> Optional[Layout]:
         at = next((i for i, n in enumerate(names)
                    if isinstance(_module(model, _join(base, n)), nn.ModuleList)), None)
         if at is None:
-            return None
+            return None, f"its config.base_model_pp_plan names no nn.ModuleList of layers ({names})"
         layers = names[at]
         # an embedding adds nothing on a later stage (a token embedding is not even called: the base forward
         # takes inputs_embeds), anything else on the way in (a dropout, a norm) already ran on the first stage
@@ -79,11 +89,18 @@ def layout(model: nn.Module) -> Optional[Layout]:
         post = {n: "identity" for n in names[at + 1:]}
         head = ()
     else:
-        return None
+        from .derive import derive
+
+        try:
+            layers, pre, post = derive(model, base, _input_embeddings(model))
+        except ValueError as exc:
+            return None, f"it has no config.base_model_pp_plan, and {exc}"
+        head = ()
     # the head: every module of the task model beside its base model (lm_head, cls, score, ...)
     head = tuple(dict.fromkeys(list(head) + [n for n, _ in model.named_children() if n != base])) if base else ()
     return Layout(base, _join(base, layers), {_join(base, k): v for k, v in pre.items()},
-                  {_join(base, k): v for k, v in post.items()}, head)
+                  {_join(base, k): v for k, v in post.items()}, head,
+                  derived=table is None and not (isinstance(plan, dict) and plan)), ""
 
 
 def _input_embeddings(model: nn.Module) -> Optional[nn.Module]:
@@ -104,12 +121,23 @@ def _stand_in_for(module: Optional[nn.Module], tokens: Optional[nn.Module]) -> s
 
 
 def _layout_or_raise(model: nn.Module) -> Layout:
-    found = layout(model)
+    stage = getattr(model, "_cl_stage", None)
+    if stage is not None:  # a stage: the layout it was cut by (its own tree now holds stand-ins)
+        return stage[2]
+    found, why = layout_or_reason(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    where = f"pipeline parallelism: {type(model).__name__} (model_type={model_type!r})"
     if found is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        raise ValueError(f"pipeline parallelism: {type(model).__name__} (model_type={model_type!r}) has no "
-                         "config.base_model_pp_plan and colossal-lab has no built-in pipeline layout for it "
+        raise ValueError(f"{where} has no pipeline layout: {why}; colossal-lab has no built-in one for it "
                          "(engine/models/hf/tables.py); use pp_size=1")
+    if found.derived:
+        from .derive import check
+
+        try:
+            found = check(model, found)
+        except ValueError as exc:
+            raise ValueError(f"{where}: no config.base_model_pp_plan, and the layout read from its module tree "
+                             f"does not hold: {exc}; use pp_size=1") from None
     return found
 
 
@@ -136,7 +164,36 @@ def num_layers(model: nn.Module) -> int:
             raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
                              "input_ids (token-id routing), which a stage after the first does not receive; "
                              "use pp_size=1")
+    if getattr(model, "_cl_stage", None) is None:
+        _check_own_loss(model)
     return len(layers)
+
+
+def _check_own_loss(model: nn.Module) -> None:
+    """The pipeline's last stage computes the model's own loss as ``model.loss_function`` (:mod:`.loss`); a task
+    forward that computes it otherwise (TrOCR's unshifted cross-entropy) must agree with it, or training would
+    follow another objective. Where the forward's source does not call ``loss_function``, one tiny forward of
+    the unsplit model tells (skipped on the meta device); a disagreement is refused, before any group."""
+    if getattr(model, "_cl_loss_checked", False):
+        return
+    try:
+        calls = "loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        calls = False
+    first = next(iter(model.parameters()), None)
+    if calls or first is None or first.device.type == "meta" or not hasattr(model, "loss_function"):
+        return
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    x = torch.arange(8, device=first.device).remainder(vocab).view(1, 8)
+    with torch.no_grad():
+        out = model(input_ids=x, labels=x)
+        own = getattr(out, "loss", None)
+        generic = model.loss_function(logits=out.logits, labels=x, vocab_size=vocab) if own is not None else None
+    if own is not None and not torch.allclose(own, generic, rtol=1e-4, atol=1e-6):
+        raise ValueError(f"pipeline parallelism: {type(model).__name__}'s forward computes its loss itself "
+                         f"({own.item():.4g} on a probe batch), not as model.loss_function ({generic.item():.4g}), "
+                         "which a pipeline's last stage computes; use pp_size=1")
+    model._cl_loss_checked = True
 
 
 def stage_layers(model: nn.Module, stage: int, num_stages: int) -> range:
@@ -159,18 +216,22 @@ class StandIn(nn.Module):
 class PassThrough(StandIn):
     """A layer another stage holds: returns its first argument (the hidden states) unchanged. It keeps the
     layer's plain attributes (``attention_type``, ``layer_idx``, ...), which some releases' base forwards
-    read off every layer in the loop."""
+    read off every layer in the loop. ``returns``: the hidden states alone (0), or, for a base forward that
+    takes ``outputs[0]`` of what a layer returns, as a 1-tuple (1) or with a ``None`` beside them (2): the
+    form :mod:`.derive`'s check found the base forward to keep."""
 
     @classmethod
-    def of(cls, layer: nn.Module) -> "PassThrough":
+    def of(cls, layer: nn.Module, returns: int = 0) -> "PassThrough":
         stand_in = cls()
         for k, v in vars(layer).items():
             if not k.startswith("_") and (v is None or isinstance(v, (str, int, float, bool))):
                 setattr(stand_in, k, v)
+        stand_in.returns = returns
         return stand_in
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
+        returns = getattr(self, "returns", 0)
+        return hidden_states if returns == 0 else (hidden_states,) if returns == 1 else (hidden_states, None)
 
 
 class Zeros(StandIn):
@@ -209,8 +270,15 @@ def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     lay = _layout_or_raise(model)
     if not 0 <= stage < num_stages:
         raise ValueError(f"pipeline_stage: stage={stage} must be in [0, {num_stages})")
-    first, last = stage == 0, stage == num_stages - 1
-    keep = stage_layers(model, stage, num_stages)
+    part = _cut(model, lay, stage_layers(model, stage, num_stages), stage == 0, stage == num_stages - 1)
+    part.forward = _StageForward(part)
+    part.stage_index = stage
+    return part
+
+
+def _cut(model: nn.Module, lay: Layout, keep, first: bool, last: bool) -> nn.Module:
+    """The copy of ``model`` holding the layers ``keep`` (the others pass-throughs), and the pre / post / head
+    modules only where ``first`` / ``last`` say, stood in for elsewhere."""
     layers = model.get_submodule(lay.layers)
     drop = {i: m for i, m in enumerate(layers) if i not in keep}
     replaced = {n: s for n, s in lay.pre.items() if not first}
@@ -221,13 +289,11 @@ def pipeline_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     part = copy.deepcopy(model, memo)
     part_layers = part.get_submodule(lay.layers)
     for i, layer in drop.items():
-        part_layers[i] = PassThrough.of(layer)
+        part_layers[i] = PassThrough.of(layer, lay.returns)
     for name, kind in replaced.items():
         if _module(model, name) is not None:
             _set(part, name, _STAND_INS[kind]())
     part._cl_stage = (first, last, lay)
-    part.forward = _StageForward(part)
-    part.stage_index = stage
     return part
 
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.nn as nn
 
 from .styles import check_name, translate, weight_shard_dim
-from .tables import TABLES
+from .tables import table_for
 
 
 def _prefixed(model: nn.Module, plan: Optional[dict]) -> dict:
@@ -41,10 +41,22 @@ def read_plan(model: nn.Module) -> Tuple[Dict[str, object], str]:
     base = getattr(config, "base_model_tp_plan", None)
     if base:
         return {**_prefixed(model, base), **head}, "config.base_model_tp_plan"
-    table = TABLES.get(getattr(config, "model_type", None))
-    if table:
+    table = table_for(model)
+    if table.get("base"):
+        refuse_if_flags(model, table)
         return {**_prefixed(model, table["base"]), **table["head"]}, f"built-in table ({config.model_type})"
     return {}, ""
+
+
+def refuse_if_flags(model: nn.Module, table: dict) -> None:
+    """A built-in entry's ``refuse_if``: a config flag that switches on what the entry's plan cannot cut."""
+    config = getattr(model, "config", None)
+    for flag, what in table.get("refuse_if", {}).items():
+        what, unless = what if isinstance(what, tuple) else (what, None)
+        if getattr(config, flag, False) and not (unless and getattr(config, unless, False)):
+            raise ValueError(f"tensor parallelism: {type(model).__name__} with config.{flag}=True has {what}, "
+                             "which colossal-lab's built-in plan does not cut; pass HybridParallelPlugin(tp_plan="
+                             "{...}) leaving those attentions whole, or tp_size=1")
 
 
 def _missing_head(model: nn.Module, own: dict, head: dict) -> dict:
@@ -63,8 +75,7 @@ def _missing_head(model: nn.Module, own: dict, head: dict) -> dict:
 
 def per_rank_attributes(model: nn.Module) -> Dict[str, Tuple[str, ...]]:
     """The built-in table's attributes to divide by tp, under the model's own module names."""
-    table = TABLES.get(getattr(getattr(model, "config", None), "model_type", None), {})
-    return _prefixed(model, table.get("per_rank"))
+    return _prefixed(model, table_for(model).get("per_rank"))
 
 
 def _matches(plan: dict, model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
@@ -114,7 +125,8 @@ def head_counts(model: nn.Module) -> Tuple[Optional[int], Optional[int]]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = next((getattr(text, k) for k in ("num_attention_heads", "n_head", "num_heads")
                   if isinstance(getattr(text, k, None), int)), None)
-    kv = getattr(text, "num_key_value_heads", None)
+    kv = next((getattr(text, k) for k in ("num_key_value_heads", "num_kv_heads")
+               if isinstance(getattr(text, k, None), int)), None)
     return heads, kv if isinstance(kv, int) else heads
 
 

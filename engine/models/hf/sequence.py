@@ -100,15 +100,16 @@ class _OnInput:
 
 
 class _OnOutput:
-    """Forward hook: the module's output (or the first element of a tuple output) cut from whole to this
-    rank's shard of the tokens, or (``to_whole``) gathered whole."""
+    """Forward hook: the module's output (or the first element of a tuple or list output: GPT's attention
+    returns a list) cut from whole to this rank's shard of the tokens, or (``to_whole``) gathered whole."""
 
     def __init__(self, mesh, to_whole: bool, name: str, own: bool = False):
         self.mesh, self.to_whole, self.name, self.own = mesh, to_whole, name, own
 
     def __call__(self, module, args, output):
-        if isinstance(output, tuple):
-            return (_move(output[0], self.mesh, self.to_whole, self.name),) + output[1:]
+        if isinstance(output, (tuple, list)):
+            moved = _move(output[0], self.mesh, self.to_whole, self.name)
+            return (moved,) + tuple(output[1:]) if isinstance(output, tuple) else [moved, *output[1:]]
         out = _move(output, self.mesh, self.to_whole, self.name)
         # ``own``: a pipeline stage's output, which the zero-bubble schedules detach in place: not a view
         return out.clone() if self.own and out._is_view() else out

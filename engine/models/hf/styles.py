@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -48,6 +49,17 @@ NOT_YET = {
     "grouped_gemm": "mixture-of-experts experts" + _MOE, "ep_router": "mixture-of-experts router" + _MOE,
     "mla_kv_a_proj": "multi-head latent attention", "local_params": "bare sharded parameters",
 }
+
+
+class OwnedRowwise(RowwiseParallel):
+    """``RowwiseParallel`` whose local output is a tensor of its own, not the view ``to_local`` hands back: for a
+    block that adds into it in place (Falcon's ``mlp_output += attention_output``), which autograd forbids on
+    a view made inside a custom function. A table entry asks for it: ``("rowwise", {"owned": True})``."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
 
 
 def style_error(style, module_name: str) -> ValueError:
@@ -104,7 +116,8 @@ def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelSt
         return ColwiseParallel(output_layouts=Replicate())
     if name in ("rowwise", "local_rowwise"):
         # an embedding's input is token ids, whole on every rank; a linear's is the previous slice
-        return RowwiseParallel(input_layouts=Replicate()) if emb else RowwiseParallel()
+        return RowwiseParallel(input_layouts=Replicate()) if emb else (OwnedRowwise() if opts.get("owned")
+                                                                      else RowwiseParallel())
     return RowwiseParallel(input_layouts=Replicate())  # embedding_rowwise, rowwise_rep, rowwise_split_input
 
 

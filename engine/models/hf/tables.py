@@ -7,7 +7,17 @@ forward that reshapes with ``-1`` needs none); ``alibi`` names the attention mod
 sliced to the rank's heads (:mod:`.alibi`). Values are style names (:mod:`.styles`) or
 ``(name, options)``. ``pp`` is the pipeline layout transformers' ``base_model_pp_plan`` gives other
 families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
-does not own it runs instead (:mod:`.pipeline`), and the task head (``head``).
+does not own it runs instead (:mod:`.pipeline`), and the task head (``head``); families with neither a
+``base_model_pp_plan`` nor a ``pp`` entry get a layout read from their module tree (:mod:`.derive`).
+``refuse_tp`` names why a family's blocks cannot be cut by a 1-D plan at all (the error says it), ``refuse_sp`` why
+its residual stream cannot be cut for sequence parallelism;
+``refuse_if`` maps a config flag to what it switches on that the entry's plan cannot cut (or to ``(what, other
+flag)``: unless that other flag is set too).
+
+An entry ``{"like": other, ...}`` is ``other``'s with its own keys on top. An entry marked ``by_structure`` also
+serves every family whose base model has a linear for each of its ``base`` patterns and no entry of its own
+(BERT's serves RoBERTa, CamemBERT, XLM-R, ELECTRA, ERNIE, ...: the same ``encoder.layer.*.attention.self.query``
+blocks in each family's copy of BERT's classes); :func:`table_for` is the one lookup.
 """
 
 from __future__ import annotations
@@ -61,9 +71,11 @@ TABLES = {
         "per_rank": {"h.*.self_attention": ("num_heads",)},
         "alibi": ("h.*.self_attention",),
     },
-    # BERT: the encoder only (its attention reshapes with -1); embeddings and task heads stay whole, as
-    # the MLM head ties both the decoder's weight and its bias
+    # BERT and, by structure, its copies: the encoder only (its attention reshapes with -1); embeddings and task
+    # heads stay whole, as the MLM head ties both the decoder's weight and its bias. Its pipeline layout is read
+    # from the module tree (derive.py): embeddings block, encoder.layer, pooler
     "bert": {
+        "by_structure": True,
         "base": {
             "encoder.layer.*.attention.self.query": "colwise",
             "encoder.layer.*.attention.self.key": "colwise",
@@ -73,8 +85,169 @@ TABLES = {
             "encoder.layer.*.output.dense": "rowwise",
         },
         "head": {},
-        # the embeddings block (word + position + type, norm, dropout) runs on the first stage only
-        "pp": {"pre": {"embeddings": "pass_embeds"}, "layers": "encoder.layer", "post": {"pooler": "none"},
-               "head": ["cls"]},
+    },
+    # BERT's blocks whose attention reshapes by its head counts (BERT's own with -1): BERT's entry ("like"), and
+    # these counts per rank
+    **{model_type: {"like": "bert",
+                    "per_rank": {"encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")}}
+       for model_type in ("megatron-bert", "rembert", "roformer")},
+    # BigBird: BERT's blocks, but its attention module is replaced at run time (block-sparse <-> full by the
+    # sequence length: set_attention_type), by a new one holding whole head counts around the cut linears
+    "big_bird": {
+        "refuse_tp": "its attention module is replaced at run time (block-sparse or full, by the sequence length) "
+                     "with one counting every head around the cut projections",
+    },
+    # XGLM and BioGPT: OPT-like blocks (q/k/v/out_proj, fc1/fc2); XGLM's attention reshapes by num_heads and
+    # embed_dim, BioGPT's with -1
+    "xglm": {
+        "base": {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.out_proj": "rowwise",
+            "layers.*.fc1": "colwise",
+            "layers.*.fc2": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.self_attn": ("num_heads", "embed_dim")},
+    },
+    "biogpt": {
+        "base": {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.out_proj": "rowwise",
+            "layers.*.fc1": "colwise",
+            "layers.*.fc2": "rowwise",
+        },
+        "head": {},
+    },
+    # StableLM: Llama-like projections, views by num_heads / num_key_value_heads; its optional per-head q/k norms
+    # are one LayerNorm per head in a list, which a rank would have to slice
+    "stablelm": {
+        "base": {
+            "layers.*.self_attn.q_proj": "colwise",
+            "layers.*.self_attn.k_proj": "colwise",
+            "layers.*.self_attn.v_proj": "colwise",
+            "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise",
+            "layers.*.mlp.up_proj": "colwise",
+            "layers.*.mlp.down_proj": "rowwise",
+        },
+        "head": {"lm_head": "colwise_gather_output"},
+        "per_rank": {"layers.*.self_attn": ("num_heads", "num_key_value_heads")},
+        "refuse_if": {"qk_layernorm": "per-head q/k norms (StableLmLayerNormPerHead: one LayerNorm per head)"},
+    },
+    # Persimmon: query_key_value packs each head's q, k, v together ((heads, 3, head_dim) outputs), so a
+    # contiguous cut gives a rank whole heads (as BLOOM); its q/k LayerNorms span one head's width, shared by all
+    # heads: whole, their gradients summed over tp
+    "persimmon": {
+        "base": {
+            "layers.*.self_attn.query_key_value": "colwise",
+            "layers.*.self_attn.dense": "rowwise",
+            "layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+            "layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
+            "layers.*.mlp.dense_h_to_4h": "colwise",
+            "layers.*.mlp.dense_4h_to_h": "rowwise",
+        },
+        "head": {"lm_head": "colwise_gather_output"},
+        "per_rank": {"layers.*.self_attn": ("num_heads",)},
+    },
+    # CTRL: Wq/Wk/Wv/dense and a Sequential MLP (ffn.0, ffn.2); its attention views with -1
+    "ctrl": {
+        "base": {
+            "h.*.multi_head_attention.Wq": "colwise",
+            "h.*.multi_head_attention.Wk": "colwise",
+            "h.*.multi_head_attention.Wv": "colwise",
+            "h.*.multi_head_attention.dense": "rowwise",
+            "h.*.ffn.0": "colwise",
+            "h.*.ffn.2": "rowwise",
+        },
+        "head": {},
+    },
+    # GPT (openai-gpt): GPT-2's Conv1D blocks; c_attn packs q | k | v, split by split_size, heads by n_head
+    "openai-gpt": {
+        "base": {
+            "h.*.attn.c_attn": ("packed_colwise", {"parts": 3}),
+            "h.*.attn.c_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"h.*.attn": ("split_size", "n_head")},
+    },
+    # GPT-NeoX-Japanese: query_key_value packs each head's q, k, v together ((heads, 3 * head_dim) outputs): a
+    # contiguous cut gives whole heads; its dense bias is a separate whole parameter the layer adds once
+    "gpt_neox_japanese": {
+        "base": {
+            "layers.*.attention.query_key_value": "colwise",
+            "layers.*.attention.dense": "rowwise",
+            "layers.*.mlp.dense_h_to_4h": "colwise",
+            "layers.*.mlp.dense_4h_to_h": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.attention": ("num_attention_heads",)},
+        "refuse_sp": "its attention hands its dense bias out whole to the layer, which adds it after the region "
+                     "(on a sequence shard, where the bias's gradient covers only this rank's tokens)",
+    },
+    # ModernBERT decoder: q/k/v/Wo (views with -1); its MLP's Wi packs input | gate, each cut alike
+    "modernbert-decoder": {
+        "base": {
+            "layers.*.attn.q_proj": "colwise",
+            "layers.*.attn.k_proj": "colwise",
+            "layers.*.attn.v_proj": "colwise",
+            "layers.*.attn.Wo": "rowwise",
+            "layers.*.mlp.Wi": ("packed_colwise", {"parts": 2}),
+            "layers.*.mlp.Wo": "rowwise",
+        },
+        "head": {},
+    },
+    # Falcon: query_key_value packs per key/value group ((kv, heads/kv + 2, head_dim) outputs, the 40B "new decoder
+    # architecture") or per head ((heads, 3, head_dim), without multi-query), so a contiguous cut gives a rank whole
+    # groups or heads; multi-query's q | k | v (one shared key/value head) cannot be cut so
+    "falcon": {
+        "base": {
+            "h.*.self_attention.query_key_value": "colwise",
+            "h.*.self_attention.dense": "rowwise",
+            "h.*.mlp.dense_h_to_4h": "colwise",
+            "h.*.mlp.dense_4h_to_h": ("rowwise", {"owned": True}),  # the block adds the attention into it in place
+        },
+        "head": {},
+        "per_rank": {"h.*.self_attention": ("num_heads", "num_kv_heads")},
+        "refuse_if": {"multi_query": ("multi-query attention (one key/value head packed after every query head)",
+                                      "new_decoder_architecture"),
+                      "alibi": "an ALiBi bias built for every head in the base model's forward"},
+    },
+    # BitNet: an RMSNorm over the whole attention output (attn_sub_norm) and over the whole MLP width
+    # (ffn_sub_norm) sits between each column cut and its row cut, so no 1-D cut of either block is sound
+    "bitnet": {
+        "refuse_tp": "its attn_sub_norm and ffn_sub_norm normalize over the very width a tensor-parallel cut "
+                     "splits (between q/k/v and o_proj, between up and down)",
     },
 }
+
+
+def _has_linear(model, names) -> bool:
+    import fnmatch
+
+    import torch.nn as nn
+
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return all(any(n.count(".") == p.count(".") and fnmatch.fnmatchcase(n, p) for n, _ in mods) for p in names)
+
+
+def table_for(model) -> dict:
+    """The built-in entry for ``model``: its ``config.model_type``'s, else (the first) ``by_structure`` entry
+    whose every ``base`` pattern names a linear of the model; ``{}`` when none."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in TABLES:
+        entry = TABLES[model_type]
+        like = {k: v for k, v in TABLES[entry["like"]].items() if k != "by_structure"} if "like" in entry else {}
+        return {**like, **{k: v for k, v in entry.items() if k != "like"}}
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    base = base if base is not None and base is not model else model
+    for entry in TABLES.values():
+        if entry.get("by_structure") and _has_linear(base, entry["base"]):
+            return entry
+    return {}
