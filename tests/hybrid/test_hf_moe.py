@@ -305,6 +305,16 @@ def test_refused_before_any_group():
         with pytest.raises(ValueError, match=match):
             Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
         assert not dist.is_initialized()
+    # an ep plan with styles not run here (Gemma 4's colwise / rowwise entries): refused under ep only; at ep_size=1
+    # the model runs its own experts (the sweep found Gemma 4 refused under cp2 for its ep plan)
+    from support.hf import from_config
+
+    from colossal_lab.engine.plugins.hybrid.experts import check_expert_parallel
+
+    gemma4 = from_config("gemma4_text", layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)
+    with pytest.raises(ValueError, match="has style 'colwise'"):
+        check_expert_parallel(gemma4, HybridParallelPlugin(ep_size=2), world=4)
+    check_expert_parallel(gemma4, HybridParallelPlugin(cp_size=2), world=2)
     from peft import LoraConfig
 
     booster = Booster(plugin=HybridParallelPlugin(ep_size=2))  # LoRA on the grouped expert weights themselves

@@ -56,9 +56,10 @@ def _matches(pattern: str, names: List[str]) -> List[str]:
     return [n for n in names if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]
 
 
-def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module, List[str]]]:
+def expert_modules(model: nn.Module, strict: bool = False) -> List[Tuple[str, nn.Module, List[str]]]:
     """``(module name, experts module, its grouped weights' attribute names)`` for every MoE layer the
-    model's ep plan names; a style we do not run raises, naming it."""
+    model's ep plan names. A style we do not run raises, naming it, when ``strict`` (the plugin splits the
+    experts: ``ep_size > 1``); otherwise it is passed over (the model runs its own experts, as without a plan)."""
     plan = ep_plan(model)
     if not plan:  # not a transformers MoE family
         return []
@@ -70,7 +71,7 @@ def expert_modules(model: nn.Module) -> List[Tuple[str, nn.Module, List[str]]]:
             for n in _matches(pattern, params):
                 owner, _, attr = n.rpartition(".")
                 weights.setdefault(owner, []).append(attr)
-        elif style != DISPATCH:
+        elif style != DISPATCH and strict:
             raise ValueError(f"expert parallelism: {type(model).__name__}'s ep plan entry {pattern!r} has style "
                              f"{style!r}; colossal-lab runs {WEIGHTS!r} and {DISPATCH!r} so far (issue 31)")
     for pattern, style in plan.items():
@@ -88,7 +89,7 @@ def n_experts(module: nn.Module, attrs: List[str]) -> int:
 def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
     """``[(experts module, its expert count)]`` of a transformers MoE model (empty for any other model),
     refusing what does not run yet, before any process group exists."""
-    found = expert_modules(model)
+    found = expert_modules(model, strict=plugin.ep_size > 1)
     if not found:
         return []
     ep, tp = plugin.ep_size, plugin.tp_size
