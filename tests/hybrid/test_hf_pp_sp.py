@@ -190,6 +190,15 @@ def test_what_does_not_compose_with_pipelines_is_refused_before_any_group():
     gemma4 = hf.from_config("gemma4_text", layers=LAYERS, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)
     msg = hf.configure_error(gemma4, **pp)
     assert "hidden_size_per_layer_input=8" in msg and "pp_size=1" in msg, msg
+    # HY-V4's layers pass 4 hyper-connection streams and the previous layer's top-k indices on (the sweep: a crash)
+    hy_v4 = hf.from_config("hy_v4", layers=LAYERS, n_routed_experts=4, moe_intermediate_size=32, q_lora_rank=32,
+                           kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                           index_head_dim=16, index_n_heads=2, index_topk=8, qk_head_dim=32)
+    msg = hf.configure_error(hy_v4, **pp)
+    assert "config.hc_mult=4" in msg and "pp_size=1" in msg, msg
+    hy_v4.config.hc_mult = 1  # without hyper-connections, the carried indices alone are refused
+    msg = hf.configure_error(hy_v4, **pp)
+    assert "['prev_topk_indices']" in msg and "pp_size=1" in msg, msg
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
     with pytest.raises(ValueError, match="both cut the sequence"):  # sp and cp together, with or without pp

@@ -141,10 +141,13 @@ def _layout_or_raise(model: nn.Module) -> Layout:
     return found
 
 
-#: config fields whose layers read what only the first stage holds (Gemma 3n / Gemma 4)
+#: config fields whose layers read what only the first stage holds or widen the stream between layers, each
+#: refused above the value it has in a model without that feature (Gemma 3n / Gemma 4, HY-V4)
 _CROSS_STAGE = {
-    "hidden_size_per_layer_input": "per-layer embeddings looked up from the token ids for every layer",
-    "num_kv_shared_layers": "later layers reuse earlier layers' keys and values",
+    "hidden_size_per_layer_input": (0, "per-layer embeddings looked up from the token ids for every layer"),
+    "num_kv_shared_layers": (0, "later layers reuse earlier layers' keys and values"),
+    "hc_mult": (1, "hyper-connections: between layers the hidden states are hc_mult streams, which the next "
+                   "stage's base forward would widen again from what it receives"),
 }
 
 
@@ -154,12 +157,17 @@ def num_layers(model: nn.Module) -> int:
     another layer's keys and values is refused: a later stage receives hidden states only."""
     layers = model.get_submodule(_layout_or_raise(model).layers)
     cfg = getattr(model, "config", None)
-    for key, what in _CROSS_STAGE.items():
+    for key, (plain, what) in _CROSS_STAGE.items():
         value = getattr(cfg, key, None)
-        if value:
+        if isinstance(value, (int, float)) and value > plain:
             raise ValueError(f"pipeline parallelism: {type(model).__name__} has config.{key}={value} ({what}), which "
                              "a stage after the first cannot compute from the hidden states it receives; use pp_size=1")
     for layer in layers:
+        carried = [p for p in inspect.signature(layer.forward).parameters if p.startswith("prev_")]
+        if carried:
+            raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
+                             f"{carried} (what the layer before returned beside the hidden states), which does not "
+                             "cross a stage boundary; use pp_size=1")
         if "input_ids" in inspect.signature(layer.forward).parameters:
             raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
                              "input_ids (token-id routing), which a stage after the first does not receive; "
