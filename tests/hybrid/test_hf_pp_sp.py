@@ -190,6 +190,8 @@ def test_what_does_not_compose_with_pipelines_is_refused_before_any_group():
     gemma4 = hf.from_config("gemma4_text", layers=LAYERS, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256)
     msg = hf.configure_error(gemma4, **pp)
     assert "hidden_size_per_layer_input=8" in msg and "pp_size=1" in msg, msg
+    msg = hf.configure_error(gemma4, tp_size=2, sequence_parallel=True)  # and under sp (the sweep: a shape crash)
+    assert "hidden_size_per_layer_input" in msg and "sequence_parallel=False" in msg, msg
     # HY-V4's layers pass 4 hyper-connection streams and the previous layer's top-k indices on (the sweep: a crash)
     hy_v4 = hf.from_config("hy_v4", layers=LAYERS, n_routed_experts=4, moe_intermediate_size=32, q_lora_rank=32,
                            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,

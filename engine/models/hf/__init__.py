@@ -153,6 +153,9 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
                          f"(config.base_model_pp_plan or the module tree's) for sequence parallelism to cut "
                          f"between: {why}; set sequence_parallel=False")
     why = table_for(model).get("refuse_sp")
+    if not why and getattr(getattr(model, "config", None), "hidden_size_per_layer_input", 0):
+        why = ("its per-layer embeddings (config.hidden_size_per_layer_input, Gemma 3n / Gemma 4) are looked up for "
+               "the whole sequence and added to every layer's shard")
     if why:
         raise ValueError(f"{where}: {type(model).__name__} cannot cut its residual stream: {why}; "
                          "set sequence_parallel=False")
