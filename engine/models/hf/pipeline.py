@@ -157,21 +157,22 @@ def num_layers(model: nn.Module) -> int:
     another layer's keys and values is refused: a later stage receives hidden states only."""
     layers = model.get_submodule(_layout_or_raise(model).layers)
     cfg = getattr(model, "config", None)
+    reasons = []  # every reason, so a fix for one does not meet the next at the following try
     for key, (plain, what) in _CROSS_STAGE.items():
         value = getattr(cfg, key, None)
         if isinstance(value, (int, float)) and value > plain:
-            raise ValueError(f"pipeline parallelism: {type(model).__name__} has config.{key}={value} ({what}), which "
-                             "a stage after the first cannot compute from the hidden states it receives; use pp_size=1")
-    for layer in layers:
-        carried = [p for p in inspect.signature(layer.forward).parameters if p.startswith("prev_")]
+            reasons.append(f"config.{key}={value} ({what})")
+    for kind in {type(layer) for layer in layers}:
+        params = inspect.signature(kind.forward).parameters
+        carried = [p for p in params if p.startswith("prev_")]
         if carried:
-            raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
-                             f"{carried} (what the layer before returned beside the hidden states), which does not "
-                             "cross a stage boundary; use pp_size=1")
-        if "input_ids" in inspect.signature(layer.forward).parameters:
-            raise ValueError(f"pipeline parallelism: {type(model).__name__}'s layers ({type(layer).__name__}) take "
-                             "input_ids (token-id routing), which a stage after the first does not receive; "
-                             "use pp_size=1")
+            reasons.append(f"its layers ({kind.__name__}) take {carried} (what the layer before returned beside the "
+                           "hidden states)")
+        if "input_ids" in params:
+            reasons.append(f"its layers ({kind.__name__}) take input_ids (token-id routing)")
+    if reasons:
+        raise ValueError(f"pipeline parallelism: {type(model).__name__}: {'; '.join(reasons)}; a stage after the "
+                         "first receives only the hidden states, from which it cannot compute these; use pp_size=1")
     if getattr(model, "_cl_stage", None) is None:
         _check_own_loss(model)
     return len(layers)
