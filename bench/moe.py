@@ -26,6 +26,8 @@ forward and backward), wrapped in this process only; it includes waiting for a s
 the time the step spends in expert-parallel communication, not the wire time. Its share is per rank
 over that rank's step time, the mean over ranks (and the max) reported. Expert bytes per rank: the
 grouped expert weights a rank holds after ``boost`` (parameters only; AdamW's state is twice that again).
+Bytes sent per step: the ``engine.traffic`` counter over the timed steps (every collective through
+``comm``: gradient all-reduces and the ``moe.*`` all-to-alls apart), the largest rank's.
 
 Prints a table and the ratios against dp (tokens/s, peak per rank, expert bytes per rank; the ideal
 expert ratio is ``1/k``); ``--json`` adds one JSON line with everything.
@@ -157,8 +159,11 @@ def _run(case: str, args, rank: int, device: torch.device) -> dict:
         for x in data[:args.warmup]:
             step(x)
         sync()
+    from colossal_lab.engine.traffic import COUNTER
+
     clock = _A2AClock(device)
     times, a2a = [], []
+    COUNTER.reset()
     try:
         for x in data[args.warmup:]:
             dist.barrier()
@@ -172,8 +177,10 @@ def _run(case: str, args, rank: int, device: torch.device) -> dict:
         clock.close()
     if not torch.isfinite(loss.detach()).item():
         raise RuntimeError(f"{case}: loss {loss.item()} is not finite")
+    sent = COUNTER.total / len(times)  # this rank's counted bytes per step, every collective
+    moe = sum(COUNTER.by_label("moe.").values()) / len(times)
     return {"times": times, "a2a": a2a, "peak": int(max(meter.peak.values(), default=0)),
-            "expert_bytes": expert_bytes}
+            "expert_bytes": expert_bytes, "sent": sent, "sent_moe": moe}
 
 
 def _rank_main(rank: int, world: int, port: int, args, out) -> None:
@@ -223,7 +230,9 @@ def _summary(got: dict, case: str, tokens: int) -> dict:
             "step_s": round(statistics.median(steps), 4),
             "a2a_share": round(statistics.mean(shares), 4), "a2a_share_max": round(max(shares), 4),
             "peak_per_rank": max(got[r][case]["peak"] for r in ranks),
-            "expert_bytes_per_rank": max(got[r][case]["expert_bytes"] for r in ranks)}
+            "expert_bytes_per_rank": max(got[r][case]["expert_bytes"] for r in ranks),
+            "sent_per_step": int(max(got[r][case]["sent"] for r in ranks)),
+            "sent_moe_per_step": int(max(got[r][case]["sent_moe"] for r in ranks))}
 
 
 def main(argv=None) -> dict:
@@ -243,12 +252,13 @@ def main(argv=None) -> dict:
           f"{args.world} ranks ({args.device}), {args.batch}x{args.seq} tokens/step, "
           f"{args.warmup} warm-up + {args.steps} timed steps")
     print(f"{'case':5} {'tokens/s':>10} {'vs dp':>6} {'a2a share':>9} {'(max)':>6} {'peak/rank MiB':>13} "
-          f"{'vs dp':>6} {'experts/rank MiB':>16} {'vs dp':>6} {'ideal':>6}")
+          f"{'vs dp':>6} {'experts/rank MiB':>16} {'vs dp':>6} {'ideal':>6} {'sent MiB/step':>13} {'(moe)':>6}")
     for case, r in rows.items():
         print(f"{case:5} {r['tokens_per_s']:10.1f} {r['tokens_per_s_ratio']:6.2f} {r['a2a_share']:9.1%} "
               f"{r['a2a_share_max']:6.1%} {r['peak_per_rank'] / 2**20:13.2f} {r['peak_ratio']:6.2f} "
               f"{r['expert_bytes_per_rank'] / 2**20:16.2f} {r['expert_bytes_ratio']:6.2f} "
-              f"{r['expert_bytes_ideal']:6.2f}")
+              f"{r['expert_bytes_ideal']:6.2f} {r['sent_per_step'] / 2**20:13.2f} "
+              f"{r['sent_moe_per_step'] / 2**20:6.2f}")
     report = {"bench": "moe", "device": args.device, "world": args.world, "embd": args.embd, "layers": args.layers,
               "heads": args.heads, "experts": args.experts, "top_k": args.top_k, "vocab": args.vocab,
               "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
