@@ -22,6 +22,14 @@ blocks in each family's copy of BERT's classes); :func:`table_for` is the one lo
 
 from __future__ import annotations
 
+
+def _opt_blocks(layers: str) -> dict:
+    """OPT's block layout (OPT, XGLM, BioGPT): q/k/v column-parallel, out_proj row-parallel, fc1 then fc2."""
+    attn = {f"{layers}.*.self_attn.{p}": "colwise" for p in ("q_proj", "k_proj", "v_proj")}
+    return {**attn, f"{layers}.*.self_attn.out_proj": "rowwise", f"{layers}.*.fc1": "colwise",
+            f"{layers}.*.fc2": "rowwise"}
+
+
 TABLES = {
     # GPT-2's Conv1D weights are (in, out); c_attn packs q | k | v in its output, each sharded alike
     "gpt2": {
@@ -41,15 +49,7 @@ TABLES = {
     },
     # OPT: nn.Linear projections; its attention reshapes by num_heads; the head is tied to embed_tokens
     "opt": {
-        "base": {
-            "decoder.embed_tokens": "embedding_rowwise",
-            "decoder.layers.*.self_attn.q_proj": "colwise",
-            "decoder.layers.*.self_attn.k_proj": "colwise",
-            "decoder.layers.*.self_attn.v_proj": "colwise",
-            "decoder.layers.*.self_attn.out_proj": "rowwise",
-            "decoder.layers.*.fc1": "colwise",
-            "decoder.layers.*.fc2": "rowwise",
-        },
+        "base": {"decoder.embed_tokens": "embedding_rowwise", **_opt_blocks("decoder.layers")},
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"decoder.layers.*.self_attn": ("num_heads",)},
         "pp": {"pre": {"decoder.embed_tokens": "none", "decoder.embed_positions": "zeros",
@@ -100,26 +100,12 @@ TABLES = {
     # XGLM and BioGPT: OPT-like blocks (q/k/v/out_proj, fc1/fc2); XGLM's attention reshapes by num_heads and
     # embed_dim, BioGPT's with -1
     "xglm": {
-        "base": {
-            "layers.*.self_attn.q_proj": "colwise",
-            "layers.*.self_attn.k_proj": "colwise",
-            "layers.*.self_attn.v_proj": "colwise",
-            "layers.*.self_attn.out_proj": "rowwise",
-            "layers.*.fc1": "colwise",
-            "layers.*.fc2": "rowwise",
-        },
+        "base": _opt_blocks("layers"),
         "head": {},
         "per_rank": {"layers.*.self_attn": ("num_heads", "embed_dim")},
     },
     "biogpt": {
-        "base": {
-            "layers.*.self_attn.q_proj": "colwise",
-            "layers.*.self_attn.k_proj": "colwise",
-            "layers.*.self_attn.v_proj": "colwise",
-            "layers.*.self_attn.out_proj": "rowwise",
-            "layers.*.fc1": "colwise",
-            "layers.*.fc2": "rowwise",
-        },
+        "base": _opt_blocks("layers"),
         "head": {},
     },
     # StableLM: Llama-like projections, views by num_heads / num_key_value_heads; its optional per-head q/k norms
