@@ -51,7 +51,7 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
     if hf_layers and plugin.zero_stage == 2:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}, zero_stage=2): {type(model).__name__}'s experts (a "
                          "transformers MoE family's) are not sharded apart over their expert-dp ranks under ZeRO-2 "
-                         "yet (the reference GPT's MoE blocks are: docs/moe.md); use zero_stage=1")
+                         "yet (the engine's own MoE blocks are: docs/moe.md); use zero_stage=1")
     for name, n_expert in hf_layers:
         if n_expert % ep:
             ok = [d for d in range(1, n_expert + 1) if n_expert % d == 0]
