@@ -26,6 +26,7 @@ TINY = {
     "03_quantized_inference": dict(preset="tiny"),
     "04_pipeline_timelines": dict(preset="tiny"),
     "05_parallelism_zoo": dict(steps=2),
+    "06_mixture_of_experts": dict(preset="tiny", steps=25),
 }
 
 
