@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from ..wrappers import ModelWrapper
-from .chunk import Chunk, TensorInfo, TensorState
 from . import experts as expert_state
+from .chunk import Chunk, TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .repack import PackSpec, learn_and_repack
 

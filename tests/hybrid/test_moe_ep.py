@@ -262,10 +262,12 @@ def test_all_to_all_bytes_equal_formula(runs, layout):
 
 def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer of this rank's stage per step on every rank: the tokens its router sent to
-    each expert over the step's forwards (a pipeline's microbatches summed)."""
+    each expert over the step's forwards (a pipeline's microbatches summed); under Gemini too (its optimizer
+    emits them)."""
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
-            rows = 8 // (_dp(layout) if layout in LAYOUTS else WORLD) * 32  # this rank's tokens per step (batch 8, seq 32, over dp)
+            # this rank's tokens per step (batch 8, seq 32, over dp; Gemini's dp is the world)
+            rows = 8 // (_dp(layout) if layout in LAYOUTS else WORLD) * 32
             load = r["load"]
             assert [(e[0], e[1], e[2]) for e in load] == [(rank, s, f"blocks.{b}.mlp") for s in range(STEPS)
                                                           for b in r["blocks"]], (layout, starve)
