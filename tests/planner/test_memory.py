@@ -203,6 +203,23 @@ def test_expert_parallel_plan_equals_what_each_rank_holds_and_sends(measured, na
         assert abs(err) <= 0.10, (name, rank, plan.peak("cpu", rank=rank), got["peak"])
 
 
+def test_expert_parallel_plans_refuse_what_the_plugin_refuses():
+    """Before any trace, with the plugin's own words: ep not dividing the experts, nor the dp ranks; a dense
+    model with ep_size. Without ep the MoE model plans every expert on every rank (and no all-to-all)."""
+    with pytest.raises(ValueError, match=r"n_expert=4 .*does not divide over 3 ranks; use an ep_size in \[1, 2, 4\]"):
+        cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=3), world_size=3, batch=BATCH, seq=SEQ)
+    with pytest.raises(ValueError, match=r"data-parallel ranks of a world of 2; use an ep_size in \[1, 2\]"):
+        cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=4), world_size=2, batch=BATCH, seq=SEQ)
+    with pytest.raises(ValueError, match=r"has no MoE block"):
+        cl.plan(GPTConfig.preset("tiny"), HybridParallelPlugin(ep_size=2), world_size=2, batch=BATCH, seq=SEQ)
+    dense = cl.plan(_moe_cfg(), HybridParallelPlugin(), world_size=WORLD, batch=BATCH, seq=SEQ)
+    ep2 = cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=2), world_size=WORLD, batch=BATCH, seq=SEQ)
+    experts = 2 * ep2.rank_plan(0).states["expert_params"]
+    assert "all_to_all" not in dense.traffic and "ep" not in dense.layout
+    assert dense.rank_plan(0).states["params"] - ep2.rank_plan(0).states["params"] == experts // 2
+    assert dense.traffic["allreduce"] > ep2.traffic["allreduce"]  # the experts' gradients: no expert-dp peer here
+
+
 # ---- the meter ------------------------------------------------------------------------------
 
 def test_measure_counts_known_allocations_including_a_free_on_another_thread():

@@ -69,7 +69,8 @@ class FitPlan:
 
     ``activations`` holds one rank's activation bytes with and without activation checkpointing
     (the larger stage under a pipeline); ``traffic`` the bytes a step moves per rank (``"nvme->cpu"``,
-    ``"cpu->nvme"``, ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"broadcast"``, ``"p2p"``);
+    ``"cpu->nvme"``, ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"broadcast"``, ``"p2p"``,
+    ``"all_to_all"``: an MoE model's expert dispatch and combine under ``ep_size``);
     ``advice`` concrete changes, best first; ``notes`` what the estimate assumed.
     """
 
