@@ -26,7 +26,7 @@ import torch.nn as nn
 
 @dataclass
 class _MoeLayer:
-    name: str          # the MoE block (our GPT) or the experts module (a transformers family)
+    name: str          # the engine's MoE block, or a transformers family's experts module
     n_expert: int
     top_k: int
     dim: int           # the width of a routed row

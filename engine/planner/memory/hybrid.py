@@ -218,7 +218,8 @@ def _state_bytes(lay: _Layout, params: Dict[str, int], states: Dict[str, int], n
     """Optimizer state of a rank: AdamW's moments per element; ZeRO-1 splits the non-expert part over dp and
     the experts' over the expert-dp group (``dp / ep`` ranks; none to split when ``dp == ep``)."""
     ge = states.get("expert_params", 0)
-    dense, expert = (sum(params.values()) - ge) // 4, ge // 4
+    expert = ge // 4
+    dense = sum(n // 4 for n in params.values()) - expert  # elements as fp32 masters, per tensor as before
     if lay.plugin.zero_stage == 1 and lay.dp > 1:
         edp = lay.dp // lay.ep
         notes.append("ZeRO-1 over dp: optimizer state taken as an even split "

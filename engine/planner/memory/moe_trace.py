@@ -10,7 +10,7 @@ sorts them and the experts' rows taken equal (``ceil(N * top_k / E)`` each, zero
 rank's activations are those of any routing up to that padding. The grouped matmul is three ``bmm``
 over ``(E, rows, d)`` (torch's ``_grouped_mm`` has a bf16-only meta kernel; its outputs have the same
 shapes); the statistics are left out. A transformers family's experts module (grouped
-``gate_up_proj`` / ``down_proj``, called with the tokens, top-k ids and weights: Mixtral, Qwen-MoE) runs
+``gate_up_proj`` / ``down_proj``, called with the tokens, top-k ids and weights) runs
 :func:`hf_balanced_forward` likewise (its own ``act_fn``; transformers' eager forward loops over the experts
 hit, its ``grouped_mm`` one needs bf16 on fake tensors). The user's model is never touched (the copy is
 the planner's).
