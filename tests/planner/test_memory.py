@@ -14,6 +14,7 @@ holds, the all-to-all bytes ``engine.moe.parallel.COMM`` counted and its measure
 ``cl.plan``'s ``RankPlan.states`` and ``traffic["all_to_all"]``.
 """
 
+import functools
 import json
 import os
 import threading
@@ -179,13 +180,19 @@ def _moe_cfg():
     return GPTConfig.preset("tiny", n_expert=E, top_k=2, z_loss_coef=1e-3)
 
 
+@functools.lru_cache(maxsize=None)
+def _moe_plan(case):
+    """cl.plan of the MoE GPT under ``MOE_CASES[case]`` (or no ep: ``None``), planned once for the tests below."""
+    return cl.plan(_moe_cfg(), HybridParallelPlugin(**MOE_CASES.get(case, {})), world_size=WORLD, batch=BATCH, seq=SEQ)
+
+
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_expert_parallel_plan_equals_what_each_rank_holds_and_sends(measured, name):
     """The planned bytes a rank holds (parameters, gradients, optimizer state; the experts' share apart) equal
     what a booster-built ep2 model holds on each rank, and the planned all-to-all bytes what the engine's
     counter counted in the step; the peak within 10%."""
     results, _ = measured
-    plan = cl.plan(_moe_cfg(), HybridParallelPlugin(**MOE_CASES[name]), world_size=WORLD, batch=BATCH, seq=SEQ)
+    plan = _moe_plan(name)
     states = plan.rank_plan(0).states
     assert plan.layout["ep"] == 2 and states["all_to_all"] > 0 and plan.traffic["all_to_all"] == states["all_to_all"]
     for rank in range(WORLD):
@@ -212,8 +219,7 @@ def test_expert_parallel_plans_refuse_what_the_plugin_refuses():
         cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=4), world_size=2, batch=BATCH, seq=SEQ)
     with pytest.raises(ValueError, match=r"has no MoE block"):
         cl.plan(GPTConfig.preset("tiny"), HybridParallelPlugin(ep_size=2), world_size=2, batch=BATCH, seq=SEQ)
-    dense = cl.plan(_moe_cfg(), HybridParallelPlugin(), world_size=WORLD, batch=BATCH, seq=SEQ)
-    ep2 = cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=2), world_size=WORLD, batch=BATCH, seq=SEQ)
+    dense, ep2 = _moe_plan(None), _moe_plan("ep2")
     experts = 2 * ep2.rank_plan(0).states["expert_params"]
     assert "all_to_all" not in dense.traffic and "ep" not in dense.layout
     assert dense.rank_plan(0).states["params"] - ep2.rank_plan(0).states["params"] == experts // 2
