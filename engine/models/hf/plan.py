@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from . import mla
 from .styles import check_name, translate, weight_shard_dim
 from .tables import table_for
 
@@ -95,10 +96,10 @@ def _matches(plan: dict, model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
 def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
     """Every matched module's torch style under its exact name (a style already a ``ParallelStyle``
     passes through); unknown styles raise naming the style and the module."""
-    styles = {}
+    styles, rope = {}, mla.rope_dim(model)
     for pattern, name, mod in _matches(plan, model):
         entry = plan[pattern]
-        style = entry if not isinstance(entry, (str, tuple)) else translate(entry, mod, name)
+        style = entry if not isinstance(entry, (str, tuple)) else translate(entry, mod, name, rope)
         if style is not None:
             styles[name] = style
     for pattern, entry in plan.items():  # a style matching no module here must still be one we know
