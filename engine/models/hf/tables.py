@@ -151,6 +151,20 @@ TABLES = {
         },
         "head": {},
     },
+    # GPT-Neo: nn.Linear q/k/v/out_proj under attn.attention (global or local, one mask per layer, not per head),
+    # reshaped by num_heads; its head is tied to wte, so both stay whole
+    "gpt_neo": {
+        "base": {
+            "h.*.attn.attention.q_proj": "colwise",
+            "h.*.attn.attention.k_proj": "colwise",
+            "h.*.attn.attention.v_proj": "colwise",
+            "h.*.attn.attention.out_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"h.*.attn.attention": ("num_heads",)},
+    },
     # GPT (openai-gpt): GPT-2's Conv1D blocks; c_attn packs q | k | v, split by split_size, heads by n_head
     "openai-gpt": {
         "base": {
