@@ -161,6 +161,28 @@ def check_per_head_parameters(model: nn.Module, plan: dict) -> None:
                                  "HybridParallelPlugin(tp_plan={...}) leaving that attention whole, or tp_size=1")
 
 
+#: config settings under which a layer computes statistics over the features a column-parallel cut divides among
+#: the tp ranks (each rank would see its share only): key -> what it switches on
+FEATURE_STATISTICS = {
+    "activation_sparsity_pattern": "a gaussian top-k over each MLP's intermediate features (their mean and standard "
+                                   "deviation), which tensor parallelism divides among the ranks",
+}
+
+
+def check_feature_statistics(model: nn.Module, tp: int) -> None:
+    """Refuse, before any group, a config that switches on :data:`FEATURE_STATISTICS` (Gemma 3n's activation
+    sparsity: each rank would keep the top of its own share of the features, not of all of them)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, what in FEATURE_STATISTICS.items():
+        value = getattr(text, key, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__}'s config.{key} switches on "
+                             f"{what}; pass HybridParallelPlugin(tp_plan={{...}}) leaving those MLPs whole, set "
+                             f"config.{key} to zeros, or use tp_size=1")
+
+
 def check_ties(model: nn.Module, plan: dict) -> None:
     """A weight shared by two modules (an embedding tied to its LM head) must be sharded the same way
     by both, or left whole by both: it stays one parameter. (Owners given torch styles by the user are
