@@ -379,7 +379,10 @@ def sweep(families, modes, case_timeout: float = 90.0, log=print, results=None):
         for fam in todo:
             if fam in done:
                 continue
-            if fam in got or err is not None or len(done) < len(todo):
+            # a family that started and did not finish; or, when none started, the first (so the sweep moves on).
+            # A world that ended right after a finished family (its last case ran past the watchdog, or failed on
+            # one rank only) blames no other: the rest run in the next world
+            if fam in got or not done:
                 res = results.setdefault(fam, {})
                 for m in modes:
                     res.setdefault(m, {"status": "FAILS", "detail": "the world ended in this case: "
@@ -445,7 +448,10 @@ SHORT = (("does not hand x back", "base forward does more than its modules"),
          ("does not divide", "heads do not divide"), ("takes no **kwargs", "forward takes no **kwargs"),
          ("mixes tokens outside attention", "token mixing outside attention"), ("moe_", "MoE (issue 31)"),
          ("grouped_gemm", "MoE (issue 31)"), ("ep_router", "MoE (issue 31)"),
-         ("experts stay whole", "MoE experts under sp"))
+         ("experts stay whole", "MoE experts under sp"), ("activation_sparsity", "statistics over cut features"),
+         ("hidden_size_per_layer_input", "per-layer embeddings"), ("hc_mult", "hyper-connections"),
+         ("original_hidden_states", "layers take the embedding output"), ("prev_", "layers take the previous one's"),
+         ("config.layer_types names", "layer types (indexed / linear attention)"))
 
 
 def short(r: dict) -> str:
