@@ -139,7 +139,7 @@ TABLES = {
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"layers.*.self_attn": ("num_heads",)},
     },
-    # CTRL: Wq/Wk/Wv/dense and a Sequential MLP (ffn.0, ffn.2); its attention views with -1
+    # CTRL: Wq/Wk/Wv/dense and a Sequential MLP (ffn.0, ffn.2); its attention views with -1 (5.24)
     "ctrl": {
         "base": {
             "h.*.multi_head_attention.Wq": "colwise",
@@ -150,6 +150,8 @@ TABLES = {
             "h.*.ffn.2": "rowwise",
         },
         "head": {},
+        # transformers 5.5 (the floor) reshapes by num_heads and d_model_size, not -1: one rank's share
+        "per_rank": {"h.*.multi_head_attention": ("num_heads", "d_model_size")},
     },
     # GPT-Neo: nn.Linear q/k/v/out_proj under attn.attention (global or local, one mask per layer, not per head),
     # reshaped by num_heads; its head is tied to wte, so both stay whole
