@@ -131,9 +131,11 @@ JS_STATE = """() => {
 
 def _mid_step(title: str, legend: str) -> bool:
     """The chunk map worth a picture: mid-step (some chunk gathered for compute or in flight, not
-    every one freed), at a step where chunks moved, with chunks on NVMe as well as in RAM."""
+    every one freed), after the warm-up step, with many chunks moving and chunks on NVMe as well as in RAM."""
     busy = any(s in legend for s in ("computing", "in flight", "held"))
-    return "moved:" in title and "nvme" in legend and "cpu" in legend and busy
+    m = re.search(r"step (\d+) · (\d+) moved:", title)  # past the warm-up step, while many chunks move
+    return bool(m) and int(m.group(1)) >= 2 and int(m.group(2)) >= 8 and "nvme" in legend and "cpu" in legend \
+        and busy
 
 
 def _notebook(path: Path) -> None:
