@@ -140,6 +140,12 @@ def not_counted():
         _COUNTING[0] = was
 
 
+def counting() -> bool:
+    """False inside ``not_counted``: a forward that adds nothing to the step's expert load (any MoE counter,
+    the engine's blocks or a transformers family's experts under ep, asks this)."""
+    return _COUNTING[0]
+
+
 def _in_backward() -> bool:
     """True inside autograd's backward (an activation-checkpoint recompute)."""
     return torch._C._current_graph_task_id() != -1

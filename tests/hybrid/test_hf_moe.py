@@ -147,11 +147,18 @@ def _run_pp(rank, world, family):
         x = batch(s, plugin.dp_rank, plugin.dp_size)[0].contiguous()
         return {"input_ids": x, "labels": x}
 
+    from colossal_lab.engine import telemetry
+
+    events = []
+    unsubscribe = telemetry.subscribe(events.append)
     losses, norms = pipeline_loop(model, opt, booster, steps=STEPS, clip=CLIP, batch_of=batch_of)
+    unsubscribe()
     total = torch.tensor([0.0 if loss is None else loss for loss in losses])
     dist.all_reduce(total)
     plugin.close()
-    return {"losses": (total / plugin.dp_size).tolist(), "norms": norms}
+    load = [(e.step, e.layer, sum(e.tokens)) for e in events if isinstance(e, telemetry.ExpertLoad)]
+    return {"losses": (total / plugin.dp_size).tolist(), "norms": norms, "load": load,
+            "assignments": batch_of(0)["input_ids"].numel() * TOP_K}
 
 
 def _load(rank, world, path, ep):
@@ -254,6 +261,19 @@ def test_ep2_by_pp2_follows_one_process(runs):
     for rank, per in enumerate(runs):
         r = per["ep2xpp2"]
         assert_follows(("mixtral", "ep2xpp2", rank), r["losses"], r["norms"], ref, ref_norms)
+
+
+def test_ep2_by_pp2_expert_load_counts_only_the_training_forwards(runs):
+    """Under a pipeline each stage's layer reports one ExpertLoad per step holding exactly this rank's assignments
+    (its rows x tokens x top-k over the microbatches): torch's shape-inference forward of a stage's first step is
+    not a training forward and adds nothing."""
+    stages = set()
+    for rank, per in enumerate(runs):
+        r = per["ep2xpp2"]
+        layer = r["load"][0][1]  # the one MoE layer of this rank's stage
+        stages.add(layer)
+        assert r["load"] == [(s, layer, r["assignments"]) for s in range(STEPS)], (rank, r["load"])
+    assert stages == {"model.layers.0.mlp", "model.layers.1.mlp"}
 
 
 def test_lora_under_ep2(runs):

@@ -28,6 +28,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ...moe.layer import counting
 from .plan import _prefixed
 
 #: transformers' expert-parallel style names this module runs (``config.base_model_ep_plan``)
@@ -155,7 +156,9 @@ class _ExpertParallelForward:
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within one
         counts = torch.bincount(flat, minlength=self.n_expert)
         self.tokens_per_expert = tuple(counts.tolist())
-        if self.module().training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        # a step's training forwards only: not a checkpoint's recompute, not a pipeline's shape inference
+        if self.module().training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 \
+                and counting():
             load = self.step_load or [0] * self.n_expert
             self.step_load = [a + b for a, b in zip(load, self.tokens_per_expert)]
         token = order // k
