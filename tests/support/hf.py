@@ -122,6 +122,8 @@ FAMILY_FIELDS = {
     # forward scales and adds positions itself, so its derived layout is refused)
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "head_dim": None},
     "ctrl": {"dff": 128},
+    # multi-query attention (tables.py, multi_query.py): c_attn packs q | k | v with k and v one head each, shared
+    "gpt_bigcode": {"num_key_value_heads": None, "head_dim": None},
 }
 
 

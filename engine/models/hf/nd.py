@@ -95,6 +95,8 @@ def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, Union[str, tu
             continue
         if style == "replicated_with_grad_allreduce":
             raise _refuse(f"{name!r} ({type(mod).__name__}) is a per-head norm kept whole on every rank", mode)
+        if opts.get("multi_query"):
+            raise _refuse(f"{name!r} packs q with one key/value head every rank shares (multi-query)", mode)
         conv = is_conv1d(mod)
         if isinstance(mod, nn.Embedding):
             roles[name] = "embedding"
