@@ -200,9 +200,11 @@ TABLES = {
         },
         "head": {},
         "per_rank": {"h.*.self_attention": ("num_heads", "num_kv_heads")},
-        "refuse_if": {"multi_query": ("multi-query attention (one key/value head packed after every query head)",
-                                      "new_decoder_architecture"),
-                      "alibi": "an ALiBi bias built for every head in the base model's forward"},
+        # multi-query (Falcon-7B): q | k | v with one key/value head, kept whole on every rank (multi_query.py;
+        # its num_kv_heads of 1 stays 1); ALiBi: each rank's heads' bias, and the mask the bias is folded into
+        "base_if": {"multi_query": ({"h.*.self_attention.query_key_value": ("colwise", {"multi_query": True})},
+                                    "new_decoder_architecture")},
+        "alibi": ("h.*.self_attention",),
     },
     # BitNet: an RMSNorm over the whole attention output (attn_sub_norm) and over the whole MLP width
     # (ffn_sub_norm) sits between each column cut and its row cut, so no 1-D cut of either block is sound
