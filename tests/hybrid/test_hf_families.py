@@ -46,6 +46,10 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back",
            ("falcon-mq-alibi", "cp2"): "AttentionInterface"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
+# what the floor release (transformers 5.5) lacks for a case that runs on later ones: (family, mode) -> (words of
+# the refusal it gives there, the missing feature)
+FLOOR_LACKS = {("gpt_bigcode", "cp2"): ("_supports_attention_backend is False",
+                                        "GPT-BigCode dispatching its attention through AttentionInterface")}
 
 
 def _loop(model, opt, booster=None, pipelined=False):
@@ -89,6 +93,8 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         for r in runs:
             assert REFUSED[case] in r[case].get("refused", ""), (case, r[case])
         return
+    if case in FLOOR_LACKS and FLOOR_LACKS[case][0] in runs[0][case].get("refused", ""):
+        pytest.skip(f"this transformers release lacks {FLOOR_LACKS[case][1]}")
     ref, ref_norms = _reference(case[0])
     assert min(ref_norms) > CLIP  # the clip acted every step, so a wrong norm would move the curve
     frozen, frozen_norms = _reference(case[0], lr=0.0)

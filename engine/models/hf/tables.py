@@ -150,6 +150,8 @@ TABLES = {
             "h.*.ffn.2": "rowwise",
         },
         "head": {},
+        # transformers 5.5's attention (the floor) views by num_heads and merges by d_model_size; later ones use -1
+        "per_rank": {"h.*.multi_head_attention": ("num_heads", "d_model_size")},
     },
     # GPT (openai-gpt): GPT-2's Conv1D blocks; c_attn packs q | k | v, split by split_size, heads by n_head
     "openai-gpt": {
