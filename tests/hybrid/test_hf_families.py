@@ -49,7 +49,9 @@ CASES = [(f, m) for f in FAMILIES for m in MODES]
 # what the floor release (transformers 5.5) lacks for a case that runs on later ones: (family, mode) -> (words of
 # the refusal it gives there, the missing feature)
 FLOOR_LACKS = {("gpt_bigcode", "cp2"): ("_supports_attention_backend is False",
-                                        "GPT-BigCode dispatching its attention through AttentionInterface")}
+                                        "GPT-BigCode dispatching its attention through AttentionInterface"),
+               ("ctrl", "cp2"): ("_supports_attention_backend is False",
+                                 "CTRL dispatching its attention through AttentionInterface")}
 
 
 def _loop(model, opt, booster=None, pipelined=False):
