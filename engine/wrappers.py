@@ -173,7 +173,10 @@ class OptimizerWrapper:
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         self.record_loss(loss)
         if self.loss_scaler is not None:
-            self.loss_scaler.scale_loss(loss).backward(**kwargs)
+            from .moe.layer import aux_loss_backward_scale  # MoE aux losses enter backward unscaled: scale them
+
+            with aux_loss_backward_scale(self.loss_scaler.scale):
+                self.loss_scaler.scale_loss(loss).backward(**kwargs)
         else:
             loss.backward(**kwargs)
 

@@ -390,7 +390,7 @@ def chunk_map_dict(chunks: ChunkState, memory: MemoryState, max_cols: int = MAX_
                   margin={"l": 70, "r": 20, "t": 80, "b": 40}, hovermode="closest",
                   uirevision="chunk-map",  # a zoom into the strip survives redraws
                   plot_bgcolor="#ffffff",  # pale (freed) cells stay visible on it
-                  legend={"orientation": "h", "y": -0.02, "yanchor": "top"})
+                  legend={"orientation": "h", "y": -0.12, "yanchor": "top"})  # below the tier bars' labels
     return {"data": data, "layout": layout}
 
 

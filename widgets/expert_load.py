@@ -13,6 +13,12 @@ order, ``blocks.2`` before ``blocks.10``):
 * in the panel's title, at the newest step: the imbalance (the busiest expert's load over the
   mean, 1.0 = balanced) and the dropped share.
 
+Past ``max_panels`` layers (8; a DeepSeek-V3-sized model has 58) the figure starts with one
+summary heatmap, layers (y, model order) × steps (x), each cell the layer's imbalance at that step,
+and draws detail panels for ``max_panels`` layers only: the highest imbalance at their newest step
+(listed in model order), or those pinned by ``view.select([...])``. The summary sums each
+(layer, step) once (``ExpertLoadState.totals``), so its redraw costs one cell per layer × kept step.
+
 The newest ``ExpertLoadState.keep_steps`` steps are kept (older ones fall off the left), so a long
 run's redraw stays bounded. It is built on plotly's ``heatmap`` and ``bar`` traces and the shared
 ``LiveView`` machinery (queue, throttled redraw), like its siblings; it reads the events' plain
@@ -21,7 +27,7 @@ fields only (DESIGN.md).
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import plotly.graph_objects as go
 
@@ -36,9 +42,12 @@ HOVER_RANKS = 8  # ranks listed in a cell's hover (the busiest, past that)
 # cells (experts x steps, all layers) up to which the hover carries the share and per-rank breakdown:
 # past it, every redraw would send megabytes of hover text, so cells hover with their tokens only
 HOVER_CELLS = 16_384
+MAX_PANELS = 8  # detail panels past which the view starts with the layers x steps summary
+SUMMARY_ROW_PX, SUMMARY_X_PX = 12, 40  # px per layer row of the summary, its step ticks under it
+TITLE_LINE_PX = 24  # the title's second line (the shown layers) when the summary is drawn
 
 
-def imbalance(tokens: List[int]) -> float:
+def imbalance(tokens: Sequence[int]) -> float:
     """The busiest expert's load over the mean load (1.0 = balanced; 0.0 when nothing was routed)."""
     total = sum(tokens)
     return max(tokens) * len(tokens) / total if total else 0.0
@@ -72,25 +81,93 @@ def _panel_title(layer: str, g: ExpertLoad2D) -> str:
             f" · dropped {dropped:,} ({share:.1%})")
 
 
-def expert_load_dict(state: ExpertLoadState) -> dict:
-    """One heatmap (experts × steps) and one dropped-tokens bar row per layer, as a plain plotly dict."""
-    layers = state.layers
-    if not layers:
+def imbalance_grid(state: ExpertLoadState) -> Tuple[List[str], List[int], List[List[Optional[float]]],
+                                                    List[List[Optional[int]]]]:
+    """``(layers, steps, imb, dropped)``: ``imb[l][i]`` the ``imbalance`` of ``layers[l]`` at
+    ``steps[i]`` (tokens summed over ranks), ``dropped[l][i]`` likewise; None where that layer has no
+    event at that step. One cell per layer × kept step, from ``state.totals`` (summed once per key)."""
+    layers, steps = state.layers, state.steps
+    imb: List[List[Optional[float]]] = []
+    dropped: List[List[Optional[int]]] = []
+    for layer in layers:
+        ri, rd = [], []
+        for s in steps:
+            got = state.totals(layer, s)
+            ri.append(None if got is None else imbalance(got[0]))
+            rd.append(None if got is None else got[1])
+        imb.append(ri)
+        dropped.append(rd)
+    return layers, steps, imb, dropped
+
+
+def busiest_layers(state: ExpertLoadState, n: int) -> List[str]:
+    """The ``n`` layers of the highest imbalance at their newest step (ties: model order), listed in
+    model order, so the panels keep their places while the chosen set stays the same."""
+    layers, steps = state.layers, state.steps[::-1]
+    newest = []
+    for i, layer in enumerate(layers):
+        tokens = next(got[0] for got in (state.totals(layer, s) for s in steps) if got is not None)
+        newest.append((-imbalance(tokens), i))
+    return [layers[i] for _, i in sorted(sorted(newest)[:n], key=lambda t: t[1])]
+
+
+def shown_layers(state: ExpertLoadState, max_panels: Optional[int] = None,
+                 selected: Optional[List[str]] = None) -> Tuple[List[str], bool]:
+    """``(layers drawn as detail panels in model order, whether they are a pinned choice)``: the
+    ``selected`` layers still kept, else every layer up to ``max_panels`` (None: no limit), else the
+    ``busiest_layers``."""
+    layers, sel = state.layers, set(selected or ())
+    pinned = [n for n in layers if n in sel]
+    if pinned:
+        return pinned, True
+    if max_panels is None or len(layers) <= max_panels:
+        return layers, False
+    return busiest_layers(state, max_panels), False
+
+
+def _summary_trace(state: ExpertLoadState, shown: List[str], k: int, domain: List[float]) -> Tuple[dict, dict]:
+    """The layers × steps heatmap of each cell's imbalance (its own colour axis ``coloraxis2``) on
+    axes number ``k``; the shown layers' names are marked with a dot."""
+    layers, steps, imb, dropped = imbalance_grid(state)
+    on = set(shown)
+    trace = {"type": "heatmap", "name": "imbalance", "x": steps, "y": layers, "z": imb, "customdata": dropped,
+             "coloraxis": "coloraxis2", "xaxis": _ref("x", k), "yaxis": _ref("y", k), "xgap": 1, "ygap": 1,
+             "hovertemplate": "%{y} · step %{x}<br>max/mean %{z:.2f} · dropped %{customdata:,}<extra></extra>"}
+    axes = {_axis("x", k): {"domain": [0, 1], "anchor": _ref("y", k), "title": {"text": "step"}},
+            _axis("y", k): {"domain": domain, "anchor": _ref("x", k), "autorange": "reversed",
+                            "tickmode": "array", "tickvals": layers, "tickfont": {"size": 9},
+                            "ticktext": [f"● {n}" if n in on else n for n in layers]}}
+    return trace, axes
+
+
+def expert_load_dict(state: ExpertLoadState, max_panels: Optional[int] = None,
+                     selected: Optional[List[str]] = None) -> dict:
+    """One heatmap (experts × steps) and one dropped-tokens bar row per layer, as a plain plotly dict.
+
+    Past ``max_panels`` layers (or with ``selected`` given) the figure starts with one layers × steps
+    heatmap of the imbalance and draws detail panels for ``selected`` only (default: the
+    ``busiest_layers``)."""
+    all_layers = state.layers
+    if not all_layers:
         return {"data": [], "layout": {"template": template_json(), "height": 200,
                                        "title": {"text": "ExpertLoadView · waiting for ExpertLoad events"}}}
+    layers, pinned = shown_layers(state, max_panels, selected)
+    many = pinned or len(layers) < len(all_layers)
     grids = [state.grid(layer) for layer in layers]
     # panel heights in px, top to bottom: title gap, heatmap, dropped bars
     heights = [(GAP_PX, max(120, HEAT_PX * len(g.z)), BAR_PX) for g in grids]
-    plot_h = sum(sum(h) for h in heights)  # the plot area (between the margins), in px
-    total = TOP_PX + plot_h + 40
+    summary_h = max(120, SUMMARY_ROW_PX * len(all_layers)) + SUMMARY_X_PX if many else 0
+    plot_h = summary_h + sum(sum(h) for h in heights)  # the plot area (between the margins), in px
+    top = TOP_PX + (TITLE_LINE_PX if many else 0)  # the title's second line names the shown layers
+    total = top + plot_h + 40
     zmax = max((max(max(row) for row in g.z) for g in grids if g.z), default=1) or 1
     data, notes = [], []
     detail = sum(len(g.z) * len(g.steps) for g in grids) <= HOVER_CELLS
     layout = {"template": template_json(), "height": total, "showlegend": False,
-              "margin": {"l": 60, "r": 20, "t": TOP_PX, "b": 40},
+              "margin": {"l": 60 if not many else 140, "r": 20, "t": top, "b": 40},
               "coloraxis": {"colorscale": "Viridis", "cmin": 0, "cmax": zmax,
                             "colorbar": {"title": {"text": "tokens"}, "thickness": 12}}}
-    pos = plot_h  # px above the plot area's bottom edge, walking down panel by panel
+    pos = plot_h - summary_h  # px above the plot area's bottom edge, walking down panel by panel
     for i, (layer, g, (gap, hh, bh)) in enumerate(zip(layers, grids, heights)):
         kh, kb = 2 * i + 1, 2 * i + 2
         pos -= gap
@@ -128,26 +205,81 @@ def expert_load_dict(state: ExpertLoadState) -> dict:
                       "font": {"size": 13}})
     steps = state.steps
     layout["annotations"] = notes
-    layout["title"] = {"text": f"ExpertLoadView · {len(layers)} MoE layer(s) · steps {steps[0]}–{steps[-1]}"
+    layout["title"] = {"text": f"ExpertLoadView · {len(all_layers)} MoE layer(s) · steps {steps[0]}–{steps[-1]}"
                                f" · {len(state.ranks)} rank(s)"}
+    if many:
+        k = 2 * len(layers) + 1
+        # the summary's step ticks sit in SUMMARY_X_PX under it, above the first panel's title gap
+        trace, axes = _summary_trace(state, layers, k, [(plot_h - summary_h + SUMMARY_X_PX) / plot_h, 1.0])
+        data.insert(0, trace)
+        layout.update(axes)
+        layout["coloraxis2"] = {"colorscale": "YlOrRd", "cmin": 1,
+                                "colorbar": {"title": {"text": "max/mean"}, "thickness": 12, "yanchor": "top",
+                                             "y": 1.0, "len": summary_h / plot_h}}
+        layout["coloraxis"]["colorbar"].update({"yanchor": "bottom", "y": 0, "len": 1 - summary_h / plot_h})
+        how = "pinned by view.select" if pinned else "highest max/mean at the newest step"
+        layout["title"]["text"] += (f"<br>{len(layers)} shown ({how}): " + ", ".join(layers))
     return {"data": data, "layout": layout}
 
 
-def expert_load_figure(state: ExpertLoadState) -> go.Figure:
+def expert_load_figure(state: ExpertLoadState, max_panels: Optional[int] = None,
+                       selected: Optional[List[str]] = None) -> go.Figure:
     """``expert_load_dict`` as a validated ``go.Figure`` (for static use)."""
-    return go.Figure(expert_load_dict(state))
+    return go.Figure(expert_load_dict(state, max_panels, selected))
 
 
 class ExpertLoadView(LiveView):
     """Per MoE layer, a heatmap of tokens per expert per step (summed over ranks) with the dropped
     tokens under it. ``on_first_load``, when set, is called once (on the thread that folds) when
-    the first ``ExpertLoad`` arrives: the ``Dashboard`` shows the view from then on."""
+    the first ``ExpertLoad`` arrives: the ``Dashboard`` shows the view from then on.
+
+    Past ``max_panels`` layers the figure starts with one layers × steps heatmap of each layer's
+    imbalance and draws detail panels for ``max_panels`` layers only: the busiest at the newest step,
+    or those pinned by ``select``."""
 
     accepts = (ExpertLoad,)
+
+    def __init__(self, *, max_panels: int = MAX_PANELS, **kw):
+        if not (isinstance(max_panels, int) and not isinstance(max_panels, bool) and max_panels > 0):
+            raise ValueError(f"ExpertLoadView(max_panels={max_panels!r}): must be a positive int "
+                             f"(the detail panels drawn; default {MAX_PANELS})")
+        self.max_panels = max_panels
+        self._selected: Optional[List[str]] = None
+        super().__init__(**kw)
 
     def _init_state(self) -> None:
         self.experts = ExpertLoadState()
         self.on_first_load = None
+
+    def select(self, layers: Optional[Iterable[str]]) -> None:
+        """Pin the detail panels to ``layers`` (names from ``view.layers``, at most ``max_panels``),
+        or ``None`` to go back to the busiest layers at the newest step. Redraws now."""
+        with self._lock:
+            if layers is None:
+                self._selected = None
+            else:
+                if isinstance(layers, str):
+                    raise ValueError(f"ExpertLoadView.select(layers={layers!r}): pass a list of layer "
+                                     f"names, e.g. select([{layers!r}])")
+                want = list(dict.fromkeys(layers))
+                known = self.experts.layers
+                unknown = [n for n in want if n not in set(known)]
+                if unknown or not want:
+                    raise ValueError(f"ExpertLoadView.select(layers={want!r}): "
+                                     + (f"unknown layer(s) {unknown}" if unknown else "no layer given")
+                                     + f"; known layers: {known} (select(None) for automatic)")
+                if len(want) > self.max_panels:
+                    raise ValueError(f"ExpertLoadView.select(layers=<{len(want)} names>): more than "
+                                     f"max_panels={self.max_panels}; pick fewer or make the view with "
+                                     f"ExpertLoadView(max_panels={len(want)})")
+                self._selected = want
+        self.redraw()
+
+    @property
+    def shown(self) -> List[str]:
+        """The layers drawn as detail panels now, in model order."""
+        with self._lock:
+            return shown_layers(self.experts, self.max_panels, self._selected)[0]
 
     def _fold(self, events) -> bool:
         had = bool(self.experts.loads)
@@ -157,7 +289,7 @@ class ExpertLoadView(LiveView):
         return changed
 
     def build_dict(self) -> dict:
-        return expert_load_dict(self.experts)
+        return expert_load_dict(self.experts, self.max_panels, self._selected)
 
     @property
     def layers(self) -> List[str]:

@@ -325,11 +325,16 @@ class ExpertLoadState:
 
     # step -> events of that step kept: ``steps`` and the trimming read it, not every event
     _per_step: Dict[int, int] = field(default_factory=dict, repr=False, compare=False)
+    # (layer, step) -> (tokens per expert, dropped), summed over ranks: ``totals`` fills it, ``apply``
+    # forgets the key it changes, so a many-layer summary redraw sums only what changed
+    _totals: Dict[Tuple[str, int], Tuple[Tuple[int, ...], int]] = field(default_factory=dict, repr=False,
+                                                                        compare=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.keep_steps, int) and self.keep_steps > 0):
             raise ValueError(f"ExpertLoadState(keep_steps={self.keep_steps!r}): must be a positive int")
         given, self.loads, self._by_layer, self._per_step = list(self.loads.values()), {}, {}, {}
+        self._totals = {}
         for e in given:
             self.apply(e)
 
@@ -343,6 +348,7 @@ class ExpertLoadState:
             return False  # older than every step kept: it would be dropped at once
         self.loads[key] = e
         self._by_layer.setdefault(e.layer, {}).setdefault(e.step, {})[e.rank] = e
+        self._totals.pop((e.layer, e.step), None)
         if old is None:
             self._per_step[e.step] = self._per_step.get(e.step, 0) + 1
         if len(self._per_step) > self.keep_steps:
@@ -354,6 +360,8 @@ class ExpertLoadState:
             for by_step in self._by_layer.values():
                 for s in [s for s in by_step if s < cutoff]:
                     del by_step[s]
+            for k in [k for k in self._totals if k[1] < cutoff]:
+                del self._totals[k]
         return True
 
     @property
@@ -388,6 +396,23 @@ class ExpertLoadState:
                 dropped[i] += e.dropped
                 ranks[i] += 1
         return ExpertLoad2D(steps, z, dropped, ranks)
+
+    def totals(self, layer: str, step: int) -> Optional[Tuple[Tuple[int, ...], int]]:
+        """``(tokens per expert, dropped)`` of ``layer`` at ``step`` summed over the ranks that
+        reported it, or None when none did (cached until an event for that key arrives)."""
+        key = (layer, step)
+        got = self._totals.get(key)
+        if got is None:
+            by_rank = self._by_layer.get(layer, {}).get(step)
+            if not by_rank:
+                return None
+            n = max(len(e.tokens) for e in by_rank.values())
+            tokens = [0] * n
+            for e in by_rank.values():
+                for x, t in enumerate(e.tokens):
+                    tokens[x] += t
+            got = self._totals[key] = (tuple(tokens), sum(e.dropped for e in by_rank.values()))
+        return got
 
     def per_rank(self, layer: str, step: int) -> Dict[int, Tuple[int, ...]]:
         """``{rank: tokens per expert}`` of ``layer`` at ``step``."""

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..device import default_device
 from ..mixed_precision import TORCH_DTYPE_MAP
-from .chunk import TensorInfo, pack_chunks, search_chunk_size
+from .chunk import ApartLayout, TensorInfo, pack_chunks, search_chunk_size
 from .chunk_manager import ChunkManager
 from .hostmem import bound_host_heap
 from .materialize import ParamSource
@@ -66,12 +66,13 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
           offload_optim_frac: float = 0.0, offload_param_frac: float = 0.0, nvme_offload_dir: Optional[str] = None,
           nvme_offload_frac: float = 0.0, device_memory_limit: Optional[int] = None,
           chunk_size_mb: Optional[float] = None, max_prefetch: int = 2, pin_memory: bool = True,
-          nvme_direct_io: bool = False, pack_order: str = "execution",
+          nvme_direct_io: bool = False, pack_order: str = "execution", experts=None,
           ) -> Tuple[GeminiModel, Optional[GeminiOptimizer], ChunkManager]:
     """Pack ``model``'s parameters into chunks over ``world`` data-parallel ranks (``group``),
     place them, fill them and wrap model and optimizer to compute on ``device`` (default: this
     rank's). The other keyword arguments are ``GeminiPlugin``'s (see there); ``precision`` is the
-    resolved one."""
+    resolved one. ``experts``: the plugin's ``ExpertGroups`` under expert parallelism (its expert
+    slices are packed in chunks of their own over the expert-dp group); None without."""
     if optimizer is not None:
         check_optimizer(optimizer)
     dtype, device = TORCH_DTYPE_MAP[precision], device or default_device()
@@ -82,7 +83,13 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
             named.append(TensorInfo(name=name, param=p, offset=0, numel=p.numel(), shape=p.shape))
     size, search_max = chunk_elems(named, dtype.itemsize, world, chunk_size_mb, device_memory_limit,
                                    max_prefetch)
-    chunks = pack_chunks(named, size, dtype, world, rank, shard_param_frac)
+    apart = None
+    if experts is not None:
+        g = experts.expert_dp_group
+        apart = ApartLayout(ids=frozenset(experts.params), world=dist.get_world_size(g) if g is not None else 1,
+                            rank=dist.get_rank(g) if g is not None else 0, group=g)
+        pack_order = "registration"  # the execution-order re-pack moves state over one group only (docs/moe.md)
+    chunks = pack_chunks(named, size, dtype, world, rank, shard_param_frac, apart=apart)
     stack = TierStack.build(device, device_memory_limit, nvme_offload_dir)
     pair = min_working_set_bytes(chunks)
     if stack.compute.capacity < pair:
@@ -99,7 +106,7 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
         bound_host_heap()  # RSS must follow the compute tier's accounting (see hostmem.py)
     nvme = NVMeStore(nvme_offload_dir, direct=nvme_direct_io) if nvme_offload_dir is not None else None
     mgr = ChunkManager(chunks, stack, cfg, device, group=group, nvme=nvme, pin_memory=pin_memory,
-                       telemetry_rank=dist.get_rank() if comm.initialized() else 0)
+                       telemetry_rank=dist.get_rank() if comm.initialized() else 0, world=world)
     source = ParamSource(model)  # meta (lazy_init) parameters are materialised chunk by chunk
     mgr.materialize(source)
     source.finish(torch.device("cpu"))
@@ -108,7 +115,9 @@ def build(model: nn.Module, optimizer: Optional[Optimizer], precision: str, *,
             if b is not None:
                 m._buffers[bname] = b.to(device)
     spec = PackSpec(order=pack_order, shard_param_frac=shard_param_frac, search_max=search_max)
-    gmodel = GeminiModel(model, mgr, pack=spec)  # re-packs in execution order at the first training forward
-    goptim = GeminiOptimizer(optimizer, mgr, precision, group=group, model=gmodel) if optimizer is not None else None
+    gmodel = GeminiModel(model, mgr, pack=spec, experts=experts)  # re-packs in execution order at the first forward
+    goptim = None
+    if optimizer is not None:
+        goptim = GeminiOptimizer(optimizer, mgr, precision, group=group, model=gmodel, experts=experts)
     mgr.snapshot()
     return gmodel, goptim, mgr

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -60,6 +60,7 @@ class Chunk:
     grads_pending: int = 0                       # trainable params whose grad has not arrived
     reduced: bool = False
     frozen: bool = False                         # every parameter frozen at packing: no moments, no grads
+    group: Optional[Any] = None                  # its process group of ``world`` ranks; None: the manager's
 
     # ---- geometry --------------------------------------------------------------------------
     @property
@@ -173,28 +174,50 @@ def _waste(numels: List[int], size: int) -> int:
     return waste + (size - cur)
 
 
+@dataclass(frozen=True)
+class ApartLayout:
+    """Parameters packed into chunks of their own, over another process group: under expert
+    parallelism the expert slices (``ids``), whose chunks are sharded and reduced over the expert-dp
+    group (``world`` ranks holding the same experts; this rank is ``rank`` of them)."""
+
+    ids: frozenset
+    world: int
+    rank: int
+    group: Any
+
+
 def pack_chunks(tensors: List[TensorInfo], size: int, dtype: torch.dtype, world: int, rank: int,
-                shard_frac: float) -> List[Chunk]:
+                shard_frac: float, apart: Optional[ApartLayout] = None) -> List[Chunk]:
     """``tensors`` in this order in chunks of ``size`` elements (a tensor never straddles two; each
     gets a fresh ``TensorInfo`` at its offset); the first ``shard_frac`` of the chunks sharded.
 
     Trainable and frozen parameters never share a chunk: each kind fills its own open chunk, so a
     frozen chunk gets no gradient buffer and no optimizer moments (a model with one kind packs as
-    if there were no rule)."""
+    if there were no rule). The parameters of ``apart`` are a kind of their own too, and their
+    chunks take its world, rank and group (``size`` divisible by ``world`` is then divisible by
+    ``apart.world``, a divisor of it)."""
     groups: List[List[TensorInfo]] = []
     frozen: List[bool] = []
-    open_: dict = {}  # kind (requires_grad) -> [index in groups, elements filled]
+    kinds: List[Tuple[bool, bool]] = []
+    open_: dict = {}  # kind (requires_grad, apart) -> [index in groups, elements filled]
+    ids = apart.ids if apart is not None else frozenset()
     for t in tensors:
-        kind = bool(getattr(t.param, "requires_grad", True))
+        trains = bool(getattr(t.param, "requires_grad", True))
+        kind = (trains, id(t.param) in ids)
         gi, cur = open_.get(kind, (-1, 0))
         if gi < 0 or (cur + t.numel > size and groups[gi]):
             groups.append([])
-            frozen.append(not kind)
+            frozen.append(not trains)
+            kinds.append(kind)
             gi, cur = len(groups) - 1, 0
         groups[gi].append(replace(t, offset=cur, state=TensorState.FREE))
         open_[kind] = (gi, cur + t.numel)
     if not groups:
-        groups, frozen = [[]], [False]
+        groups, frozen, kinds = [[]], [False], [(True, False)]
     n_shard = int(round(shard_frac * len(groups)))
-    return [Chunk(id=cid, size=size, dtype=dtype, world=world, rank=rank, sharded=world > 1 and cid < n_shard,
-                  infos=infos, frozen=frozen[cid]) for cid, infos in enumerate(groups)]
+    out = []
+    for cid, infos in enumerate(groups):
+        w, r, g = (apart.world, apart.rank, apart.group) if kinds[cid][1] else (world, rank, None)
+        out.append(Chunk(id=cid, size=size, dtype=dtype, world=w, rank=r, sharded=w > 1 and cid < n_shard,
+                         infos=infos, frozen=frozen[cid], group=g))
+    return out

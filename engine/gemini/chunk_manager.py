@@ -41,7 +41,7 @@ class _Load:
 class ChunkManager:
     def __init__(self, chunks: List[Chunk], stack: TierStack, cfg: PlacementConfig,
                  device: torch.device, group=None, nvme: Optional[NVMeStore] = None,
-                 pin_memory: bool = True, telemetry_rank: int = 0):
+                 pin_memory: bool = True, telemetry_rank: int = 0, world: Optional[int] = None):
         self.chunks = chunks
         self.stack = stack
         self.cfg = cfg
@@ -50,7 +50,7 @@ class ChunkManager:
         self.nvme = nvme
         self.pin = pin_memory and device.type == "cuda"
         self.rank = telemetry_rank
-        self.world = chunks[0].world if chunks else 1
+        self.world = world if world is not None else (chunks[0].world if chunks else 1)  # the data-parallel size
         self.trace = AccessTrace()
         self.nonmodel = NonModelMemory()
         self.step = 0
@@ -76,6 +76,17 @@ class ChunkManager:
         """True between ``begin_backward()`` and ``finish_backward()``: a forward seen then is a
         checkpoint's recompute, not a new step."""
         return self._in_backward
+
+    # ---- groups ----------------------------------------------------------------------------------
+    def group_of(self, c: Chunk):
+        """The process group ``c`` is sharded and reduced over: its own (expert chunks: the expert-dp
+        group) or the manager's data-parallel one."""
+        return c.group if c.group is not None else self.group
+
+    @staticmethod
+    def split(c: Chunk) -> bool:
+        """``c`` is sharded over more than one rank (its payload is all-gathered to compute)."""
+        return c.sharded and c.world > 1
 
     # ---- tiers -----------------------------------------------------------------------------------
     @property
@@ -141,7 +152,7 @@ class ChunkManager:
                 flat[info.offset:info.end].copy_(source.value(info).reshape(-1).to("cpu", c.dtype))
             s0, s1 = c.shard_range
             master = flat[s0:s1].float()
-            alias = c.param_home == self.compute.name and (not c.sharded or self.world == 1)
+            alias = c.param_home == self.compute.name and not self.split(c)
             share = self.shares_master(c)
             st = None
             if c.optim_home != "nvme":
@@ -220,7 +231,7 @@ class ChunkManager:
     def _load_bytes(self, c: Chunk) -> int:
         """Compute-tier bytes a load of ``c`` takes: the full buffer, plus a staging shard when
         an NVMe read cannot land in ``full`` directly (sharded chunk, or a CUDA compute tier)."""
-        staged = c.param_home == "nvme" and ((self.world > 1 and c.sharded) or self.device.type != "cpu")
+        staged = c.param_home == "nvme" and (self.split(c) or self.device.type != "cpu")
         return c.full_bytes + (c.shard_bytes if staged and self.stack.host is self.compute else 0)
 
     def _ensure_gathered(self, c: Chunk) -> None:
@@ -240,7 +251,7 @@ class ChunkManager:
         self.compute.alloc(c.full_bytes)
         c.gathered = True
         c.set_state(TensorState.HOLD)
-        if self.world > 1 and c.sharded:
+        if self.split(c):
             if c.param_home == "nvme":  # read now; all-gather at the next access or at use
                 staging = self._alloc_ram(self.stack.host.name, c.shard_size, c.dtype, protect=(c.id,))
                 self._loading[c.id] = _Load(self.nvme.read(f"c{c.id}.param", staging), staging,
@@ -275,19 +286,19 @@ class ChunkManager:
             load.fut = None
         src = load.staging if load.staging is not None else c.shard
         load.src = src.to(self.device)
-        load.work = comm.all_gather_into_tensor(c.full, load.src, group=self.group, async_op=True)
+        load.work = comm.all_gather_into_tensor(c.full, load.src, group=self.group_of(c), async_op=True)
 
     def _wait_load(self, c: Chunk) -> None:
         entry = self._loading.pop(c.id, None)
         if entry is None:
             return
         staging = entry.staging
-        if entry.fut is not None and not (self.world > 1 and c.sharded):
+        if entry.fut is not None and not self.split(c):
             entry.fut.result()
         ev = self._events.pop(c.id, None)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
-        if self.world > 1 and c.sharded:
+        if self.split(c):
             if entry.work is None:
                 self._issue_gather(c, entry)
             entry.work.wait()
@@ -308,7 +319,7 @@ class ChunkManager:
             if load is not None:
                 # an NVMe shard read at an earlier access: all-gather it now (a point in the
                 # access sequence that is the same on every rank, whether or not the read is done)
-                if load.work is None and load.fut is not None and self.world > 1 and c.sharded \
+                if load.work is None and load.fut is not None and self.split(c) \
                         and load.started < self._accesses:
                     self._issue_gather(c, load)
                 continue
@@ -362,11 +373,14 @@ class ChunkManager:
     def _reduce(self, c: Chunk) -> None:
         g = c.grad_full
         if self.world > 1:
-            if c.sharded:
+            # summed over the chunk's group, divided by the whole dp: an expert chunk's gradient already
+            # sums its EP group's tokens (the all-to-all's backward), its group is the expert-dp ranks
+            if self.split(c):
                 out = torch.empty(c.shard_size, dtype=torch.float32, device=self.device)
-                comm.reduce_scatter_tensor(out, g, group=self.group)
+                comm.reduce_scatter_tensor(out, g, group=self.group_of(c))
             else:
-                comm.all_reduce(g, group=self.group)
+                if c.world > 1:
+                    comm.all_reduce(g, group=self.group_of(c))
                 out = g
             out.div_(self.world)
         else:
@@ -548,10 +562,10 @@ class ChunkManager:
     def gather_full(self, c: Chunk, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` (k blocks of ``shard_size``) of a sharded chunk as k full-size
         blocks (collective); an unsharded chunk's ``shard`` as it is."""
-        if not (c.sharded and self.world > 1):
+        if not self.split(c):
             return shard
         n = c.shard_size
-        parts = comm.all_gather([torch.empty_like(shard) for _ in range(self.world)], shard, group=self.group)
+        parts = comm.all_gather([torch.empty_like(shard) for _ in range(c.world)], shard, group=self.group_of(c))
         return torch.cat([p[j * n:(j + 1) * n] for j in range(shard.numel() // n) for p in parts])
 
     def adopt(self, chunks: List[Chunk], state_blocks: Dict[int, torch.Tensor], steps: Dict[int, int]) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..wrappers import ModelWrapper
+from . import experts as expert_state
 from .chunk import Chunk, TensorInfo, TensorState
 from .chunk_manager import ChunkManager
 from .repack import PackSpec, learn_and_repack
@@ -23,8 +24,9 @@ from .repack import PackSpec, learn_and_repack
 class GeminiModel(ModelWrapper):
     """Wraps ``module``; call it like the module. ``unwrap()`` returns the original module."""
 
-    def __init__(self, module: nn.Module, manager: ChunkManager, pack: Optional[PackSpec] = None):
+    def __init__(self, module: nn.Module, manager: ChunkManager, pack: Optional[PackSpec] = None, experts=None):
         super().__init__(module)
+        self.experts = experts  # hybrid.experts.ExpertGroups under expert parallelism (state_dict gathers them)
         self.device = manager.device
         self._mgr = manager
         # chunks are re-packed in execution order at the first training forward (repack.py)
@@ -150,16 +152,21 @@ class GeminiModel(ModelWrapper):
         return self._mgr
 
     def state_dict(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
-        """Full (gathered) fp32 master tensors by parameter name, on CPU — collective on every rank."""
+        """Full (gathered) fp32 master tensors by parameter name, on CPU — collective on every rank;
+        under expert parallelism every expert too (gathered over the EP group: ``experts.py``)."""
         out: Dict[str, torch.Tensor] = {}
         for c in self._mgr.chunks:
             full = self._mgr.gather_full(c, self._mgr.read_state(c)[:c.shard_size].contiguous())
             for info in c.infos:
                 out[info.name] = full[info.offset:info.end].view(info.shape).clone()
+        if self.experts is not None:
+            expert_state.gather(out, self.experts)
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True):
         mgr, sd = self._mgr, state_dict
+        if self.experts is not None:  # whole expert tensors (one process's, any EP size's): this rank's rows
+            sd = expert_state.cut(sd, self.experts, {i.name: i.shape for c in mgr.chunks for i in c.infos})
         names = {i.name for c in mgr.chunks for i in c.infos}
         missing, unexpected = sorted(names - set(sd)), sorted(set(sd) - names)
         if strict and (missing or unexpected):

@@ -19,6 +19,7 @@ from torch.optim.adam import adam as _adam
 
 from .. import comm
 from ..wrappers import OptimizerWrapper
+from . import experts as expert_state
 from .chunk_manager import ChunkManager
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
@@ -41,11 +42,12 @@ class GeminiOptimizer(OptimizerWrapper):
     """The boosted optimizer of a Gemini model: the base's step policy over chunk shards."""
 
     def __init__(self, optimizer: Optimizer, manager: ChunkManager, precision: str = "fp32",
-                 group=None, model=None):
+                 group=None, model=None, experts=None):
         check_optimizer(optimizer)
         super().__init__(optimizer, model, precision, group=group)
         self.mgr = manager
         self.group = group
+        self.experts = experts  # hybrid.experts.ExpertGroups under expert parallelism
         self.decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
             g.get("decoupled_weight_decay") for g in optimizer.param_groups)
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
@@ -115,6 +117,10 @@ class GeminiOptimizer(OptimizerWrapper):
         self.mgr.finish_backward()
         self.mgr.flush_writes()
         super().step()
+        if self.experts is not None and self.model is not None:  # this step's ExpertLoad per MoE block
+            from ..moe import emit_load
+
+            emit_load(self.model.module, self.mgr.rank, self.mgr.step - 1)
 
     def _skip_step(self) -> None:
         self._clip_coef = 1.0
@@ -177,9 +183,14 @@ class GeminiOptimizer(OptimizerWrapper):
                 out[f"state.{info.name}.exp_avg"] = m[info.offset:info.end].view(info.shape).clone()
                 out[f"state.{info.name}.exp_avg_sq"] = v[info.offset:info.end].view(info.shape).clone()
                 out[f"state.{info.name}.step"] = torch.tensor(float(self.steps[c.id]))
+        if self.experts is not None:  # every expert's moments, gathered over the EP group
+            expert_state.gather(out, self.experts, expert_state.OPTIM)
         return out
 
     def load_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        if self.experts is not None:  # whole expert moments: this rank's rows
+            sd = expert_state.cut(sd, self.experts, {i.name: i.shape for c in self.mgr.chunks for i in c.infos},
+                                  expert_state.OPTIM)
         for c in self.mgr.chunks:
             if c.frozen:
                 continue

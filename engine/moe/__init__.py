@@ -10,11 +10,12 @@ expert-load telemetry). What is built and tested: docs/moe.md.
 
 from .dispatch import Routing, route
 from .experts import GroupedExperts, grouped_swiglu
-from .layer import MoE, aux_loss_scale, moe_layers
+from .layer import MoE, aux_loss_backward_scale, aux_loss_scale, moe_layers
 from .load import emit_load, take_load
 from .losses import load_balancing_loss, router_z_loss
 from .parallel import ExpertParallel
 from .router import TopKRouter
 
-__all__ = ["ExpertParallel", "GroupedExperts", "MoE", "Routing", "TopKRouter", "aux_loss_scale", "grouped_swiglu",
-           "emit_load", "load_balancing_loss", "moe_layers", "route", "router_z_loss", "take_load"]
+__all__ = ["ExpertParallel", "GroupedExperts", "MoE", "Routing", "TopKRouter", "aux_loss_backward_scale",
+           "aux_loss_scale", "grouped_swiglu", "emit_load", "load_balancing_loss", "moe_layers", "route",
+           "router_z_loss", "take_load"]

@@ -25,7 +25,8 @@ from .router import TopKRouter
 
 
 class _AuxLoss(torch.autograd.Function):
-    """Identity on ``out``; in backward, ``aux`` gets the gradient ``scale`` (its weight in the loss)."""
+    """Identity on ``out``; in backward, ``aux`` gets the gradient ``scale`` (its weight in the loss, fixed at
+    the forward) times the backward's own multiplier (:func:`aux_loss_backward_scale`: a loss scaler's)."""
 
     @staticmethod
     def forward(ctx, out, aux, scale: float):
@@ -34,7 +35,24 @@ class _AuxLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g, torch.full((), ctx.scale, dtype=torch.float32, device=g.device), None
+        return g, torch.full((), ctx.scale * _BACKWARD_SCALE[0], dtype=torch.float32, device=g.device), None
+
+
+_BACKWARD_SCALE = [1.0]  # set by ``aux_loss_backward_scale`` around a backward
+
+
+@contextlib.contextmanager
+def aux_loss_backward_scale(scale: float):
+    """The auxiliary losses' gradients in the backwards run inside are multiplied by ``scale``: a loss scaler
+    back-propagates ``S * loss``, so the aux losses that enter through the block outputs must weigh ``S`` too,
+    or they come out ``1/S`` of their weight after unscaling (Megatron's ``MoEAuxLossAutoScaler.set_loss_scale``).
+    Where the forward already fixed the scale (``aux_loss_scale(module, S / m)`` in a microbatch loop), the
+    backward is not wrapped."""
+    was, _BACKWARD_SCALE[0] = _BACKWARD_SCALE[0], float(scale)
+    try:
+        yield
+    finally:
+        _BACKWARD_SCALE[0] = was
 
 
 @dataclass

@@ -56,8 +56,9 @@ class GeminiPlugin(Plugin):
     pack_order: str = "execution"
     activation_checkpointing: Union[bool, str] = False
     activation_budget: Optional[int] = None
-    ep_size: int = 1  # expert parallelism: not built under Gemini (refused, naming what works)
+    ep_size: int = 1  # expert parallelism: the engine's MoE blocks' experts split over ep_size ranks
     _managers: List = field(default_factory=list, init=False, repr=False)
+    _experts: List = field(default_factory=list, init=False, repr=False)
 
     controls_precision = True
 
@@ -94,10 +95,9 @@ class GeminiPlugin(Plugin):
             raise ValueError("GeminiPlugin(nvme_direct_io=True): needs nvme_offload_dir=... (a directory on a "
                              "local disk), or set nvme_direct_io=False")
         if self.ep_size != 1:
-            raise ValueError(f"GeminiPlugin(ep_size={self.ep_size!r}): expert parallelism under Gemini is not built "
-                             "(it needs chunks of expert parameters per expert-data-parallel group); an MoE model "
-                             "trains under GeminiPlugin with every expert on every rank (ep_size=1), and with experts "
-                             "split over ranks under HybridParallelPlugin(ep_size=..., zero_stage=2) or zero_stage=1")
+            from ..gemini.expert_parallel import check_plugin
+
+            check_plugin(self)
         from ..autockpt_dist import check_budget
 
         check_budget("GeminiPlugin", self.activation_checkpointing, self.activation_budget, budget_optional=True)
@@ -137,8 +137,16 @@ class GeminiPlugin(Plugin):
                                 instead="use activation_checkpointing=True")
         skip = ("precision", "activation_checkpointing", "activation_budget", "ep_size")
         options = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name not in skip}
+        experts = None
+        if self.ep_size > 1:  # checked before any group; then the groups, and the experts cut to this rank's
+            from ..gemini.expert_parallel import check_model, split_experts
+
+            check_model(model, self.ep_size, self.dp_size)
+            experts = split_experts(model, optimizer, self.ep_size, self.dp_size)
+            self._experts.append(experts)
         gmodel, goptim, manager = build(model, optimizer, precision, device=self.compute_device(),
-                                        group=self.dp_group, world=self.dp_size, rank=self.dp_rank, **options)
+                                        group=self.dp_group, world=self.dp_size, rank=self.dp_rank,
+                                        experts=experts, **options)
         self._managers.append(manager)
         if ac is True:  # after packing: chunks keep the model's own parameter names (no wrapper infix)
             own = checkpointing_method(model)  # the model's, or the adapter's for a transformers model
@@ -181,11 +189,30 @@ class GeminiPlugin(Plugin):
     def get_checkpoint_io(self):
         return GeminiCheckpointIO(self.dp_group)
 
+    @property
+    def ep_group(self):
+        """This rank's expert-parallel group (the last boost's), None without ``ep_size``."""
+        return self._experts[-1].ep_group if self._experts else None
+
+    @property
+    def experts(self):
+        """The last boost's ``ExpertGroups`` (EP and expert-dp groups, the expert parameters), or None."""
+        return self._experts[-1] if self._experts else None
+
     def close(self) -> None:
-        """Finish pending IO and delete this plugin's NVMe files."""
+        """Finish pending IO and delete this plugin's NVMe files; destroy the expert groups it made."""
         for m in self._managers:
             m.close()
         self._managers.clear()
+        import torch.distributed as dist
+
+        for ex in self._experts:
+            for g in ex.groups():
+                try:
+                    dist.destroy_process_group(g)
+                except (ValueError, RuntimeError):
+                    pass
+        self._experts.clear()
 
 
 @contextlib.contextmanager

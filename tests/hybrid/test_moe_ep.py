@@ -1,6 +1,9 @@
-"""Expert parallelism under HybridParallelPlugin(ep_size=...): 4 real gloo ranks follow the single-process
-MoE GPT within 1e-4 over 5 steps (also when some experts get no token), and the all-to-all bytes counted
-equal the formula from the routing. One distributed world; the layouts run inside the rank function."""
+"""Expert parallelism under HybridParallelPlugin(ep_size=...) and GeminiPlugin(ep_size=...): 4 real gloo ranks
+follow the single-process MoE GPT within 1e-4 over 5 steps (also when some experts get no token), and the
+all-to-all bytes counted equal the formula from the routing. One distributed world; the layouts run inside the
+rank function."""
+
+import os
 
 import pytest
 import torch
@@ -20,6 +23,11 @@ LAYOUTS = {"ep2xdp2": dict(ep_size=2), "ep4_zero2": dict(ep_size=4, num_microbat
            "ep2xtp2": dict(ep_size=2, tp_size=2), "ep2xdp2_zero2": dict(ep_size=2, zero_stage=2),
            "ep2xpp2_1f1b": dict(ep_size=2, pp_size=2, num_microbatches=2, pp_style="1f1b"),
            "ep2xpp2_zbv": dict(ep_size=2, pp_size=2, num_microbatches=2, pp_style="zbv", num_model_chunks=2)}
+# GeminiPlugin(ep_size=k): dense chunks over the 4 ranks, expert chunks over the expert-dp group (2 ranks under
+# ep2, 1 under ep4); "nvme" puts every chunk's optimizer state in files (a small compute tier)
+GEMINI = {"gemini_ep2": dict(ep_size=2, placement_policy="cpu"), "gemini_ep4": dict(ep_size=4),
+          "gemini_ep2_nvme": dict(ep_size=2, placement_policy="auto", nvme_offload_frac=1.0,
+                                  device_memory_limit=8_000_000)}
 # the zero-bubble V schedule holds two stages per rank (stages 0 and 3 on one, 1 and 2 on the other) and splits
 # each backward into its input and weight parts: a 4-block model
 N_LAYER = {"ep2xpp2_zbv": 4}
@@ -31,7 +39,9 @@ def _dp(layout) -> int:
 
 
 def _blocks(model):
-    """This rank's GPT blocks over all its stages, by name."""
+    """This rank's GPT blocks over all its stages (a Gemini model: all of them), by name."""
+    if not hasattr(model, "stage_modules"):
+        return dict(model.module.blocks.items())
     return {k: b for mod in model.stage_modules for k, b in mod.inner.blocks.items()}
 
 
@@ -41,7 +51,7 @@ def _a2a_formula(model, ep_group, forwards: int) -> int:
     (the gradients travel the reverse way), plus the per-expert counts (int64, equal slots) once per forward
     (microbatch). Both row terms are sums over the step's forwards, so the step's tokens per expert do."""
     me, p = dist.get_rank(ep_group), dist.get_world_size(ep_group)
-    per, d = E // p, model.stage_modules[0].inner.cfg.n_embd
+    per, d = E // p, next(iter(_blocks(model).values())).mlp.router.gate.in_features
     total = 0
     for block in _blocks(model).values():
         mine = torch.tensor(block.mlp.step_load)
@@ -82,7 +92,7 @@ def _step(model, opt, booster, plugin, s, pp):
     return t.item() * pp / WORLD, forwards
 
 
-def _rank(rank, world):
+def _rank(rank, world, tmp):
     from colossal_lab.engine import Booster, telemetry
     from colossal_lab.engine.moe.parallel import COMM
     from colossal_lab.engine.plugins import HybridParallelPlugin
@@ -121,12 +131,97 @@ def _rank(rank, world):
                                        local_experts=w1.shape[0], labels=sorted(COMM.bytes), load=load, held=held,
                                        state=state, blocks=list(_blocks(model)), share=share)
             plugin.close()
+    for name, kw in GEMINI.items():
+        for starve in (False, True):
+            out[(name, starve)] = _gemini_case(rank, world, name, kw, starve, os.path.join(tmp, f"{name}-{starve}"))
     return out
 
 
+def _files(d):
+    """Every file under ``d`` (each rank's NVMe store is a directory of its own there)."""
+    return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
+
+
+def _gemini_case(rank, world, name, kw, starve, where):
+    """5 steps under GeminiPlugin(ep_size=...), then: the full state (every expert gathered), a save (read back
+    by one process in the test) and its logits, a load into this model after one more step (the logits come
+    back), the optimizer's full state through a save and load."""
+    from colossal_lab.engine import Booster, telemetry
+    from colossal_lab.engine.moe.parallel import COMM
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    nvme = os.path.join(where, "nvme")
+    extra = dict(nvme_offload_dir=nvme) if "nvme_offload_frac" in kw else {}
+    plugin = GeminiPlugin(precision="fp32", **kw, **extra)
+    booster = Booster(plugin=plugin)
+    model = tiny_moe(starve)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
+    events = []
+    unsub = telemetry.subscribe(events.append)
+    losses, norms, counted, formula, tokens = [], [], [], [], []
+    for s in range(STEPS):
+        COMM.reset()
+        idx, tgt = batch(s, rank, world)
+        _, loss = model(idx, tgt)
+        booster.backward(loss, opt)
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        counted.append(COMM.total)
+        formula.append(_a2a_formula(model, plugin.ep_group, 1))
+        tokens.append([list(b.mlp.step_load) for b in _blocks(model).values()])
+        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
+        opt.step()
+        opt.zero_grad()
+    unsub()
+    chunks = [(".experts." in c.names()[0], c.world, c.sharded, c.param_home, c.optim_home, c.names())
+              for c in model.manager.chunks]
+    files = _files(nvme) if extra else []
+    state = model.state_dict()  # a collective: every rank gathers, two send it home
+    state = state if rank in (0, world - 1) else None
+
+    def logits():  # the whole batch's, gathered from the ranks (an eval forward still runs the all-to-alls)
+        model.eval()
+        with torch.no_grad():
+            out, _ = model(batch(0, rank, world)[0])
+        model.train()
+        parts = [torch.empty_like(out) for _ in range(world)]
+        dist.all_gather(parts, out.contiguous())
+        return torch.cat(parts)
+
+    saved = os.path.join(where, "model")
+    booster.save_model(model, saved)
+    before = logits()
+    _, loss = model(*batch(STEPS, rank, world))  # one more step moves every weight
+    booster.backward(loss, opt)
+    opt.step()
+    opt.zero_grad()
+    moved = (logits() - before).abs().max().item()
+    booster.load_model(model, saved)
+    reloaded = (logits() - before).abs().max().item()
+    optim_sd = opt.state_dict()
+    booster.save_optimizer(opt, os.path.join(where, "optim"))
+    for c in model.manager.chunks:  # every moment scrambled: the load must bring them back
+        st = model.manager.read_state(c)
+        st[c.shard_size:].normal_()
+        model.manager.write_state(c, st)
+    booster.load_optimizer(opt, os.path.join(where, "optim"))
+    optim_back = opt.state_dict()
+    optim_diff = max((optim_back[k] - v).abs().max().item() for k, v in optim_sd.items())
+    optim_shapes = {k: tuple(v.shape) for k, v in optim_sd.items() if ".experts." in k}
+    plugin.close()
+    dist.barrier()  # every rank's store closed (they share the directory)
+    load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events if isinstance(e, telemetry.ExpertLoad)]
+    return dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, chunks=chunks,
+                files=files, files_after=_files(nvme) if extra else [], labels=sorted(COMM.bytes),
+                local_experts=next(iter(_blocks(model).values())).mlp.experts.w1.shape[0], load=load,
+                state=state, saved=saved, logits=before if rank == 0 else None, moved=moved, reloaded=reloaded,
+                optim_diff=optim_diff, optim_shapes=optim_shapes, blocks=list(_blocks(model)))
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_rank, WORLD, timeout=600)
+def runs(tmp_path_factory):
+    return run_distributed(_rank, WORLD, str(tmp_path_factory.mktemp("moe_ep")), timeout=600, preload=True)
 
 
 @pytest.mark.parametrize("starve", [False, True])
@@ -167,14 +262,16 @@ def test_all_to_all_bytes_equal_formula(runs, layout):
 
 def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer of this rank's stage per step on every rank: the tokens its router sent to
-    each expert over the step's forwards (a pipeline's microbatches summed)."""
+    each expert over the step's forwards (a pipeline's microbatches summed); under Gemini too (its optimizer
+    emits them)."""
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
-            rows = 8 // _dp(layout) * 32  # this rank's tokens per step (batch 8, seq 32, over dp)
+            # this rank's tokens per step (batch 8, seq 32, over dp; Gemini's dp is the world)
+            rows = 8 // (_dp(layout) if layout in LAYOUTS else WORLD) * 32
             load = r["load"]
             assert [(e[0], e[1], e[2]) for e in load] == [(rank, s, f"blocks.{b}.mlp") for s in range(STEPS)
                                                           for b in r["blocks"]], (layout, starve)
-            assert len(r["blocks"]) == N_LAYER.get(layout, 2) // LAYOUTS[layout].get("pp_size", 1)
+            assert len(r["blocks"]) == N_LAYER.get(layout, 2) // LAYOUTS.get(layout, {}).get("pp_size", 1)
             assert [e[3] for e in load] == [tok for step in r["tokens"] for tok in step]
             assert all(sum(e[3]) == rows * 2 and e[4] == 0 for e in load)  # top_k=2, dropless
 
@@ -208,3 +305,120 @@ def test_zero1_shards_each_state_over_its_group(runs):
             assert sum(n in h for h in held) == 1, n
         for n in expert:
             assert sum(n in held[r] for r in (0, 2)) == 1 and sum(n in held[r] for r in (1, 3)) == 1, n
+
+
+# ---- GeminiPlugin(ep_size=...) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("starve", [False, True])
+@pytest.mark.parametrize("layout", sorted(GEMINI))
+def test_gemini_follows_single_process(runs, layout, starve):
+    """Losses and gradient norms within 1e-4 of one process at every step on every rank; the full state after 5
+    steps (every expert gathered over its EP group) equals the one-process model's; each rank holds E/ep
+    experts; the all-to-all bytes equal the formula; the starved experts got no token anywhere."""
+    ref, ref_norms, ref_state = moe_reference(starve)
+    ep = GEMINI[layout]["ep_size"]
+    for rank, per in enumerate(runs):
+        r = per[(layout, starve)]
+        assert r["local_experts"] == E // ep
+        assert_follows((layout, starve, rank), r["losses"], r["norms"], ref, ref_norms)
+        if r["state"] is not None:  # Gemini's state is the parameters (buffers stay the module's)
+            assert set(r["state"]) == {k for k, _ in tiny_moe(False).named_parameters()}
+            diff = {k: (v - ref_state[k]).abs().max().item() for k, v in r["state"].items()}
+            assert max(diff.values()) < 1e-4, (layout, starve, rank, sorted(diff.items(), key=lambda kv: -kv[1])[:3])
+        assert r["counted"] == r["formula"] and min(r["counted"]) > 0, (layout, starve, rank)
+        assert r["labels"] == ["combine", "counts", "dispatch"]
+        if starve:
+            assert all(tok[e] == 0 for step in r["tokens"] for tok in step for e in STARVED)
+
+
+@pytest.mark.parametrize("layout", sorted(GEMINI))
+def test_gemini_expert_chunks_over_expert_dp(runs, layout):
+    """Expert slices sit in chunks of their own over the expert-dp group (2 ranks under ep2, 1 under ep4),
+    every other parameter in chunks over the 4 ranks; under "nvme" every chunk's optimizer state (master,
+    moments, gradient) lives in files, which are gone after close()."""
+    ep = GEMINI[layout]["ep_size"]
+    for per in runs:
+        for starve in (False, True):
+            r = per[(layout, starve)]
+            expert = [c for c in r["chunks"] if c[0]]
+            dense = [c for c in r["chunks"] if not c[0]]
+            assert expert and dense
+            assert all(".experts." in n for c in expert for n in c[5])
+            assert not any(".experts." in n for c in dense for n in c[5])
+            assert {c[1] for c in expert} == {WORLD // ep} and {c[1] for c in dense} == {WORLD}
+            assert all(c[2] == (c[1] > 1) for c in r["chunks"])  # shard_param_frac=1: sharded where > 1 rank
+            if "nvme" in layout:
+                assert {c[4] for c in r["chunks"]} == {"nvme"}, r["chunks"]  # expert chunks' state too
+                assert any(f.endswith(".state") for f in r["files"]) and r["files_after"] == [], r["files"]
+
+
+@pytest.mark.parametrize("layout", sorted(GEMINI))
+def test_gemini_checkpoint_loads_in_one_process(runs, layout):
+    """booster.save_model under Gemini + ep writes the one-process model's full state: a plain GPT loads it
+    (strict: every name and shape) and gives the distributed model's logits; booster.load_model brings the
+    distributed model back to it after another step; the optimizer's full state (every expert's moments, the
+    one-process shapes) survives save_optimizer / load_optimizer over scrambled moments."""
+    from colossal_lab.engine.checkpoint_io import load_state_dict_shards
+
+    ref_shapes = {k: tuple(p.shape) for k, p in tiny_moe(False).named_parameters() if ".experts." in k}
+    for starve in (False, True):
+        r0 = runs[0][(layout, starve)]
+        one = tiny_moe(starve)
+        missing, unexpected = one.load_state_dict(load_state_dict_shards(r0["saved"]), strict=False)
+        assert unexpected == [] and all(k.endswith("expert_bias") for k in missing), (missing, unexpected)
+        one.eval()
+        with torch.no_grad():
+            logits, _ = one(batch(0)[0])
+        assert (logits - r0["logits"]).abs().max().item() < 1e-5, layout
+        for rank, per in enumerate(runs):
+            r = per[(layout, starve)]
+            assert r["moved"] > 1e-3 and r["reloaded"] < 1e-6, (layout, starve, rank, r["moved"], r["reloaded"])
+            assert r["optim_diff"] == 0.0, (layout, starve, rank)
+            assert r["optim_shapes"] == {f"state.{k}.{m}": s if m != "step" else () for k, s in ref_shapes.items()
+                                         for m in ("exp_avg", "exp_avg_sq", "step")}
+
+
+def _moe_gpt(**kw):
+    from colossal_lab.engine.models import GPT, GPTConfig
+
+    return GPT(GPTConfig.preset("tiny", **dict(dict(n_expert=4, top_k=2), **kw)))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda P: P.GeminiPlugin(ep_size=0), r"GeminiPlugin\(ep_size=0\): must be an int >= 1"),
+    (lambda P: P.GeminiPlugin(ep_size=2, precision="fp16"), r"ep_size=2, precision='fp16'\).*use precision='fp32'"),
+    (lambda P: P.GeminiPlugin(ep_size=2, activation_checkpointing=True),
+     r"ep_size=2, activation_checkpointing=True\).*use activation_checkpointing=False"),
+])
+def test_gemini_ep_refused_at_construction(make, match):
+    from colossal_lab.engine import plugins
+
+    with pytest.raises(ValueError, match=match):
+        make(plugins)
+
+
+def test_gemini_ep_refused_before_any_group(monkeypatch):
+    """Refused at boost on the model and the world, before any process group (none exists in this process:
+    reaching one would be another error) and before the experts are cut."""
+    from colossal_lab.engine.models import GPT, GPTConfig
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match=r"ep_size=4\): .* 6 data-parallel ranks; use an ep_size in \[1, 2, 3, 6\]"):
+        GeminiPlugin(ep_size=4)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    plugin = GeminiPlugin(ep_size=4, precision="fp32")
+    monkeypatch.setattr(type(plugin), "dp_size", property(lambda self: 4))
+    cases = [(lambda: GPT(GPTConfig.preset("tiny")), r"GPT has no MoE block.*set ep_size=1"),
+             (lambda: _moe_gpt(n_expert=6), r"n_expert=6 \(blocks.0.mlp\) does not divide .* \[1, 2, 3, 6\]")]
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    cases.append((lambda: transformers.LlamaForCausalLM(cfg), r"LlamaForCausalLM is a transformers model.*"
+                  r"HybridParallelPlugin\(ep_size=4\)"))
+    for make, match in cases:
+        model = make()
+        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=match):
+            plugin.configure(model, torch.optim.AdamW(model.parameters()), None, None, None)
+        assert {k: tuple(p.shape) for k, p in model.named_parameters()} == shapes  # nothing cut
+    assert not dist.is_initialized()

@@ -236,6 +236,30 @@ def test_a_search_from_a_given_calibration_plans_every_mode_without_any_rank():
     assert two_d["parts"]["tp_comm"] > 0 and two_d["peak_bytes"] > 0
 
 
+def test_moe_layouts_search_ep_and_pick_it_where_only_it_fits():
+    """Mixture of experts: ep_size is searched (divisors of the experts and of dp; 1D tp only), its all-to-alls
+    cost time (priced on the EP group's all-reduce curve: here latency-bound, so 5 calls per MoE layer and
+    microbatch make ep slower), and its 1/ep of the experts is what makes a layout fit a small budget."""
+    six = candidates(GPTConfig.preset("tiny", n_expert=6, top_k=2), 4, 8)
+    assert {(c.dp, c.ep) for c in six if c.tp == 1 and c.pp == 1} == {(4, 1), (4, 2)}  # 4 does not divide 6
+    assert {c.tp_mode for c in six} == {"1d"} and all(c.dp % c.ep == 0 for c in six)
+    assert max(c.ep for c in candidates(TINY, 4, 8)) == 1  # a dense model: no ep
+    moe = GPTConfig.preset("tiny", n_expert=8, top_k=2)  # the experts are ~90% of the parameters
+    cal = {"compute": {t: {"tokens": [16, 512], "f": [0.001, 0.03], "fb": [0.003, 0.09]} for t in (1, 2)},
+           "allreduce": {k: [(1 << 10, 5e-3), (1 << 22, 6e-3)] for k in (2, 4)},
+           "p2p": [(1 << 16, 1e-4), (1 << 22, 4e-3)], "adam_s_per_elem": 1e-9}
+    space = dict(schedules=("1f1b",), microbatch_factors=(1,), zero_stages=(0,), activation_checkpointing=(False,))
+    kw = dict(world_size=4, batch=8, seq=16, calibration=cal, **space)
+    roomy = cl.autoplan(moe, device_memory=None, **kw)
+    rows = {r["label"]: r for r in roomy.rows}
+    assert roomy.best.ep == 1 and rows["dp4 tp1 pp1 ep4"]["parts"]["a2a"] > 0 == rows["dp4 tp1 pp1"]["parts"]["a2a"]
+    tight = cl.autoplan(moe, device_memory=5 << 20, **kw)
+    assert tight.best.ep > 1 and tight.plugin().ep_size == tight.best.ep, tight.table()
+    planned = [r for r in tight.rows if r["peak_bytes"] is not None]
+    assert any(r["candidate"].ep == 1 for r in planned)
+    assert all(r["fits"] is False for r in planned if r["candidate"].ep == 1), tight.table()
+
+
 def test_a_measured_zero1_peak_needs_more_headroom_than_others():
     # two layouts reported run (a reused calibration): both peaked at 10 MiB, ZeRO-1 the faster.
     # Under a 10.5 MiB budget the plain one fits (2% to spare) and ZeRO-1 does not (its peaks

@@ -7,8 +7,14 @@ rank measures itself with ``colossal_lab.engine.planner.memory.measure`` (live C
 allocation events with c10's all-thread counter; NVMe directory bytes sampled) and the parent checks
 ``cl.plan``'s prediction of every rank and tier is within 10%. The meter itself is checked on
 allocations whose sizes we know, including a free on another thread.
+
+In the same spawn, after those: the tiny MoE GPT under ``HybridParallelPlugin(ep_size=2)`` (with and
+without ZeRO-1) takes one step; each rank reports the parameter, gradient and optimizer-state bytes it
+holds, the all-to-all bytes ``engine.moe.parallel.COMM`` counted and its measured peak, against
+``cl.plan``'s ``RankPlan.states`` and ``traffic["all_to_all"]``.
 """
 
+import functools
 import json
 import os
 import threading
@@ -36,6 +42,7 @@ CASES = {  # name -> (plugin kind, plugin kwargs); the same runs as bench/plan.p
     "hybrid_tp2": ("hybrid", {"tp_size": 2}),
     "hybrid_pp2": ("hybrid", {"pp_size": 2, "num_microbatches": 2}),
 }
+MOE_CASES = {"ep2": {"ep_size": 2}, "ep2_zero1": {"ep_size": 2, "zero_stage": 1}}  # world 2: ep2 = dp2
 
 
 def _plugin(name, nvme_dir):
@@ -91,7 +98,53 @@ def _train_and_measure(rank, world, names, nvme_root):
             gc.collect()
         out[name] = {"peak": dict(meter.peak), "losses": losses}
         dist.barrier()
+    out["moe"] = {name: _moe_step(rank, kw) for name, kw in MOE_CASES.items()}
     return out
+
+
+def _moe_step(rank, kw):
+    """Steps of the tiny MoE GPT under expert parallelism: what this rank holds and sent in the first, its peak."""
+    import torch.distributed as dist
+    from support.engine import state_bytes
+    from support.moe import tiny_moe
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.moe.parallel import COMM
+
+    def held(ps):
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (BATCH, SEQ), generator=g)
+    with measure() as meter:
+        plugin = HybridParallelPlugin(**kw)
+        booster = Booster(plugin=plugin)
+        # experts 1 and 2 starved: every token picks experts 0 and 3, one on each EP rank (balanced routing)
+        model = tiny_moe(starve=True)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        meter.start_window()
+        for step in range(STEPS):  # the peak over steady steps (AdamW's state exists from the first step on)
+            COMM.reset()
+            _, loss = model(x, x)
+            booster.backward(loss, opt)
+            if step == 0:
+                params = [p for _, p in model.named_model_parameters()]
+                experts = [p for p in params if id(p) in plugin.experts.params]
+                got = {"params": held(params), "grads": held(p.grad for p in params),
+                       "expert_params": held(experts), "expert_grads": held(p.grad for p in experts),
+                       "all_to_all": COMM.total}
+            opt.step()
+            opt.zero_grad()
+            del _, loss
+        got["optimizer"] = state_bytes(opt)
+        got["expert_optimizer"] = sum(v.numel() * v.element_size() for p, st in opt.state.items()
+                                      if id(p) in plugin.experts.params for v in st.values()
+                                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+        plugin.close()
+        del model, opt, booster
+    got["peak"] = meter.peak["cpu"]
+    dist.barrier()
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +172,58 @@ def test_predicted_peak_per_rank_and_tier_is_within_10pct_of_measured(measured, 
                                       f"{meas / MIB:.2f} MiB ({err:+.1f}%)\n{plan}")
     if CASES[name][1].get("nvme"):  # the NVMe tier was predicted and really used
         assert {t for _, t, *_ in compared} == {"cpu", "nvme"}
+
+
+def _moe_cfg():
+    from support.moe import E
+
+    return GPTConfig.preset("tiny", n_expert=E, top_k=2, z_loss_coef=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_plan(case):
+    """cl.plan of the MoE GPT under ``MOE_CASES[case]`` (or no ep: ``None``), planned once for the tests below."""
+    return cl.plan(_moe_cfg(), HybridParallelPlugin(**MOE_CASES.get(case, {})), world_size=WORLD, batch=BATCH, seq=SEQ)
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_expert_parallel_plan_equals_what_each_rank_holds_and_sends(measured, name):
+    """The planned bytes a rank holds (parameters, gradients, optimizer state; the experts' share apart) equal
+    what a booster-built ep2 model holds on each rank, and the planned all-to-all bytes what the engine's
+    counter counted in the step; the peak within 10%."""
+    results, _ = measured
+    plan = _moe_plan(name)
+    states = plan.rank_plan(0).states
+    assert plan.layout["ep"] == 2 and states["all_to_all"] > 0 and plan.traffic["all_to_all"] == states["all_to_all"]
+    for rank in range(WORLD):
+        got = results[rank]["moe"][name]
+        assert plan.rank_plan(rank).states == states
+        for key in ("params", "grads", "expert_params", "expert_grads", "expert_optimizer", "all_to_all"):
+            assert states[key] == got[key], (name, rank, key, states[key], got[key])
+        if MOE_CASES[name].get("zero_stage") == 1:  # the non-expert state split over dp (greedily, per tensor)
+            dense = states["optimizer"] - states["expert_optimizer"]
+            total = sum(results[r]["moe"][name]["optimizer"] for r in range(WORLD))
+            assert abs(total - WORLD * dense - WORLD * states["expert_optimizer"]) <= WORLD * 8, (total, states)
+        else:
+            assert states["optimizer"] == got["optimizer"], (name, rank, states, got)
+        err = (plan.peak("cpu", rank=rank) - got["peak"]) / got["peak"]
+        assert abs(err) <= 0.10, (name, rank, plan.peak("cpu", rank=rank), got["peak"])
+
+
+def test_expert_parallel_plans_refuse_what_the_plugin_refuses():
+    """Before any trace, with the plugin's own words: ep not dividing the experts, nor the dp ranks; a dense
+    model with ep_size. Without ep the MoE model plans every expert on every rank (and no all-to-all)."""
+    with pytest.raises(ValueError, match=r"n_expert=4 .*does not divide over 3 ranks; use an ep_size in \[1, 2, 4\]"):
+        cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=3), world_size=3, batch=BATCH, seq=SEQ)
+    with pytest.raises(ValueError, match=r"data-parallel ranks of a world of 2; use an ep_size in \[1, 2\]"):
+        cl.plan(_moe_cfg(), HybridParallelPlugin(ep_size=4), world_size=2, batch=BATCH, seq=SEQ)
+    with pytest.raises(ValueError, match=r"has no MoE block"):
+        cl.plan(GPTConfig.preset("tiny"), HybridParallelPlugin(ep_size=2), world_size=2, batch=BATCH, seq=SEQ)
+    dense, ep2 = _moe_plan(None), _moe_plan("ep2")
+    experts = 2 * ep2.rank_plan(0).states["expert_params"]
+    assert "all_to_all" not in dense.traffic and "ep" not in dense.layout
+    assert dense.rank_plan(0).states["params"] - ep2.rank_plan(0).states["params"] == experts // 2
+    assert dense.traffic["allreduce"] > ep2.traffic["allreduce"]  # the experts' gradients: no expert-dp peer here
 
 
 # ---- the meter ------------------------------------------------------------------------------

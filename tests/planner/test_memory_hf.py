@@ -2,7 +2,9 @@
 against a real run of the plain HF loop (``model(input_ids=x, labels=x).loss``; under a pipeline
 ``execute_pipeline`` with HF batches and the model's own loss) on 2 gloo ranks,
 within the 10% the GPT's plans keep (``test_memory.py``); an HF config plans as its model does; the
-tensor-parallel plugin's refusals come before any work, word for word."""
+tensor-parallel plugin's refusals come before any work, word for word. In the same world a tiny Mixtral under
+``HybridParallelPlugin(ep_size=2)`` (routing balanced over the EP pair by a router hook) holds on each rank the
+parameter, gradient and optimizer-state bytes the plan gives it, and sends the all-to-all bytes it plans."""
 
 import pytest
 
@@ -70,7 +72,75 @@ def _train_and_measure(rank, world, cases):
                                               lora_config=_lora_config() if name.endswith("_lora") else None,
                                               close=isinstance(plugin, GeminiPlugin))
         dist.barrier()
+    out["mixtral_ep2"] = _mixtral_ep2(rank) if _has_ep_plan() else None
     return out
+
+
+def _has_ep_plan() -> bool:
+    from transformers import MixtralConfig
+
+    return bool(getattr(MixtralConfig(), "base_model_ep_plan", None))
+
+
+def _mixtral_config():
+    from transformers import MixtralConfig
+
+    return MixtralConfig(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, num_local_experts=4,
+                         num_experts_per_tok=2)
+
+
+def _to_experts_0_and_3(gate, args, out):
+    """Every token's top-2 becomes experts 0 and 3, one on each rank of the EP pair: balanced routing."""
+    logits = out[0]
+    masked = logits.clone()
+    masked[:, [1, 2]] = -1e4
+    top, idx = torch.topk(torch.softmax(masked.float(), -1), 2, dim=-1)
+    return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
+
+
+def _mixtral_ep2(rank):
+    """Steps of the tiny Mixtral at ep2 (= dp2): the bytes this rank holds and sent in the first, its peak."""
+    import torch.distributed as dist
+    from support.engine import state_bytes
+    from transformers import MixtralForCausalLM
+
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.moe.parallel import COMM
+    from colossal_lab.engine.planner.memory import measure
+
+    def held(ps):
+        return sum(p.numel() * p.element_size() for p in ps)
+
+    x = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    got = {}
+    with measure() as meter:
+        torch.manual_seed(0)
+        model = MixtralForCausalLM(_mixtral_config())
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(_to_experts_0_and_3)
+        plugin = HybridParallelPlugin(ep_size=2)
+        booster = Booster(plugin=plugin)
+        model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        meter.start_window()
+        for step in range(STEPS):
+            COMM.reset()
+            loss = model(input_ids=x, labels=x).loss
+            booster.backward(loss, opt)
+            if step == 0:
+                params = [p for _, p in model.named_model_parameters()]
+                experts = [p for p in params if id(p) in plugin.experts.params]
+                got = {"params": held(params), "grads": held(p.grad for p in params), "expert_params": held(experts),
+                       "all_to_all": COMM.total}
+            opt.step()
+            opt.zero_grad()
+            del loss
+        got["optimizer"] = state_bytes(opt)
+        plugin.close()
+        del model, opt, booster
+    got["peak"] = meter.peak["cpu"]
+    dist.barrier()
+    return got
 
 
 CASES = [("llama", n) for n in PLUGINS] + [("gpt2", "tp2")]
@@ -103,6 +173,23 @@ def test_predicted_peak_of_an_hf_model_is_within_10pct_of_measured(measured, cas
             err = 100.0 * (pred - meas) / meas
             assert abs(err) <= 10.0, (f"{case} rank {rank} {tier}: predicted {pred / MIB:.2f} MiB, measured "
                                       f"{meas / MIB:.2f} MiB ({err:+.1f}%)\n{plan}")
+
+
+def test_mixtral_expert_parallel_plan_equals_what_each_rank_holds_and_sends(measured):
+    if measured[0]["mixtral_ep2"] is None:
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} gives Mixtral no base_model_ep_plan, which expert "
+                    "parallelism reads (docs/moe.md, 'Which transformers')")
+    plan = cl.plan(_mixtral_config(), HybridParallelPlugin(ep_size=2), world_size=WORLD, batch=BATCH, seq=SEQ)
+    states = plan.rank_plan(0).states
+    assert plan.layout["ep"] == 2 and plan.traffic["all_to_all"] == states["all_to_all"] > 0
+    for rank in range(WORLD):
+        got = measured[rank]["mixtral_ep2"]
+        for key in ("params", "grads", "expert_params", "optimizer", "all_to_all"):
+            assert states[key] == got[key], (rank, key, states[key], got[key])
+        err = 100.0 * (plan.peak("cpu", rank=rank) - got["peak"]) / got["peak"]
+        assert abs(err) <= 10.0, (rank, plan.peak("cpu", rank=rank), got["peak"], f"{err:+.1f}%")
 
 
 def test_an_hf_config_plans_as_its_model_and_defaults_seq_to_its_context():

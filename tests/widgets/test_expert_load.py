@@ -13,7 +13,7 @@ from colossal_lab.engine import telemetry as T  # noqa: E402
 from colossal_lab.engine.models import GPT, GPTConfig  # noqa: E402
 from colossal_lab.engine.moe import emit_load  # noqa: E402
 from colossal_lab.widgets import Dashboard, ExpertLoadView  # noqa: E402
-from colossal_lab.widgets.expert_load import imbalance  # noqa: E402
+from colossal_lab.widgets.expert_load import expert_load_dict, imbalance  # noqa: E402
 from colossal_lab.widgets.state import ExpertLoadState  # noqa: E402
 
 L = T.ExpertLoad
@@ -83,6 +83,10 @@ def test_later_event_replaces_old_steps_fall_off_and_empty_picture():
     assert st.apply(L(0, 4, "m", (7, 0), 5))  # the same key again, other counts: the later wins
     assert st.grid("m").z == [[2, 3, 7], [1, 1, 0]] and st.grid("m").dropped == [0, 0, 5]
     assert len(st.loads) == 3
+    assert st.totals("m", 4) == ((7, 0), 5) and st.totals("m", 9) is None and st.totals("x", 4) is None
+    st.apply(L(0, 5, "m", (1, 1)))
+    st.totals("m", 5)
+    assert st.totals("m", 2) is None and {k[1] for k in st._totals} <= {3, 4, 5}  # the cache trims too
     with pytest.raises(KeyError, match="layers seen: \\['m'\\]"):
         st.grid("other")
     with pytest.raises(ValueError, match="keep_steps=0"):
@@ -161,3 +165,97 @@ def test_live_dashboard_draws_emitted_loads_throttled():
         assert g.steps == list(range(6)) and all(sum(col) == 2 * 8 * 2 for col in zip(*g.z))
     finally:
         d.close()
+
+
+def _many(n_layers=40):
+    """``n_layers`` layers, 4 experts, 2 ranks, steps 0-2; layer i at step s sums to
+    ``(k + 2, 2, 2, 2)`` with ``k = (7i + 3s) % 13``, so its imbalance is ``4 (k + 2) / (k + 8)``;
+    the last layer has not reported step 2 and is at its busiest (k = 12) at step 1."""
+    ev, want = [], {}
+    last = n_layers - 1
+    for i in range(n_layers):
+        for s in range(3 if i != last else 2):
+            k = 12 if (i, s) == (last, 1) else (7 * i + 3 * s) % 13
+            ev += [L(0, s, f"blocks.{i}.mlp", (k, 1, 1, 1), i + s), L(1, s, f"blocks.{i}.mlp", (2, 1, 1, 1), 0)]
+            want[i, s] = 4 * (k + 2) / (k + 8)
+    return ev, want
+
+
+def _detail(fig):
+    return [t.name for t in fig.data if t.type == "heatmap" and t.name != "imbalance"]
+
+
+def test_many_layers_summary_busiest_panels_and_select():
+    ev, want = _many()
+    v = ExpertLoadView.from_events(ev, live=False)
+    names = [f"blocks.{i}.mlp" for i in range(40)]
+    assert v.max_panels == 8 and v.layers == names
+    fig = v.figure
+    (s,) = [t for t in fig.data if t.name == "imbalance"]
+    assert fig.data[0] is s and list(s.x) == [0, 1, 2] and list(s.y) == names
+    assert [list(r) for r in s.z] == [[want.get((i, st)) for st in range(3)] for i in range(40)]
+    assert [list(r) for r in s.customdata] == [[i + st if st < 2 or i < 39 else None for st in range(3)]
+                                               for i in range(40)]
+    # the busiest at each layer's newest step: k = 12 at layers 12, 25, 38 (step 2) and 39 (its step 1),
+    # k = 11 at 10, 23, 36, then k = 10 at 8 (before 21 and 34: model order breaks the tie); model order
+    busiest = [8, 10, 12, 23, 25, 36, 38, 39]
+    assert sorted(range(40), key=lambda i: (-want[i, 2 if i < 39 else 1], i))[:8] == [12, 25, 38, 39, 10, 23, 36, 8]
+    assert _detail(fig) == v.shown == [f"blocks.{i}.mlp" for i in busiest]
+    assert len([t for t in fig.data if t.type == "bar"]) == 8
+    lay = fig.layout
+    assert lay[s.yaxis.replace("y", "yaxis")].domain[0] > max(a.y for a in lay.annotations)  # summary on top
+    assert sum(t.startswith("● ") for t in lay[s.yaxis.replace("y", "yaxis")].ticktext) == 8
+    assert "40 MoE layer(s)" in lay.title.text and "8 shown (highest max/mean at the newest step): " \
+        "blocks.8.mlp, blocks.10.mlp" in lay.title.text
+    assert lay.coloraxis2.cmin == 1 and s.coloraxis == "coloraxis2"
+    # every layer stays readable, shown or not
+    assert v.load("blocks.0.mlp").z == [[0 + 2, 3 + 2, 6 + 2], [2, 2, 2], [2, 2, 2], [2, 2, 2]]
+    assert v.per_rank("blocks.39.mlp") == {0: (12, 1, 1, 1), 1: (2, 1, 1, 1)}
+    # a new busiest layer enters, the least busy shown one leaves; the rest keep their places
+    v.update([L(0, 3, "blocks.0.mlp", (100, 0, 0, 0))])
+    assert v.shown == [f"blocks.{i}.mlp" for i in [0] + busiest[1:]]
+    # pinned: exactly those, in model order, until select(None)
+    v.select(["blocks.3.mlp", "blocks.1.mlp", "blocks.3.mlp"])
+    assert v.shown == _detail(v.figure) == ["blocks.1.mlp", "blocks.3.mlp"]
+    assert "2 shown (pinned by view.select)" in v.figure.layout.title.text
+    v.update([L(0, 4, "blocks.5.mlp", (100, 0, 0, 0))])
+    assert v.shown == ["blocks.1.mlp", "blocks.3.mlp"]
+    v.select(None)
+    assert v.shown[0] == "blocks.0.mlp" and "blocks.5.mlp" in v.shown and len(_detail(v.figure)) == 8
+    # bad choices are refused before anything changes
+    with pytest.raises(ValueError, match=r"unknown layer\(s\) \['blocks.99.mlp'\]; known layers: \['blocks.0.mlp'"):
+        v.select(["blocks.1.mlp", "blocks.99.mlp"])
+    with pytest.raises(ValueError, match=r"pass a list of layer names, e.g. select\(\['blocks.1.mlp'\]\)"):
+        v.select("blocks.1.mlp")
+    with pytest.raises(ValueError, match="no layer given"):
+        v.select([])
+    with pytest.raises(ValueError, match=r"more than max_panels=8.*ExpertLoadView\(max_panels=9\)"):
+        v.select(names[:9])
+    assert len(_detail(v.figure)) == 8
+    with pytest.raises(ValueError, match=r"max_panels=0.*positive int"):
+        ExpertLoadView(max_panels=0, subscribe=False, live=False)
+
+
+def test_few_layers_draw_the_figure_without_a_summary():
+    ev = _events()
+    st = ExpertLoadState()
+    for e in ev:
+        st.apply(e)
+    old = expert_load_dict(st)  # no panel limit: one panel per layer, as before the selector
+    assert not any(t["name"] == "imbalance" for t in old["data"])
+    assert ExpertLoadView.from_events(ev, live=False).figure_dict() == old
+    assert ExpertLoadView.from_events(ev, live=False, max_panels=2).figure_dict() == old
+    # one past the limit: the summary and the busier layer (blocks.2 at 1.5 over blocks.10 at 1.0)
+    one = ExpertLoadView.from_events(ev, live=False, max_panels=1)
+    assert _detail(one.figure) == one.shown == ["blocks.2.mlp"] and one.figure.data[0].name == "imbalance"
+    assert [list(r) for r in one.figure.data[0].z] == [[6 * 4 / 11, 1.5], [2.0, 1.0]]
+    # rank 1's late blocks.10 step 2 (drawn once already): the summary sums it in, the busiest changes
+    one.update([L(1, 2, "blocks.10.mlp", (8, 0, 0, 0), 4)])
+    assert [list(r) for r in one.figure.data[0].z] == [[6 * 4 / 11, 1.5], [2.0, 10 * 4 / 16]]
+    assert list(one.figure.data[0].customdata[1]) == [2, 4] and one.shown == ["blocks.10.mlp"]
+    # a pin on a small model shows the summary and the pinned layer
+    v = ExpertLoadView.from_events(ev, live=False)
+    v.select(["blocks.10.mlp"])
+    assert _detail(v.figure) == ["blocks.10.mlp"] and v.figure.data[0].name == "imbalance"
+    v.select(None)
+    assert v.figure_dict() == old

@@ -29,6 +29,7 @@ from .loss import check_batch, pipeline_criterion, whole_outputs
 from .pipeline import num_layers, pipeline_stage
 from .plan import (
     _prefixed,
+    check_feature_statistics,
     check_heads,
     check_per_head_parameters,
     check_ties,
@@ -105,6 +106,8 @@ def check_tensor_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"HybridParallelPlugin(tp_plan=...): {missing} name no module of {type(model).__name__} "
                          f"(names are module paths, '*' one part of them, e.g. {names})")
     check_heads(model, tp)
+    if plugin.tp_plan is None:  # a user's plan may leave the MLPs whole
+        check_feature_statistics(model, tp)
     try:
         check_per_head_parameters(model, plan)
     except ValueError as exc:

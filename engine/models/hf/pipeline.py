@@ -153,8 +153,9 @@ _CROSS_STAGE = {
 
 def num_layers(model: nn.Module) -> int:
     """How many decoder (encoder) layers the pipeline divides among its stages. A model whose layers read the
-    token ids themselves (DeepSeek-V4's hash-routed experts take ``input_ids``, Gemma 4's per-layer embeddings) or
-    another layer's keys and values is refused: a later stage receives hidden states only."""
+    token ids themselves (DeepSeek-V4's hash-routed experts take ``input_ids``, Gemma 4's per-layer embeddings), the
+    embedding output (Zamba's ``original_hidden_states``) or another layer's keys and values is refused: a later
+    stage receives hidden states only."""
     layers = model.get_submodule(_layout_or_raise(model).layers)
     cfg = getattr(model, "config", None)
     reasons = []  # every reason, so a fix for one does not meet the next at the following try
@@ -168,6 +169,10 @@ def num_layers(model: nn.Module) -> int:
         if carried:
             reasons.append(f"its layers ({kind.__name__}) take {carried} (what the layer before returned beside the "
                            "hidden states)")
+        embeds = [p for p in params if p.startswith("original_")]
+        if embeds:
+            reasons.append(f"its layers ({kind.__name__}) take {embeds} (the embedding output, handed to every "
+                           "layer: Zamba's shared attention blocks)")
         if "input_ids" in params:
             reasons.append(f"its layers ({kind.__name__}) take input_ids (token-id routing)")
     if reasons:

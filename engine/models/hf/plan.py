@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
+from . import mla
 from .styles import check_name, translate, weight_shard_dim
 from .tables import table_for
 
@@ -107,10 +108,10 @@ def _matches(plan: dict, model: nn.Module) -> List[Tuple[str, str, nn.Module]]:
 def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
     """Every matched module's torch style under its exact name (a style already a ``ParallelStyle``
     passes through); unknown styles raise naming the style and the module."""
-    styles = {}
+    styles, rope = {}, mla.rope_dim(model)
     for pattern, name, mod in _matches(plan, model):
         entry = plan[pattern]
-        style = entry if not isinstance(entry, (str, tuple)) else translate(entry, mod, name)
+        style = entry if not isinstance(entry, (str, tuple)) else translate(entry, mod, name, rope)
         if style is not None:
             styles[name] = style
     for pattern, entry in plan.items():  # a style matching no module here must still be one we know
@@ -182,6 +183,28 @@ def check_per_head_parameters(model: nn.Module, plan: dict) -> None:
                 raise ValueError(f"{parent}.{pname} holds one value per attention head ({param.shape[0]}), which "
                                  f"the plan leaves whole while it shards {parent}'s heads; pass "
                                  "HybridParallelPlugin(tp_plan={...}) leaving that attention whole, or tp_size=1")
+
+
+#: config settings under which a layer computes statistics over the features a column-parallel cut divides among
+#: the tp ranks (each rank would see its share only): key -> what it switches on
+FEATURE_STATISTICS = {
+    "activation_sparsity_pattern": "a gaussian top-k over each MLP's intermediate features (their mean and standard "
+                                   "deviation), which tensor parallelism divides among the ranks",
+}
+
+
+def check_feature_statistics(model: nn.Module, tp: int) -> None:
+    """Refuse, before any group, a config that switches on :data:`FEATURE_STATISTICS` (Gemma 3n's activation
+    sparsity: each rank would keep the top of its own share of the features, not of all of them)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key, what in FEATURE_STATISTICS.items():
+        value = getattr(text, key, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values):
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__}'s config.{key} switches on "
+                             f"{what}; pass HybridParallelPlugin(tp_plan={{...}}) leaving those MLPs whole, set "
+                             f"config.{key} to zeros, or use tp_size=1")
 
 
 def check_ties(model: nn.Module, plan: dict) -> None:

@@ -5,8 +5,9 @@ names and their meanings changed across releases (transformers' ``distributed/te
 ``ALL_PARALLEL_STYLES``; before 5.x ``integrations/tensor_parallel.py``, ``ParallelInterface``). Each name
 we know is read here as torch's own ``ColwiseParallel``/``RowwiseParallel`` with the layouts it stands for,
 or as :mod:`.local_linear`'s styles where the module is a ``Conv1D`` (weight transposed) or packs parts,
-or :mod:`.grad_sum`'s for a whole module with partial gradients. Names we know but do not run yet
-(mixture-of-experts, fused row-packed weights, MLA) and
+or :mod:`.grad_sum`'s for a whole module with partial gradients, or :mod:`.mla`'s for multi-head latent
+attention's key/value down-projection. Names we know but do not run yet (mixture-of-experts, fused row-packed
+weights) and
 names we do not know each raise a ``ValueError`` that names the style and the module.
 """
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from .grad_sum import ReplicatedGradSum
 from .local_linear import LocalColwise, LocalRowwise, is_conv1d
+from .mla import MlaKvAProj
 from .multi_query import MultiQueryColwise
 
 # name -> (what it does, the names transformers gave it across releases are each an entry)
@@ -40,6 +42,8 @@ SUPPORTED = {
     "sequence_parallel": "a norm between layers: kept whole (sequence_parallel=True cuts every such norm's "
                          "tokens, whatever the plan says: sequence.py)",
     "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
+    "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa: kept whole, the gradient of its output's "
+                     "rotary part (qk_rope_head_dim) summed over tp",
 }
 _MOE = "; expert parallelism: issue 31"
 NOT_YET = {
@@ -48,7 +52,7 @@ NOT_YET = {
     "gather": "mixture-of-experts output" + _MOE, "all_reduce": "mixture-of-experts output" + _MOE,
     "moe_tp_experts": "mixture-of-experts experts" + _MOE, "moe_identity_expert": "mixture-of-experts experts" + _MOE,
     "grouped_gemm": "mixture-of-experts experts" + _MOE, "ep_router": "mixture-of-experts router" + _MOE,
-    "mla_kv_a_proj": "multi-head latent attention", "local_params": "bare sharded parameters",
+    "local_params": "bare sharded parameters",
 }
 
 
@@ -87,10 +91,17 @@ def check_name(entry, module_name: str) -> None:
         raise style_error(name, module_name)
 
 
-def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelStyle]:
-    """The torch style for one plan entry on ``module`` (None: the module stays whole)."""
+def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Optional[ParallelStyle]:
+    """The torch style for one plan entry on ``module`` (None: the module stays whole); ``rope_dim``: the
+    model config's ``qk_rope_head_dim``, which ``mla_kv_a_proj`` needs."""
     check_name(entry, module_name)
     name, opts = _parse(entry)
+    if name == "mla_kv_a_proj":
+        if rope_dim is None:
+            raise ValueError(f"tp plan entry {module_name!r}: style 'mla_kv_a_proj' needs the model config's "
+                             "qk_rope_head_dim, which this config does not name; pass HybridParallelPlugin("
+                             "tp_plan={...}) without it")
+        return MlaKvAProj(rope_dim)
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
     if name in ("replicate", "sequence_parallel"):
         return None
@@ -127,7 +138,8 @@ def translate(entry, module: nn.Module, module_name: str) -> Optional[ParallelSt
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce") or opts.get("multi_query"):
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj") \
+            or opts.get("multi_query"):
         return None
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary

@@ -139,7 +139,7 @@ TABLES = {
         "head": {"lm_head": "colwise_gather_output"},
         "per_rank": {"layers.*.self_attn": ("num_heads",)},
     },
-    # CTRL: Wq/Wk/Wv/dense and a Sequential MLP (ffn.0, ffn.2); its attention views with -1
+    # CTRL: Wq/Wk/Wv/dense and a Sequential MLP (ffn.0, ffn.2); its attention views with -1 (5.24)
     "ctrl": {
         "base": {
             "h.*.multi_head_attention.Wq": "colwise",
@@ -150,8 +150,22 @@ TABLES = {
             "h.*.ffn.2": "rowwise",
         },
         "head": {},
-        # transformers 5.5's attention (the floor) views by num_heads and merges by d_model_size; later ones use -1
+        # transformers 5.5 (the floor) reshapes by num_heads and d_model_size, not -1: one rank's share
         "per_rank": {"h.*.multi_head_attention": ("num_heads", "d_model_size")},
+    },
+    # GPT-Neo: nn.Linear q/k/v/out_proj under attn.attention (global or local, one mask per layer, not per head),
+    # reshaped by num_heads; its head is tied to wte, so both stay whole
+    "gpt_neo": {
+        "base": {
+            "h.*.attn.attention.q_proj": "colwise",
+            "h.*.attn.attention.k_proj": "colwise",
+            "h.*.attn.attention.v_proj": "colwise",
+            "h.*.attn.attention.out_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"h.*.attn.attention": ("num_heads",)},
     },
     # GPT (openai-gpt): GPT-2's Conv1D blocks; c_attn packs q | k | v, split by split_size, heads by n_head
     "openai-gpt": {

@@ -9,8 +9,13 @@ all-reduce (ZeRO-1: and the parameters' broadcast, one collective per parameter 
 ``ZeroRedundancyOptimizer`` issues them), plus the optimizer step over this rank's parameters
 (ZeRO-1: its ``1/dp`` share). 1D tensor parallelism (Megatron) costs two all-reduces of the
 microbatch's activations per layer forward and two backward (the forward's again under
-checkpointing); 2D/2.5D/3D cost ``tp_nd.volume.textbook``'s bytes (:func:`nd_traffic`). Overlap of
-communication with compute is not modelled (gloo does not overlap).
+checkpointing); 2D/2.5D/3D cost ``tp_nd.volume.textbook``'s bytes (:func:`nd_traffic`). A
+mixture-of-experts model (``experts``) under ``ep > 1`` pays, per microbatch and MoE layer of the
+stage, the dispatch and combine all-to-alls forward and backward (and the counts): the bytes
+``cl.plan`` counts (``memory/experts.py``), each priced as the all-reduce on a group of ``ep`` that
+sends as many bytes per rank (half the payload); a rank holds ``1/ep`` of the experts (whole on every
+tp rank), whose gradients are all-reduced over the expert-dp group (``dp / ep``) and stepped there.
+Overlap of communication with compute is not modelled (gloo does not overlap).
 
 What the formula leaves out (the pipeline runtime's Python per scheduled action, DTensor's
 dispatch per sharded layer, the step's fixed bookkeeping) is the *overhead*: non-negative
@@ -134,11 +139,12 @@ def nd_traffic(meta, c: Candidate, batch: int, seq: int) -> Tuple[float, float]:
 
 def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, layers: int,
             params: int, tensors: int = 0, act_bytes: int = 4, grad_bytes: int = 4,
-            nd_bytes: float = 0.0, nd_calls: float = 0.0) -> Dict[str, float]:
+            nd_bytes: float = 0.0, nd_calls: float = 0.0, experts: Optional[Dict[str, int]] = None) -> Dict[str, float]:
     """Predicted seconds of one step of layout ``c`` (global ``batch``), by part; ``params`` the
     model's parameter elements, ``tensors`` its parameter tensors. Under 2D/2.5D/3D tensor
     parallelism ``nd_bytes`` is what a rank sends per step (``tp_nd.volume.textbook`` over its
-    stage) and ``nd_calls`` its collectives per step (:func:`nd_traffic`)."""
+    stage) and ``nd_calls`` its collectives per step (:func:`nd_traffic`). ``experts``: a mixture-of-experts
+    model's ``{"params": expert elements, "layers": MoE layers, "top_k", "n_expert"}`` (None: dense)."""
     m = microbatches(c)
     tok = batch // c.dp // m * seq                 # tokens of one microbatch
     v = c.num_model_chunks                         # model chunks per rank (interleaved: 2)
@@ -150,16 +156,41 @@ def predict(c: Candidate, costs: Costs, *, batch: int, seq: int, n_embd: int, la
     tp_comm = _tp_comm(c, costs, tok, m, n_embd, layers, act_bytes, nd_bytes, nd_calls)
     # each chunk hands its activation on and takes its gradient back
     p2p = 2 * v * costs.p2p(tok * n_embd * act_bytes) if c.pp > 1 else 0.0
+    a2a = _a2a(c, costs, tok, n_embd, act_bytes, experts)
     slots = m + (c.pp - 1) / v                     # microbatches plus the bubble, in microbatch times
     # ranks that share cores (CPU) compute faster while others idle: the critical path's slots at
     # the speed of a rank alone, but never below the work itself (m microbatches per rank, all
     # ranks busy); with a device per rank (slowdown 1) this is slots x the microbatch time
-    n, per = max((slots, compute / costs.slowdown), (m, compute), key=lambda x: x[0] * (x[1] + tp_comm + p2p))
-    pipeline = n * (per + tp_comm + p2p)
-    dp_comm, optim = _data_parallel(c, costs, params, tensors, grad_bytes)
+    n, per = max((slots, compute / costs.slowdown), (m, compute),
+                 key=lambda x: x[0] * (x[1] + tp_comm + p2p + a2a))
+    pipeline = n * (per + tp_comm + p2p + a2a)
+    dp_comm, optim = _data_parallel(c, costs, params, tensors, grad_bytes, experts)
     total = pipeline + dp_comm + optim
     return {"total": total, "pipeline": pipeline, "compute": n * per, "tp_comm": n * tp_comm,
-            "p2p": n * p2p, "dp_comm": dp_comm, "optim": optim}
+            "p2p": n * p2p, "a2a": n * a2a, "dp_comm": dp_comm, "optim": optim}
+
+
+def a2a_bytes(c: Candidate, tok: int, n_embd: int, act_bytes: int, experts: Optional[Dict[str, int]]) -> float:
+    """Bytes one rank sends in one microbatch's expert all-to-alls over its stage (``cl.plan``'s count)."""
+    if not experts or c.ep <= 1:
+        return 0.0
+    from ..memory.experts import _MoeLayer, all_to_all_bytes
+
+    layer = _MoeLayer("", experts["n_expert"], experts["top_k"], n_embd, [])
+    return all_to_all_bytes([layer], tok, c.ep, act_bytes, 1) * experts["layers"] / c.pp
+
+
+def _a2a(c: Candidate, costs: Costs, tok: int, n_embd: int, act_bytes: int,
+         experts: Optional[Dict[str, int]]) -> float:
+    """Seconds of one microbatch's all-to-alls on a rank: 5 per MoE layer (counts; dispatch and combine,
+    forward and backward), their bytes sent priced as an all-reduce on the EP group that sends as many
+    (an all-reduce of n bytes sends ``2 (p-1)/p n``, an all-to-all ``(p-1)/p n``)."""
+    sent = a2a_bytes(c, tok, n_embd, act_bytes, experts)
+    if not sent:
+        return 0.0
+    calls = 5 * experts["layers"] / c.pp
+    payload = sent * c.ep / (c.ep - 1) / calls  # one all-to-all's input bytes
+    return calls * costs.allreduce(c.ep, payload / 2)
 
 
 def _tp_comm(c: Candidate, costs: Costs, tok: int, m: int, n_embd: int, layers: int, act_bytes: int,
@@ -179,10 +210,16 @@ def _tp_comm(c: Candidate, costs: Costs, tok: int, m: int, n_embd: int, layers: 
     return again * (costs.allreduce(c.tp, payload) + nd_calls * latency) / m
 
 
-def _data_parallel(c: Candidate, costs: Costs, params: int, tensors: int, grad_bytes: int) -> Tuple[float, float]:
-    """``(gradient all-reduce and ZeRO-1's sync, optimizer step)`` seconds of one rank."""
-    local_params = params / (c.tp * c.pp)
-    dp_comm = costs.allreduce(c.dp, local_params * grad_bytes)
+def _data_parallel(c: Candidate, costs: Costs, params: int, tensors: int, grad_bytes: int,
+                   experts: Optional[Dict[str, int]] = None) -> Tuple[float, float]:
+    """``(gradient all-reduce and ZeRO-1's sync, optimizer step)`` seconds of one rank. A MoE model's
+    experts stay whole on every tp rank and are ``1/ep`` per rank, synced over the expert-dp group."""
+    n_exp = experts["params"] if experts else 0
+    dense = (params - n_exp) / (c.tp * c.pp)
+    mine = n_exp / (c.ep * c.pp)  # this rank's expert elements
+    edp = c.dp // c.ep
+    local_params = dense + mine
+    dp_comm = costs.allreduce(c.dp, dense * grad_bytes) + costs.allreduce(edp, mine * grad_bytes)
     if c.zero_stage == 1:
         # ZeroRedundancyOptimizer broadcasts every parameter tensor from its owner after the step,
         # all asynchronously (the measured sync); a calibration without it: a blocking collective's
@@ -192,7 +229,8 @@ def _data_parallel(c: Candidate, costs: Costs, params: int, tensors: int, grad_b
             sync = (tensors / (c.tp * c.pp) * costs.allreduce(c.dp, 1.0)
                     + costs.allreduce(c.dp, local_params * grad_bytes) / 2)
         dp_comm += sync
-    return dp_comm, costs.adam(local_params / (c.dp if c.zero_stage == 1 else 1))
+        return dp_comm, costs.adam(dense / c.dp + mine / edp)
+    return dp_comm, costs.adam(local_params)
 
 
 def features(c: Candidate, layers: int) -> List[float]:

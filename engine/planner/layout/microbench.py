@@ -35,14 +35,15 @@ from .space import Candidate, compute_tp, cuts, microbatches
 
 def what_to_time(cands: Sequence[Candidate], batch: int, seq: int) -> Tuple[Dict[int, List[int]], List[int], bool]:
     """:func:`calibrate`'s ``(tokens, group_sizes, p2p)`` for these layouts: per compute tp size
-    the smallest and largest microbatch; every dp, tp and hidden-cut group size; send/recv when
+    the smallest and largest microbatch; every dp, tp, hidden-cut, ep and expert-dp group size; send/recv when
     any layout has a pipeline."""
     by_tp: Dict[int, set] = {}
     for c in cands:
         by_tp.setdefault(compute_tp(c), set()).add(batch // c.dp // microbatches(c) * seq)
     tokens = {tp: sorted({min(v), max(v)}) for tp, v in by_tp.items()}
     sizes = sorted({c.tp for c in cands} | {c.dp for c in cands} | {cuts(c.tp_mode, c.tp, c.tp_depth)[0]
-                                                                  for c in cands})
+                                                                  for c in cands}
+                   | {c.ep for c in cands} | {c.dp // c.ep for c in cands})  # all-to-alls, expert-dp sync
     return tokens, sizes, any(c.pp > 1 for c in cands)
 
 

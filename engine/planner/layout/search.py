@@ -143,9 +143,23 @@ def _job(model_or_config, world_size, batch, seq, device_memory, host_memory, cl
     # calls model = GPT(cfg) on each rank): whatever the layout, a rank holds that much once
     built = sum(p.numel() * p.element_size() for p in unique) + sum(b.numel() * b.element_size()
                                                                    for b in meta.buffers())
-    dims = dict(batch=batch, seq=seq, n_embd=width, layers=layers, params=params, tensors=tensors)
+    dims = dict(batch=batch, seq=seq, n_embd=width, layers=layers, params=params, tensors=tensors,
+                experts=_experts(meta))
     return _Job(model_or_config, world_size, batch, seq, device_memory, host_memory, meta, layers, cands, dims,
                 built)
+
+
+def _experts(meta) -> Optional[Dict[str, int]]:
+    """A mixture-of-experts model's figures for the step model (``costs.predict``), None for a dense one."""
+    from ..memory.experts import moe_layers
+
+    layers = moe_layers(meta)
+    if not layers:
+        return None
+    params = dict(meta.named_parameters())
+    names = {p for layer in layers for p in layer.params}
+    return {"params": sum(params[n].numel() for n in names if n in params), "layers": len(layers),
+            "top_k": layers[0].top_k, "n_expert": layers[0].n_expert}
 
 
 def _ranks_here(cluster, world_size: int):

@@ -2,7 +2,9 @@
 
 A :class:`Candidate` is one ``HybridParallelPlugin`` configuration: ``dp × tp × pp`` ranks, the
 pipeline schedule and its microbatches, ZeRO stage, activation checkpointing and the
-tensor-parallel mode (1D, or 2D / 2.5D / 3D where ``tp`` forms the mode's grid). What the model
+tensor-parallel mode (1D, or 2D / 2.5D / 3D where ``tp`` forms the mode's grid) and, for a
+mixture-of-experts model, the expert-parallel size (``ep``: divisors of every MoE layer's expert count
+and of ``dp``, the EP groups being cut from the data-parallel ranks). What the model
 allows comes from its contract (``check_tp``, ``tp_plan``, ``tp_nd_plan``, ``num_layers``), or for a
 transformers model from its adapter (``engine/models/hf``: its plan and head counts), read off a
 meta-device copy, and pipelines and recomputation only where the engine's own checks take the model;
@@ -33,6 +35,7 @@ class Candidate:
     activation_checkpointing: bool = False
     tp_mode: str = "1d"
     tp_depth: int = 1  # 2.5D's d
+    ep: int = 1  # expert parallelism (MoE models): experts split over groups of ep data-parallel ranks
 
     @property
     def label(self) -> str:
@@ -41,6 +44,8 @@ class Candidate:
         s = f"dp{self.dp} tp{self.tp}{mode} pp{self.pp}"
         if self.pp > 1:
             s += f" {self.pp_style} m{self.num_microbatches}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
         if self.zero_stage:
             s += f" zero{self.zero_stage}"
         if self.activation_checkpointing:
@@ -57,6 +62,8 @@ class Candidate:
             kw["tp_mode"] = self.tp_mode
         if self.tp_depth > 1:
             kw["tp_depth"] = self.tp_depth
+        if self.ep > 1:
+            kw["ep_size"] = self.ep
         return kw
 
     def plugin(self):
@@ -176,7 +183,10 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
     its heads split over the grid's hidden cut and each microbatch's rows over its batch cut."""
     _check_space(world_size, batch, schedules)
     meta, layers = model_facts(model_or_config)
+    experts = expert_counts(meta)
     tp_modes = _modes(meta, tp_modes)
+    if experts:  # MoE blocks stay whole on every tp rank, which only 1D gives them (plugins/hybrid/experts.py)
+        tp_modes = [m for m in tp_modes if m == "1d"]
     pipelines = can_pipeline(meta)
     if not can_checkpoint(meta):
         activation_checkpointing = [ac for ac in activation_checkpointing if not ac]
@@ -185,13 +195,35 @@ def candidates(model_or_config, world_size: int, batch: int, *, schedules: Seque
         for pp in _divisors(world_size // tp) if pipelines else [1]:
             dp = world_size // (tp * pp)
             if batch % dp == 0:
-                out += _layouts(meta, layers, dp, tp, pp, batch // dp, tp_modes, schedules, microbatch_factors,
-                                zero_stages, activation_checkpointing)
+                out += _with_ep(_layouts(meta, layers, dp, tp, pp, batch // dp, tp_modes, schedules,
+                                         microbatch_factors, zero_stages, activation_checkpointing), experts)
     if not out:
         raise ValueError(f"autoplan: no layout of world_size={world_size} fits this model and batch={batch} "
                          f"({layers} layers); try a batch divisible by the data-parallel sizes "
                          f"{_divisors(world_size)} or another world_size")
     return out
+
+
+def expert_counts(meta) -> List[int]:
+    """Every MoE layer's expert count, as the hybrid plugin finds the layers (empty for a dense model)."""
+    from ..memory.experts import moe_layers
+
+    return [layer.n_expert for layer in moe_layers(meta)]
+
+
+def ep_sizes(experts: Sequence[int], dp: int) -> List[int]:
+    """The expert-parallel sizes a layout of ``dp`` data-parallel ranks can take: divisors of ``dp`` and of
+    every MoE layer's expert count (what the plugin accepts); ``[1]`` for a dense model."""
+    if not experts:
+        return [1]
+    return [k for k in _divisors(dp) if all(e % k == 0 for e in experts)]
+
+
+def _with_ep(layouts: List[Candidate], experts: Sequence[int]) -> List[Candidate]:
+    """Each layout at every expert-parallel size its dp allows (the same layout, ep = 1, first)."""
+    import dataclasses
+
+    return [dataclasses.replace(c, ep=k) for c in layouts for k in ep_sizes(experts, c.dp)]
 
 
 def _check_space(world_size, batch, schedules) -> None:

@@ -7,6 +7,11 @@ previous stage's output; a 1D tensor-parallel rank on its parameters at their sh
 N-d one on its grid-form layers (``nd.py``). Microbatches in flight at backward ``j`` on stage
 ``s``: GPipe ``m - j``, 1F1B ``min(m - j, pp - s)`` (interleaved and zero-bubble approximated as
 1F1B × chunks).
+
+Under ``ep_size=k`` (expert parallelism, ``experts.py``) a rank holds ``1/k`` of every grouped expert
+weight, its gradient and its optimizer state (ZeRO-1: the experts' state over the expert-dp group of
+``dp / k`` ranks, the rest over dp); the experts' gradients are all-reduced over the expert-dp group,
+the rest over dp, and the step's all-to-alls are in the traffic.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ...models.hf import reads_dict_plan
+from . import experts as moe_plan
 from .env import _Env
 from .model import _PlanKey, _tp_shapes
 from .nd import _NdKey
@@ -41,6 +47,8 @@ class _Layout:
     tp_arg: Optional[tuple]    # (tp_size, _PlanKey | _NdKey), or None without tensor parallelism
     spec: Any                  # pipeline.schedules.ScheduleSpec
     dp: int
+    moe: Optional[list] = None  # experts.moe_layers under ep_size > 1, else None
+    ep: int = 1
 
     def key(self, sid: int) -> Optional[Tuple[int, int]]:
         n = self.spec.num_stages
@@ -63,14 +71,20 @@ def plan_hybrid(m, plugin, env: _Env, precision: str, opt: str, ac: bool) -> _Re
     lay = _Layout(m, plugin, env, opt, ac, autocast_dtype(precision) if precision != "fp32" else None, mb_n,
                   m.batch // mb_n, tp_arg, ScheduleSpec(plugin.pp_style, pp, plugin.num_model_chunks, mb_n),
                   w // (tp * pp))
+    lay.moe = moe_plan.check(m.meta, plugin, w)  # the plugin's own refusals (ep not dividing experts or dp)
+    lay.ep = getattr(plugin, "ep_size", 1) if lay.moe is not None else 1
     groups: List[RankPlan] = []
     traffic: Dict[str, int] = {}
     worst_act = {"without_checkpointing": 0, "with_checkpointing": 0 if m.supports_ac() else None, "checkpointing": ac}
     for s in range(pp):
         group, grads, boundary = _stage_plan(lay, s, worst_act, notes)
         groups.append(group)
-        if lay.dp > 1:
-            traffic["allreduce"] = max(traffic.get("allreduce", 0), int(2 * (lay.dp - 1) / lay.dp * grads))
+        ge, edp = group.states.get("expert_grads", 0), lay.dp // lay.ep  # experts: over the expert-dp group
+        sync = 2 * (lay.dp - 1) / lay.dp * (grads - ge) + 2 * (edp - 1) / edp * ge
+        if sync:
+            traffic["allreduce"] = max(traffic.get("allreduce", 0), int(sync))
+        if group.states.get("all_to_all"):
+            traffic["all_to_all"] = max(traffic.get("all_to_all", 0), group.states["all_to_all"])
         if pp > 1:  # activations in, gradients out at each boundary
             traffic["p2p"] = max(traffic.get("p2p", 0), 2 * mb_n * boundary)
     notes += _tp_notes(lay)
@@ -78,6 +92,10 @@ def plan_hybrid(m, plugin, env: _Env, precision: str, opt: str, ac: bool) -> _Re
               "pp_style": plugin.pp_style, "zero_stage": plugin.zero_stage}
     if tp > 1 and _nd_mode(plugin) != "1d":
         layout.update(tp_mode=_nd_mode(plugin), tp_grid=dict(plugin.tp_grid))
+    if lay.moe is not None:
+        layout.update(ep=lay.ep, expert_dp=lay.dp // lay.ep, moe_layers=len(lay.moe),
+                      experts_per_rank=lay.moe[0].n_expert // lay.ep if lay.moe else 0)
+        notes += _ep_notes(lay)
     return _Result(groups, traffic, worst_act, layout, notes)
 
 
@@ -142,16 +160,14 @@ def _stage_plan(lay: _Layout, s: int, worst_act: dict, notes: List[str]) -> Tupl
     dev = lay.env.compute_tier
     stage_ids = lay.spec.stage_indices(s)
     traces, params, bufs = _stage_traces(lay, stage_ids, worst_act)
+    full = sum(params.values())
+    params, states = _expert_share(lay, params)  # under ep: this rank's 1/ep of each grouped expert weight
     P = sum(params.values())
     G = sum(params.values())  # gradients in the parameters' dtype (fp32 masters)
-    numel = sum(n // 4 for n in params.values())
     largest = max(params.values(), default=0)
-    if pl.zero_stage == 1 and lay.dp > 1:
-        S = _opt_bytes(-(-numel // lay.dp), lay.opt)
-        notes.append("ZeRO-1 over dp: optimizer state taken as an even split "
-                     "(ZeroRedundancyOptimizer's greedy partition)")
-    else:
-        S = _opt_bytes(numel, lay.opt)
+    S = _state_bytes(lay, params, states, notes)
+    states.update(params=P, grads=G, optimizer=S)
+    scale = G / full if full else 1.0  # the trace's gradients hold every expert: this rank's share of them
     # receive buffers, one per microbatch, kept by torch's PipelineStage: activations in, gradients in
     boundary = _boundary_bytes(lay, traces)
     recv = mb_n * boundary
@@ -165,10 +181,12 @@ def _stage_plan(lay: _Layout, s: int, worst_act: dict, notes: List[str]) -> Tupl
             return lambda i, o, g, sv: {"params": P + bufs, "grads": grads_fn(g), "optimizer": S,
                                         "activations": o + (k - 1) * act, "working": recv}
 
-        cands.append(_peak_over(tr, at(lambda g: g, n0))[:2])  # the first backward: gradients arriving
+        cands.append(_peak_over(tr, at(lambda g: int(g * scale), n0))[:2])  # the first backward: gradients arriving
         if n1:
             cands.append(_peak_over(tr, at(lambda g: G, n1))[:2])  # later ones: every gradient exists
-    flat = G if lay.dp > 1 else 0  # _sync_grads concatenates the gradients per dtype for one all-reduce
+    # _sync_grads concatenates the gradients per dtype for one all-reduce; under ep the experts' first, apart
+    ge = states.get("expert_grads", 0)
+    flat = max(G - ge if lay.dp > 1 else 0, ge)
     step = {"params": P + bufs, "grads": G, "optimizer": S,
             "working": recv + flat + _step_temp(largest, G, dev, lay.opt)}
     cats, phase = _max_cats(*cands, (step, "optimizer step"))
@@ -177,8 +195,49 @@ def _stage_plan(lay: _Layout, s: int, worst_act: dict, notes: List[str]) -> Tupl
     if tp > 1:
         nd_mode = _nd_mode(pl)
         role = (role + " · " if role else "") + f"tp shard 1/{tp}" + (f" ({nd_mode})" if nd_mode != "1d" else "")
-    group = RankPlan(ranks, role, {dev: _tier(dev, lay.env.capacity(dev), cats, phase)})
+    group = RankPlan(ranks, role, {dev: _tier(dev, lay.env.capacity(dev), cats, phase)}, states)
     return group, G, boundary
+
+
+def _expert_share(lay: _Layout, params: Dict[str, int]) -> Tuple[Dict[str, int], Dict[str, int]]:
+    """A rank's parameter bytes by name under ep (each grouped expert weight ``1/ep``), and the model
+    states it holds, the experts' apart (``RankPlan.states``); the step's all-to-all bytes there too."""
+    if lay.moe is None:
+        return params, {}
+    names = moe_plan.expert_names(lay.moe)
+    out = {n: (b // lay.ep if moe_plan.is_expert(n, names) else b) for n, b in params.items()}
+    ge = sum(b for n, b in out.items() if moe_plan.is_expert(n, names))
+    mine = moe_plan.layers_in(lay.moe, params)
+    dtype = next((p.dtype for p in lay.m.meta.parameters() if p.is_floating_point()), torch.float32)
+    rows = lay.micro * lay.m.seq  # every tp rank of an EP group routes the same rows
+    a2a = moe_plan.all_to_all_bytes(mine, rows, lay.ep, dtype.itemsize, lay.mb_n)
+    return out, {"expert_params": ge, "expert_grads": ge, "moe_layers": len(mine), "all_to_all": a2a}
+
+
+def _state_bytes(lay: _Layout, params: Dict[str, int], states: Dict[str, int], notes: List[str]) -> int:
+    """Optimizer state of a rank: AdamW's moments per element; ZeRO-1 splits the non-expert part over dp and
+    the experts' over the expert-dp group (``dp / ep`` ranks; none to split when ``dp == ep``)."""
+    ge = states.get("expert_params", 0)
+    expert = ge // 4
+    dense = sum(n // 4 for n in params.values()) - expert  # elements as fp32 masters, per tensor as before
+    if lay.plugin.zero_stage == 1 and lay.dp > 1:
+        edp = lay.dp // lay.ep
+        notes.append("ZeRO-1 over dp: optimizer state taken as an even split "
+                     "(ZeroRedundancyOptimizer's greedy partition)")
+        se = _opt_bytes(-(-expert // edp), lay.opt)
+        sd = _opt_bytes(-(-dense // lay.dp), lay.opt)
+    else:
+        se, sd = _opt_bytes(expert, lay.opt), _opt_bytes(dense, lay.opt)
+    if lay.moe is not None:
+        states["expert_optimizer"] = se
+    return sd + se
+
+
+def _ep_notes(lay: _Layout) -> List[str]:
+    return [f"expert parallel ep={lay.ep}: each rank holds 1/{lay.ep} of every grouped expert weight, its gradient "
+            f"and optimizer state (gradients all-reduced over the expert-dp group of {lay.dp // lay.ep}); "
+            "all-to-all bytes for routing balanced over the EP group; activations traced with every expert local "
+            "(as many rows per rank as under balanced routing), the all-to-all buffers not in the trace"]
 
 
 def _stage_traces(lay: _Layout, stage_ids, worst_act: dict) -> Tuple[List[Tuple[int, _Trace]], Dict[str, int], int]:

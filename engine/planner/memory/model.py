@@ -194,6 +194,9 @@ class _Model:
         if real_tp and not hft.can_fake_world():  # a process group exists here (a rank): the shard shapes
             self.shapes_only, real_tp = True, False
         fake = _fake_copy(part, mode, dtype=dtype, device=self.device, shapes=None if real_tp else shapes)
+        from .moe_trace import balanced
+
+        balanced(fake)  # MoE blocks: routing taken as balanced (their counts are data-dependent)
         forward, backward_ctx = None, contextlib.nullcontext
         if real_tp:
             hft.shard_as_plugin(scope, fake, mode, self.device, hf_tp)

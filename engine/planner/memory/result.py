@@ -49,6 +49,10 @@ class RankPlan:
     ranks: List[int]
     role: str
     tiers: Dict[str, TierPlan]
+    # model states each rank of the group holds after a step, in bytes (hybrid plugin): params, grads,
+    # optimizer; under expert parallelism also expert_params / expert_grads / expert_optimizer (this rank's
+    # share, included in the totals), moe_layers and all_to_all (the step's all-to-all bytes sent)
+    states: Dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -56,7 +60,7 @@ class RankPlan:
 
     def to_dict(self) -> dict:
         return {"ranks": list(self.ranks), "role": self.role, "fits": self.fits,
-                "tiers": {k: v.to_dict() for k, v in self.tiers.items()}}
+                "tiers": {k: v.to_dict() for k, v in self.tiers.items()}, "states": dict(self.states)}
 
 
 @dataclass
@@ -65,7 +69,8 @@ class FitPlan:
 
     ``activations`` holds one rank's activation bytes with and without activation checkpointing
     (the larger stage under a pipeline); ``traffic`` the bytes a step moves per rank (``"nvme->cpu"``,
-    ``"cpu->nvme"``, ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"broadcast"``, ``"p2p"``);
+    ``"cpu->nvme"``, ``"allreduce"``, ``"allgather"``, ``"reduce_scatter"``, ``"broadcast"``, ``"p2p"``,
+    ``"all_to_all"``: an MoE model's expert dispatch and combine under ``ep_size``);
     ``advice`` concrete changes, best first; ``notes`` what the estimate assumed.
     """
 

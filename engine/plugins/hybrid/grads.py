@@ -62,15 +62,28 @@ class TiedCopies:
         return out
 
     def sum_grads(self) -> None:
+        """Each tied weight's copies all hold the sum of their gradients. A rank whose copies got no gradient
+        this step (a stage that did not use its copy) still joins the sum, with zeros, while any holder has
+        one: skipping the collective would leave the others waiting in it. No gradient anywhere: left None,
+        as one process leaves an unused weight's."""
         for params, group in self.copies:
             for p in params:
                 _as_placed(p)
             grads = [p.grad for p in params if p.grad is not None]
+            if group is not None:
+                anyone = torch.tensor([float(bool(grads))], device=params[0].device)
+                comm.all_reduce(anyone, group=group)
+                if anyone.item() and not grads:
+                    params[0].grad = torch.zeros_like(params[0])
+                    grads = [params[0].grad]
             if not grads:
                 continue
             total = sum(grads[1:], grads[0])
             if group is not None:
                 comm.all_reduce(_local(total), group=group)
+            for p in params:  # the copies that had no gradient get the sum too
+                if p.grad is None:
+                    p.grad = total.clone()
             for g in grads:
                 g.copy_(total)  # a no-op on the one copy a rank holds alone
 
