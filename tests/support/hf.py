@@ -122,6 +122,12 @@ FAMILY_FIELDS = {
     # forward scales and adds positions itself, so its derived layout is refused)
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2, "head_dim": None},
     "ctrl": {"dff": 128},
+    # multi-query attention (tables.py, multi_query.py): c_attn packs q | k | v with k and v one head each, shared
+    "gpt_bigcode": {"num_key_value_heads": None, "head_dim": None},
+    # Falcon's multi-query layout (Falcon-7B) with ALiBi (Falcon-RW) in one: q | k | v with one shared key/value
+    # head, and a per-head bias folded into the mask each layer gets (a name of its own: ``model_type`` says whose)
+    "falcon-mq-alibi": {"model_type": "falcon", "new_decoder_architecture": False, "multi_query": True,
+                        "alibi": True, "num_kv_heads": None, "head_dim": None},
 }
 
 
@@ -134,6 +140,7 @@ def from_config(model_type: str, layers: int = 4, seed: int = SEED, **kw):
                num_hidden_layers=layers, vocab_size=256, max_position_embeddings=64,
                pad_token_id=0, bos_token_id=0, eos_token_id=0)
     cfg.update(FAMILY_FIELDS.get(model_type, {}))
+    model_type = cfg.pop("model_type", model_type)  # a named variant of a family (falcon-mq-alibi)
     if model_type == "gptj":  # GPT-J names its sizes the GPT-2 way
         cfg = dict(n_embd=64, n_head=4, n_layer=layers, vocab_size=256, n_positions=64, rotary_dim=8,
                    bos_token_id=0, eos_token_id=0)

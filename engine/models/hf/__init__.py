@@ -233,4 +233,5 @@ def _per_rank(model: nn.Module, parents: set, tp: int) -> None:
     for pattern, attrs in per_rank_attributes(model).items():
         for name in [n for n in parents if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern)]:
             for attr in attrs:
-                setattr(mods[name], attr, getattr(mods[name], attr) // tp)
+                n = getattr(mods[name], attr)  # a count of one is a head every rank shares (multi-query)
+                setattr(mods[name], attr, n // tp if n > 1 else n)

@@ -5,7 +5,9 @@ BLOOM builds one ALiBi bias for every head in the base model's forward, shaped
 reshapes it by its own head count. Once a rank holds heads ``[r*h, (r+1)*h)`` (its query/key/value
 projection cut by output features, its ``num_heads`` one rank's share), a forward pre-hook on the
 attention slices the bias to those heads; the base model keeps the whole head count, so the slopes
-are the model's own. Built on ``nn.Module.register_forward_pre_hook(with_kwargs=True)``.
+are the model's own. Falcon (``config.alibi``) hands it as ``(batch, heads, 1, keys)`` and also folds
+the bias into the 4-D mask it hands each layer, ``(batch, heads, queries, keys)``: the hook slices that
+mask to the rank's heads too. Built on ``nn.Module.register_forward_pre_hook(with_kwargs=True)``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import fnmatch
 from functools import partial
 from typing import Container, Iterable
 
+import torch
 import torch.nn as nn
 
 
@@ -33,7 +36,14 @@ def _own_heads(rank: int, tp: int, module: nn.Module, args, kwargs):
     if alibi is None:
         return None
     h = module.num_heads  # this rank's share (the plan's per-rank attribute)
-    rows, rest = alibi.shape[0], alibi.shape[1:]
-    b = rows // (h * tp)  # (batch * all heads, 1, keys) -> (batch, all heads, 1, keys)
-    mine = alibi.view(b, h * tp, *rest)[:, rank * h:(rank + 1) * h]
-    return args, {**kwargs, "alibi": mine.reshape(b * h, *rest)}
+    if alibi.dim() == 4:  # Falcon: already (batch, all heads, 1, keys)
+        kwargs = {**kwargs, "alibi": alibi[:, rank * h:(rank + 1) * h]}
+    else:
+        rows, rest = alibi.shape[0], alibi.shape[1:]
+        b = rows // (h * tp)  # (batch * all heads, 1, keys) -> (batch, all heads, 1, keys)
+        mine = alibi.view(b, h * tp, *rest)[:, rank * h:(rank + 1) * h]
+        kwargs = {**kwargs, "alibi": mine.reshape(b * h, *rest)}
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == h * tp > 1:  # the bias folded in
+        kwargs["attention_mask"] = mask[:, rank * h:(rank + 1) * h]
+    return args, kwargs

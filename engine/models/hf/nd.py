@@ -81,7 +81,7 @@ def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, Union[str, tu
     """``{module name: role}`` for :func:`...tp_nd.resolve_plan` from the model's 1D ``plan`` (patterns to
     style names); a ``ValueError`` naming the first module or style these layouts cannot run."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if TABLES.get(model_type, {}).get("alibi"):
+    if TABLES.get(model_type, {}).get("alibi") and getattr(model.config, "alibi", True):  # Falcon: by flag
         raise _refuse(f"{type(model).__name__} adds an ALiBi bias per head", mode)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     roles: Dict[str, Union[str, tuple]] = {}
@@ -95,6 +95,8 @@ def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, Union[str, tu
             continue
         if style == "replicated_with_grad_allreduce":
             raise _refuse(f"{name!r} ({type(mod).__name__}) is a per-head norm kept whole on every rank", mode)
+        if opts.get("multi_query"):
+            raise _refuse(f"{name!r} packs q with one key/value head every rank shares (multi-query)", mode)
         conv = is_conv1d(mod)
         if isinstance(mod, nn.Embedding):
             roles[name] = "embedding"

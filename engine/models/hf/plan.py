@@ -45,8 +45,20 @@ def read_plan(model: nn.Module) -> Tuple[Dict[str, object], str]:
     table = table_for(model)
     if table.get("base"):
         refuse_if_flags(model, table)
-        return {**_prefixed(model, table["base"]), **table["head"]}, f"built-in table ({config.model_type})"
+        return {**_prefixed(model, base_entries(config, table)), **table["head"]}, \
+            f"built-in table ({config.model_type})"
     return {}, ""
+
+
+def base_entries(config, table: dict) -> dict:
+    """A built-in entry's ``base`` with its ``base_if`` on top: ``{flag: entries}`` (or ``{flag: (entries, other
+    flag)}``: unless that other flag is set too) swaps in the entries a config flag's layout needs (multi-query)."""
+    base = dict(table["base"])
+    for flag, extra in table.get("base_if", {}).items():
+        extra, unless = extra if isinstance(extra, tuple) else (extra, None)
+        if getattr(config, flag, False) and not (unless and getattr(config, unless, False)):
+            base.update(extra)
+    return base
 
 
 def refuse_if_flags(model: nn.Module, table: dict) -> None:
@@ -136,11 +148,23 @@ def check_heads(model: nn.Module, tp: int) -> None:
     heads, kv = head_counts(model)
     if heads is None or (heads % tp == 0 and kv % tp == 0):
         return
+    if heads % tp == 0 and kv == 1 and _shares_one_head(model):
+        return  # multi-query: the one key/value head is kept whole on every rank (multi_query.py)
     g = math.gcd(heads, kv)
     valid = [d for d in range(1, g + 1) if g % d == 0]
     raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} has {heads} attention heads and "
                      f"{kv} key/value heads, and tensor parallelism gives each rank whole heads of both; "
                      f"choose tp_size in {valid}")
+
+
+def _shares_one_head(model: nn.Module) -> bool:
+    """The built-in plan for this config keeps one key/value head whole on every rank (an entry with the
+    ``multi_query`` option, :mod:`.multi_query`)."""
+    table = table_for(model)
+    if not table.get("base"):
+        return False
+    entries = base_entries(getattr(model, "config", None), table).values()
+    return any(isinstance(e, tuple) and e[1].get("multi_query") for e in entries)
 
 
 def check_per_head_parameters(model: nn.Module, plan: dict) -> None:

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from .grad_sum import ReplicatedGradSum
 from .local_linear import LocalColwise, LocalRowwise, is_conv1d
 from .mla import MlaKvAProj
+from .multi_query import MultiQueryColwise
 
 # name -> (what it does, the names transformers gave it across releases are each an entry)
 SUPPORTED = {
@@ -109,6 +110,8 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
     if not (conv or emb or isinstance(module, nn.Linear)):
         raise ValueError(f"tp plan entry {module_name!r}: style {name!r} shards nn.Linear, nn.Embedding or Conv1D "
                          f"weights, not a {type(module).__name__}")
+    if name == "colwise" and opts.get("multi_query"):  # q | k | v with one shared key/value head (multi_query.py)
+        return MultiQueryColwise()
     if name.startswith("embedding_") and not emb:
         raise ValueError(f"tp plan entry {module_name!r}: style {name!r} is for nn.Embedding, "
                          f"not {type(module).__name__}")
@@ -134,8 +137,9 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
 
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
-    name, _ = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
+    name, opts = _parse(entry)
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj") \
+            or opts.get("multi_query"):
         return None
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary

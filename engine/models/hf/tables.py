@@ -216,15 +216,35 @@ TABLES = {
         },
         "head": {},
         "per_rank": {"h.*.self_attention": ("num_heads", "num_kv_heads")},
-        "refuse_if": {"multi_query": ("multi-query attention (one key/value head packed after every query head)",
-                                      "new_decoder_architecture"),
-                      "alibi": "an ALiBi bias built for every head in the base model's forward"},
+        # multi-query (Falcon-7B): q | k | v with one key/value head, kept whole on every rank (multi_query.py;
+        # its num_kv_heads of 1 stays 1); ALiBi: each rank's heads' bias, and the mask the bias is folded into
+        "base_if": {"multi_query": ({"h.*.self_attention.query_key_value": ("colwise", {"multi_query": True})},
+                                    "new_decoder_architecture")},
+        "alibi": ("h.*.self_attention",),
     },
     # BitNet: an RMSNorm over the whole attention output (attn_sub_norm) and over the whole MLP width
     # (ffn_sub_norm) sits between each column cut and its row cut, so no 1-D cut of either block is sound
     "bitnet": {
         "refuse_tp": "its attn_sub_norm and ffn_sub_norm normalize over the very width a tensor-parallel cut "
                      "splits (between q/k/v and o_proj, between up and down)",
+    },
+    # GPT-BigCode (StarCoder): GPT-2's blocks as nn.Linear. Without multi-query c_attn packs each head's q, k, v
+    # together ((heads, 3 * head_dim) outputs): a contiguous cut gives whole heads. With multi-query (every
+    # released checkpoint) it is q | k | v, k and v one head each that every query head reads: q cut, k | v whole
+    # on every rank (multi_query.py), and the attention's key/value-group count becomes one rank's share too
+    "gpt_bigcode": {
+        "base": {
+            "wte": "embedding_rowwise",
+            "h.*.attn.c_attn": "colwise",
+            "h.*.attn.c_proj": "rowwise",
+            "h.*.mlp.c_fc": "colwise",
+            "h.*.mlp.c_proj": "rowwise",
+        },
+        "base_if": {"multi_query": {"h.*.attn.c_attn": ("colwise", {"multi_query": True})}},
+        "head": {"lm_head": "colwise_gather_output"},
+        # the attention splits c_attn's output by embed_dim, views its heads by num_heads and repeats its one
+        # key/value head num_key_value_groups times (1 without multi-query: left so)
+        "per_rank": {"h.*.attn": ("embed_dim", "num_heads", "num_key_value_groups")},
     },
 }
 
