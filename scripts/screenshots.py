@@ -51,7 +51,7 @@ plan = cl.plan(GPTConfig.preset("small"), GeminiPlugin(placement_policy="auto", 
 FitPlan(plan)"""
 GEMINI = """\
 %%colossal
-import tempfile, time, torch, torch.distributed as dist
+import shutil, tempfile, time, torch, torch.distributed as dist
 from colossal_lab.engine import Booster
 from colossal_lab.engine.plugins import GeminiPlugin
 from colossal_lab.engine.models import GPT, GPTConfig
@@ -67,7 +67,7 @@ torch.manual_seed(0)
 # move between them every step, which is what the chunk map is for
 model = GPT(GPTConfig.preset("small"))
 plugin = GeminiPlugin(placement_policy="auto", precision="fp32", device_memory_limit=3 << 20,
-                      chunk_size_mb=0.75, nvme_offload_dir=tempfile.mkdtemp(prefix=f"nv{rank}_"),
+                      chunk_size_mb=0.75, nvme_offload_dir=(nvme := tempfile.mkdtemp(prefix=f"nv{rank}_")),
                       nvme_offload_frac=0.5)
 booster = Booster(plugin=plugin)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -77,7 +77,8 @@ for step in range(STEPS):  # steps back to back: the chunk map is caught mid-ste
     _, loss = gm(x, y)
     booster.backward(loss, gopt)
     gopt.step(); gopt.zero_grad()
-plugin.close()
+plugin.close()  # removes Gemini's files; then the folder this cell made
+shutil.rmtree(nvme, ignore_errors=True)
 print("gemini done", rank)"""
 PIPELINE = """\
 %%colossal
