@@ -16,10 +16,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ... import comm
 
 
+def sum_grads_over(module: nn.Module, group) -> None:
+    """Every backward's gradient of ``module``'s own parameters is summed over ``group`` before it accumulates."""
+    for p in module.parameters(recurse=False):
+        if p.requires_grad:
+            p.register_hook(lambda g: comm.all_reduce(g.clone(), group=group))
+
+
 class ReplicatedGradSum(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        group = device_mesh.get_group()
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                p.register_hook(lambda g: comm.all_reduce(g.clone(), group=group))
+        sum_grads_over(module, device_mesh.get_group())
         return module

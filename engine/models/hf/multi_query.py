@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ... import comm
+from .grad_sum import sum_grads_over
 from .local_linear import LocalColwise
 
 
@@ -44,10 +44,7 @@ class MultiQueryColwise(LocalColwise):
                              f"q ({q}, divisible by tp={tp}) followed by a shared key/value tail")
         r = device_mesh.get_local_rank()
         rows = torch.cat([torch.arange(r * q // tp, (r + 1) * q // tp), torch.arange(q, q + tail)])
-        group = device_mesh.get_group()
-        for p in module.parameters(recurse=False):
-            if p.requires_grad:
-                p.register_hook(lambda g: comm.all_reduce(g.clone(), group=group))
+        sum_grads_over(module, device_mesh.get_group())  # each rank's gradient covers its own rows only
 
         def forward(mod, x):
             # replicated input: forward unchanged, backward sums the ranks' partial input gradients
