@@ -182,6 +182,60 @@ def _load(rank, world, path, ep):
     return state if rank == 0 else None
 
 
+GEMINI = "gemini_ep2xdp2"  # GeminiPlugin(ep_size=2): Gemini's dp is the world, so ep2 x dp2 on 4 ranks
+
+
+def _run_gemini(rank, world, family, starve, save=None):
+    """5 steps under ``GeminiPlugin(ep_size=2, precision="fp32")``: dense chunks over the 4 ranks, this rank's
+    expert slices in chunks of their own over its expert-dp pair. The same record as ``_run`` (its bytes and load
+    events checked by the tests that read every entry) plus the chunk layout; with ``save``: ``save_model`` in
+    transformers' layout, the whole batch's logits at that point, and the state after one more step and a
+    ``load_model`` of those files."""
+    from colossal_lab.engine import Booster, telemetry
+    from colossal_lab.engine.models.hf import moe as hf_moe
+    from colossal_lab.engine.moe.parallel import COMM
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    plugin = GeminiPlugin(ep_size=2, precision="fp32")
+    booster = Booster(plugin=plugin)
+    model = build(family, starve)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    losses, norms, counted, formula, tokens, events = [], [], [], [], [], []
+    unsubscribe = telemetry.subscribe(events.append)
+    for s in range(STEPS):
+        COMM.reset()
+        step_losses, step_norms = loop(model, opt, booster, steps=1, first=s, clip=CLIP, split=(rank, world))
+        losses += step_losses
+        norms += step_norms
+        tok = list(hf_moe.tokens_per_expert(model.module).values())
+        tokens.append(tok)
+        counted.append(COMM.total)
+        formula.append(_a2a_formula(tok, plugin.ep_group, 64))
+    unsubscribe()
+    load = [(e.rank, e.step, e.layer, list(e.tokens), e.dropped) for e in events if isinstance(e, telemetry.ExpertLoad)]
+    chunks = [([i.name for i in c.infos], c.world) for c in model.manager.chunks]
+    local = {i.name: tuple(i.shape) for c in model.manager.chunks for i in c.infos if ".experts." in i.name}
+    state = model.state_dict()  # a collective: each chunk gathered over its group, every expert over the EP group
+    out = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, local=local,
+               labels=sorted(COMM.bytes), load=load, chunks=chunks, state=state if rank == 0 else None)
+    if save:
+        booster.save_model(model, save, shard=True, size_per_shard=0.05)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=batch(0, rank, world)[0].contiguous()).logits
+        model.train()
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits.contiguous())
+        loop(model, opt, booster, steps=1, first=STEPS, clip=CLIP, split=(rank, world))  # moves every weight
+        moved = model.state_dict()
+        booster.load_model(model, save)
+        loaded = model.state_dict()
+        if rank == 0:
+            out.update(logits=torch.cat(parts), moved=moved, loaded=loaded)
+    plugin.close()
+    return out
+
+
 def _rank(rank, world, path):
     out = {}
     for family in FAMILIES:
@@ -193,6 +247,10 @@ def _rank(rank, world, path):
     out[("mixtral", "ep2xdp2", "lora")] = _run(rank, world, "mixtral", 2, False, lora=True)
     out[("mixtral", "ep2xdp2", "zero1")] = _run(rank, world, "mixtral", 2, False, lora=False, zero=1)
     out["ep2xpp2"] = _run_pp(rank, world, "mixtral")  # losses and norms only
+    for family in FAMILIES:
+        for starve in (False, True):
+            save = path + "_gemini" if family == "mixtral" and not starve else None
+            out[(family, GEMINI, starve)] = _run_gemini(rank, world, family, starve, save)
     return out
 
 
@@ -345,4 +403,80 @@ def test_refused_before_any_group():
         r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     with pytest.raises(ValueError, match="target the attention"):
         booster.boost(model, torch.optim.AdamW(model.parameters()))
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gemini_ep2_follows_one_process(runs, family):
+    """GeminiPlugin(ep_size=2) at ep2 x dp2: losses and gradient norms within 1e-4 of one process at every step
+    on every rank, with and without starved experts (no token from any rank at any step); each rank holds E/2
+    experts, in chunks of their own over its expert-dp pair (2 ranks), every other parameter in chunks over the 4
+    ranks; the gathered state has transformers' names and shapes and equals the one-process model's."""
+    for starve in (False, True):
+        ref, ref_norms, ref_state = reference(family, starve)
+        for rank, per in enumerate(runs):
+            r = per[(family, GEMINI, starve)]
+            assert_follows((family, GEMINI, starve, rank), r["losses"], r["norms"], ref, ref_norms)
+            assert r["local"] and all(shape[0] == E // 2 for shape in r["local"].values())
+            assert len(r["tokens"][0]) == 2 and all(sum(t) == 8 // WORLD * 32 * TOP_K for s in r["tokens"] for t in s)
+            if starve:
+                assert all(t[e] == 0 for s in r["tokens"] for t in s for e in STARVED)
+            else:
+                assert all(t[e] > 0 for s in r["tokens"] for t in s for e in range(E))
+            expert = [w for names, w in r["chunks"] if all(".experts." in n for n in names)]
+            dense = [w for names, w in r["chunks"] if not any(".experts." in n for n in names)]
+            assert expert and dense and len(expert) + len(dense) == len(r["chunks"])
+            assert set(expert) == {WORLD // 2} and set(dense) == {WORLD}
+        state = runs[0][(family, GEMINI, starve)]["state"]
+        assert state.keys() == ref_state.keys()
+        assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in ref_state.items()}
+        diff = {k: (state[k] - v).abs().max().item() for k, v in ref_state.items()}
+        assert max(diff.values()) < 1e-4, (family, starve, sorted(diff.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_gemini_ep2_checkpoint_in_transformers_layout(runs, saved):
+    """``save_model`` under GeminiPlugin(ep_size=2) writes what ``from_pretrained`` loads in one process (every
+    expert in its slot, several files), whose logits are the distributed model's; ``load_model`` of those files
+    (each rank reading its own experts' rows of its shard) brings the model back after another step."""
+    from transformers import AutoModelForCausalLM
+
+    r = runs[0][("mixtral", GEMINI, False)]
+    where = saved.parent / f"{saved.name}_gemini"
+    assert len(list(where.glob("*.safetensors"))) > 1 and (where / "model.safetensors.index.json").exists()
+    one = AutoModelForCausalLM.from_pretrained(where).eval()
+    loaded = one.state_dict()
+    assert loaded.keys() == r["state"].keys() and all(torch.equal(loaded[k], v) for k, v in r["state"].items())
+    assert loaded["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * 32, 64)
+    with torch.no_grad():
+        logits = one(input_ids=batch(0)[0].contiguous()).logits
+    assert (logits - r["logits"]).abs().max().item() < 1e-5 * logits.abs().max().item()
+    assert any(not torch.equal(r["moved"][k], v) for k, v in r["state"].items() if ".experts." in k)
+    assert all(torch.equal(r["loaded"][k], v) for k, v in r["state"].items())
+
+
+def test_gemini_ep_refused_before_any_group(monkeypatch):
+    """GeminiPlugin(ep_size=...) on a transformers model: what it cannot split is refused at boost, before any
+    process group and before anything is cut, naming what works."""
+    from peft import LoraConfig, get_peft_model
+    from support.hf import llama
+
+    from colossal_lab.engine.plugins import GeminiPlugin
+
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    three = GeminiPlugin(ep_size=3, precision="fp32")  # divides the world, not the experts
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    four = GeminiPlugin(ep_size=4, precision="fp32")
+    lora = get_peft_model(build("mixtral"), LoraConfig(r=2, target_modules=[], target_parameters=[
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    cases = [(three, 6, build("qwen2_moe"), r"ep_size=3\): 4 experts \(model.layers.0.mlp.experts\) do not divide "
+              r"over 3 ranks; use an ep_size in \[1, 2, 4\]"),
+             (four, 4, llama(), r"LlamaForCausalLM has no MoE block.*set ep_size=1"),
+             (four, 4, lora, r"ep_size=4\): .*experts \(ParamWrapper\).*LoRA adapters on the grouped expert weights.*"
+              r"set ep_size=1")]
+    for plugin, world, model, match in cases:
+        monkeypatch.setattr(type(plugin), "dp_size", property(lambda self, w=world: w))
+        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=match):
+            plugin.configure(model, torch.optim.AdamW(model.parameters()), None, None, None)
+        assert {k: tuple(p.shape) for k, p in model.named_parameters()} == shapes  # nothing cut
     assert not dist.is_initialized()
