@@ -219,6 +219,7 @@ def _run_gemini(rank, world, family, starve, save=None):
     out = dict(losses=losses, norms=norms, counted=counted, formula=formula, tokens=tokens, local=local,
                labels=sorted(COMM.bytes), load=load, chunks=chunks, state=state if rank == 0 else None)
     if save:
+        moments = opt.state_dict()  # a collective: every expert's AdamW moments gathered over the EP group
         booster.save_model(model, save, shard=True, size_per_shard=0.05)
         model.eval()
         with torch.no_grad():
@@ -231,7 +232,8 @@ def _run_gemini(rank, world, family, starve, save=None):
         booster.load_model(model, save)
         loaded = model.state_dict()
         if rank == 0:
-            out.update(logits=torch.cat(parts), moved=moved, loaded=loaded)
+            out.update(logits=torch.cat(parts), moved=moved, loaded=loaded,
+                       moments={k: v for k, v in moments.items() if ".experts." in k and "exp_avg" in k})
     plugin.close()
     return out
 
@@ -452,6 +454,15 @@ def test_gemini_ep2_checkpoint_in_transformers_layout(runs, saved):
     assert (logits - r["logits"]).abs().max().item() < 1e-5 * logits.abs().max().item()
     assert any(not torch.equal(r["moved"][k], v) for k, v in r["state"].items() if ".experts." in k)
     assert all(torch.equal(r["loaded"][k], v) for k, v in r["state"].items())
+    # the optimizer's full state holds every expert's moments, the one-process AdamW's
+    model = build("mixtral")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    loop(model, opt, steps=STEPS, clip=CLIP)
+    ref = {f"state.{n}.{m}": opt.state[p][m] for n, p in model.named_parameters() if ".experts." in n
+           for m in ("exp_avg", "exp_avg_sq")}
+    assert r["moments"].keys() == ref.keys()
+    for k, v in ref.items():
+        assert r["moments"][k].shape == v.shape and (r["moments"][k] - v).abs().max() <= 1e-4 * v.abs().max(), k
 
 
 def test_gemini_ep_refused_before_any_group(monkeypatch):
