@@ -183,14 +183,33 @@ def _load(rank, world, path, ep):
 
 
 GEMINI = "gemini_ep2xdp2"  # GeminiPlugin(ep_size=2): Gemini's dp is the world, so ep2 x dp2 on 4 ranks
+IDLE = [2, 3]  # every expert of EP rank 1 under ep2: with these starved that rank receives no row at any step
 
 
-def _run_gemini(rank, world, family, starve, save=None):
+def _idle(gate, args, out):
+    """``_starve`` with experts ``IDLE`` masked out instead (softmax, renormalised as the family does)."""
+    logits = out[0]
+    masked = logits.clone()
+    masked[:, IDLE] = -1e4
+    top, idx = torch.topk(torch.softmax(masked.float(), -1), gate.top_k, dim=-1)
+    if getattr(gate, "norm_topk_prob", True):
+        top = top / top.sum(-1, keepdim=True)
+    return logits, top.to(logits.dtype), idx
+
+
+def _build_idle(family: str):
+    model = build(family)
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(_idle)
+    return model
+
+
+def _run_gemini(rank, world, family, starve, save=None, idle=False):
     """5 steps under ``GeminiPlugin(ep_size=2, precision="fp32")``: dense chunks over the 4 ranks, this rank's
     expert slices in chunks of their own over its expert-dp pair. The same record as ``_run`` (its bytes and load
     events checked by the tests that read every entry) plus the chunk layout; with ``save``: ``save_model`` in
     transformers' layout, the whole batch's logits at that point, and the state after one more step and a
-    ``load_model`` of those files."""
+    ``load_model`` of those files. ``idle``: experts ``IDLE`` starved instead (EP rank 1 gets no row)."""
     from colossal_lab.engine import Booster, telemetry
     from colossal_lab.engine.models.hf import moe as hf_moe
     from colossal_lab.engine.moe.parallel import COMM
@@ -198,7 +217,7 @@ def _run_gemini(rank, world, family, starve, save=None):
 
     plugin = GeminiPlugin(ep_size=2, precision="fp32")
     booster = Booster(plugin=plugin)
-    model = build(family, starve)
+    model = _build_idle(family) if idle else build(family, starve)
     model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
     losses, norms, counted, formula, tokens, events = [], [], [], [], [], []
     unsubscribe = telemetry.subscribe(events.append)
@@ -253,6 +272,7 @@ def _rank(rank, world, path):
         for starve in (False, True):
             save = path + "_gemini" if family == "mixtral" and not starve else None
             out[(family, GEMINI, starve)] = _run_gemini(rank, world, family, starve, save)
+    out[("mixtral", GEMINI, "idle")] = _run_gemini(rank, world, "mixtral", False, idle=True)
     return out
 
 
@@ -434,6 +454,20 @@ def test_gemini_ep2_follows_one_process(runs, family):
         assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in ref_state.items()}
         diff = {k: (state[k] - v).abs().max().item() for k, v in ref_state.items()}
         assert max(diff.values()) < 1e-4, (family, starve, sorted(diff.items(), key=lambda kv: -kv[1])[:3])
+
+
+def test_gemini_ep2_rank_without_rows_follows_one_process(runs):
+    """Experts 2 and 3 starved: EP rank 1 of each pair receives no row at any step, its expert chunks still reduce
+    a (zero) gradient every step (no hang), and the curve and the state are still one process's."""
+    model = _build_idle("mixtral")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref, ref_norms = loop(model, opt, steps=STEPS, clip=CLIP)
+    for rank, per in enumerate(runs):
+        r = per[("mixtral", GEMINI, "idle")]
+        assert_follows(("idle", rank), r["losses"], r["norms"], ref, ref_norms)
+        assert all(t[e] == 0 for s in r["tokens"] for t in s for e in IDLE)
+    state = runs[0][("mixtral", GEMINI, "idle")]["state"]
+    assert max((state[k] - v).abs().max().item() for k, v in model.state_dict().items()) < 1e-4
 
 
 def test_gemini_ep2_checkpoint_in_transformers_layout(runs, saved):
