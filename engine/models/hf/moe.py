@@ -177,6 +177,14 @@ class _ExpertParallelForward:
         return out
 
 
+def split_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, List[nn.Parameter]]]:
+    """Every experts module :func:`shard` cut to this EP rank's rows: ``(name, module, its grouped weights)``.
+    ZeRO-2 shards each such module apart, over the expert-dp group (plugins/hybrid/zero2.py)."""
+    for name, mod, attrs in expert_modules(model):
+        if isinstance(mod.forward, _ExpertParallelForward):
+            yield name, mod, [getattr(mod, a) for a in attrs]
+
+
 def load_counters(model: nn.Module) -> Iterator[Tuple[str, "_ExpertParallelForward"]]:
     """Per MoE layer under expert parallelism: its name (the block holding the experts, as an ``ExpertLoad``
     names it) and the counter of its routed tokens."""
