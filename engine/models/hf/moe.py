@@ -7,7 +7,8 @@ and ships an expert-parallel plan beside the tensor-parallel one (``config.base_
 ``"grouped_gemm"`` on each grouped weight (rows = experts, sharded over EP) and ``"ep_dispatch_experts"``
 on the experts module (its tokens reach the experts' ranks). We read that plan rather than re-type it,
 and run it with our own pieces: the weights keep rows ``[e·E/ep, (e+1)·E/ep)`` as plain parameters (so the
-plugin's expert gradient sync, clipping, ZeRO-1 split and ``full_state_dict`` treat them as our GPT's, and
+plugin's expert gradient sync, clipping, ZeRO-1 split, ZeRO-2 units (:func:`split_modules`) and
+``full_state_dict`` treat them as our GPT's, and
 the gathered state dict has transformers' names and shapes), and the experts module's forward sends each
 (token, expert) pair to the expert's rank through :class:`...moe.ExpertParallel` (the counted all-to-alls of
 ``engine/moe/parallel.py``), runs the module's own forward there on the arrived rows (local expert ids,
