@@ -7,7 +7,8 @@ and ships an expert-parallel plan beside the tensor-parallel one (``config.base_
 ``"grouped_gemm"`` on each grouped weight (rows = experts, sharded over EP) and ``"ep_dispatch_experts"``
 on the experts module (its tokens reach the experts' ranks). We read that plan rather than re-type it,
 and run it with our own pieces: the weights keep rows ``[e·E/ep, (e+1)·E/ep)`` as plain parameters (so the
-plugin's expert gradient sync, clipping, ZeRO-1 split and ``full_state_dict`` treat them as our GPT's, and
+plugin's expert gradient sync, clipping, ZeRO-1 split, ZeRO-2 units (:func:`split_modules`) and
+``full_state_dict`` treat them as our GPT's, and
 the gathered state dict has transformers' names and shapes), and the experts module's forward sends each
 (token, expert) pair to the expert's rank through :class:`...moe.ExpertParallel` (the counted all-to-alls of
 ``engine/moe/parallel.py``), runs the module's own forward there on the arrived rows (local expert ids,
@@ -175,6 +176,14 @@ class _ExpertParallelForward:
         w = top_k_weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         out = torch.zeros_like(hidden_states).index_add(0, token, (ys * w).to(hidden_states.dtype))
         return out
+
+
+def split_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module, List[nn.Parameter]]]:
+    """Every experts module :func:`shard` cut to this EP rank's rows: ``(name, module, its grouped weights)``.
+    ZeRO-2 shards each such module apart, over the expert-dp group (plugins/hybrid/zero2.py)."""
+    for name, mod, attrs in expert_modules(model):
+        if isinstance(mod.forward, _ExpertParallelForward):
+            yield name, mod, [getattr(mod, a) for a in attrs]
 
 
 def load_counters(model: nn.Module) -> Iterator[Tuple[str, "_ExpertParallelForward"]]:

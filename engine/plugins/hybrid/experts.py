@@ -48,10 +48,6 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {type(model).__name__} has no MoE block "
                          "(engine/moe.MoE, or a transformers MoE family's experts) to split; build it with experts "
                          "(the reference model: n_expert=8, top_k=2 in its config) or set ep_size=1")
-    if hf_layers and plugin.zero_stage == 2:
-        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, zero_stage=2): {type(model).__name__}'s experts (a "
-                         "transformers MoE family's) are not sharded apart over their expert-dp ranks under ZeRO-2 "
-                         "yet (the engine's own MoE blocks are: docs/moe.md); use zero_stage=1")
     for name, n_expert in hf_layers:
         if n_expert % ep:
             ok = [d for d in range(1, n_expert + 1) if n_expert % d == 0]

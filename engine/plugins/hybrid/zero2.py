@@ -5,7 +5,8 @@ Each block and the stage's root are sharded over the data-parallel ranks with
 reduce-scattered in backward, optimizer state on each rank's shard only: ZeRO-2's memory, as the repo's
 ZeRO-2 plugin has it). Nothing of the reduction is hand-written.
 
-Under expert parallelism the grouped expert weights of every MoE block are sharded apart, over the
+Under expert parallelism the grouped expert weights of every MoE block (ours, or a transformers MoE family's
+experts module, found through its ep plan by ``models/hf/moe.py``) are sharded apart, over the
 expert-dp group (the ranks holding the same experts, :mod:`.experts`), before their block is: a block's
 ``fully_shard`` then leaves them to their own unit. Their reduce-scatter sums over the expert-dp group and
 divides by the whole dp size (``set_gradient_divide_factor``; a plain sum forced, which gloo runs): the
@@ -38,7 +39,6 @@ def apply_zero2(model, dims, experts) -> Set[int]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from ...moe import moe_layers
     from ..low_level_zero import fsdp_blocks
 
     dev = model.device.type
@@ -49,15 +49,15 @@ def apply_zero2(model, dims, experts) -> Set[int]:
     for mod in model.stage_modules:
         inner = mod.inner
         ignored = set()
-        for _, moe in moe_layers(inner):
-            if moe.ep is None:  # no expert parallelism: the experts are dense parameters like any other
-                continue
+        for unit, grouped in _expert_units(inner):
             if ex_mesh is not None:
-                fully_shard(moe.experts, mesh=ex_mesh, reshard_after_forward=False)
-                moe.experts.set_gradient_divide_factor(float(dims.dp))
-                moe.experts.set_force_sum_reduction_for_comms(True)  # SUM, then divide (gloo has no PREMUL_SUM)
+                # anything else the unit holds stays out of it: a dense parameter, averaged over dp as the rest
+                rest = {p for p in unit.parameters() if all(p is not q for q in grouped)}
+                fully_shard(unit, mesh=ex_mesh, reshard_after_forward=False, ignored_params=rest or None)
+                unit.set_gradient_divide_factor(float(dims.dp))
+                unit.set_force_sum_reduction_for_comms(True)  # SUM, then divide (gloo has no PREMUL_SUM)
             else:
-                ignored.update(moe.experts.parameters())
+                ignored.update(grouped)
         kw = dict(mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None)
         for _, block in fsdp_blocks(inner):
             fully_shard(block, **kw)
@@ -65,3 +65,14 @@ def apply_zero2(model, dims, experts) -> Set[int]:
     if experts is not None:  # fully_shard made new (DTensor) parameters: the expert set by name again
         experts.params = {id(p) for n, p in model.named_model_parameters() if n in experts.names}
     return {id(p) for _, p in model.named_model_parameters() if hasattr(p, "device_mesh")}
+
+
+def _expert_units(inner):
+    """``(module, its grouped expert weights)`` for every experts module split over EP: our MoE blocks'
+    ``experts`` and a transformers MoE family's experts modules (``models/hf/moe.py`` finds them through the
+    model's ep plan)."""
+    from ...models.hf import moe as hf_moe
+    from ...moe import moe_layers
+
+    units = [(moe.experts, list(moe.experts.parameters())) for _, moe in moe_layers(inner) if moe.ep is not None]
+    return units + [(m, grouped) for _, m, grouped in hf_moe.split_modules(inner)]
