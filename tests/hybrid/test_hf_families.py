@@ -55,6 +55,7 @@ MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
 # what a config rules out, refused before any group: (family, mode) -> words of the error
 REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
+           ("doge", "cp2"): "prepare_dynamic_mask",
            ("camembert", "sp"): "closes them outside itself",
            ("qwen3_moe", "sp"): "experts stay whole on every tp rank",
            ("falcon", "cp2"): "AttentionInterface",
@@ -97,13 +98,49 @@ def _train(family, mode):
     return {"losses": losses, "norms": norms}
 
 
-def _all(rank, world):
-    return {case: _train(*case) for case in CASES}
+# multi-query attention's packed q | k | v (multi_query.py): stored as a row shard, checkpointed whole
+MULTI_QUERY = {"gpt_bigcode": "transformer.h.0.attn.c_attn.weight",
+               "falcon-mq-alibi": "transformer.h.0.self_attention.query_key_value.weight"}
+CKPT_IDS = torch.arange(2 * T).view(2, T) * 7 % 250 + 1
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=CKPT_IDS).logits.detach().float().cpu()
+
+
+def _checkpoint(family, root):
+    """tp2: the packed weight's rows on this rank, the logits of the model saved with ``save_model``, and those of
+    another seed's model after ``load_model`` of that directory."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=2)
+    booster = Booster(plugin=plugin)
+    model, *_ = booster.boost(_build(family))
+    local = dict(model.named_model_parameters())[MULTI_QUERY[family]].to_local().shape[0]
+    path = f"{root}/{family}"
+    booster.save_model(model, path, shard=True, size_per_shard=0.05)
+    saved = _logits(model)
+    other, *_ = booster.boost(hf.from_config(family, seed=hf.SEED + 1))
+    before = _logits(other)
+    booster.load_model(other, path)
+    out = {"rows": local, "saved": saved, "before": before, "loaded": _logits(other)}
+    plugin.close()
+    return out
+
+
+def _all(rank, world, root):
+    out = {case: _train(*case) for case in CASES}
+    out["checkpoints"] = {f: _checkpoint(f, root) for f in MULTI_QUERY}
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_all, 2, timeout=900)
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("multi_query"))
+    return root, run_distributed(_all, 2, root, timeout=900)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +169,7 @@ def _release_refusal(case):
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
+    runs = runs[1]
     want = _release_refusal(case) or REFUSED.get(case)
     if want:
         for r in runs:
@@ -148,6 +186,27 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
         assert_follows(case, losses, got["norms"], ref, ref_norms)
     assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
+
+
+@pytest.mark.parametrize("family", tuple(MULTI_QUERY))
+def test_multi_query_weight_is_a_row_shard_and_checkpoints_whole(runs, family):
+    """Multi-query's packed q | k | v holds (q + tail) / tp rows per rank; ``save_model`` writes the model's whole
+    packed weight (transformers loads it into one process: the plain model's logits, which the tp2 model gave
+    too), and ``load_model`` reads it back into another seed's tp2 model."""
+    from transformers import AutoModelForCausalLM
+
+    root, ranks = runs
+    model = _build(family)
+    rows = dict(model.named_parameters())[MULTI_QUERY[family]].shape[0]
+    plain = _logits(model)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(f"{root}/{family}")), plain,
+                               rtol=0, atol=1e-5)
+    for r in ranks:
+        got = r["checkpoints"][family]
+        assert got["rows"] == rows // 2, (got["rows"], rows)
+        torch.testing.assert_close(got["saved"], plain, rtol=0, atol=1e-5)
+        assert not torch.allclose(got["before"], plain, atol=1e-3)  # another seed: the load has work to do
+        torch.testing.assert_close(got["loaded"], plain, rtol=0, atol=1e-5)
 
 
 def _configure_error(model, **kw) -> str:
