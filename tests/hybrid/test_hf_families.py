@@ -16,7 +16,11 @@ experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). T
 whose derived layout is refused by its check (its base forward scales the hidden states and adds positions
 itself). Three the sweep could not build tiny before: DeepSeek-V3 and DeepSeek-V2 (multi-head latent attention;
 V2's plan runs the ``mla_kv_a_proj`` style, engine/models/hf/mla.py; experts whole per tp rank, sp refused) and
-GPT-Neo (global and local attention layers; a built-in tp table; cp refused: no attention registry).
+GPT-Neo (global and local attention layers; a built-in tp table; cp refused: no attention registry). Two given
+built-in tp tables later: XLM (four parallel layer lists: sp and pp refused) and XLNet (its relative attention holds
+bare parameters: only its MLP is cut). Doge's cp2 is refused (its attention adds a mask computed from its values,
+which the ring would drop). Multi-query attention's packed weight (GPT-BigCode, Falcon) is a row shard per tp rank
+that ``save_model`` writes whole and ``load_model`` reads back (``test_multi_query_...``, in the same world).
 Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2
 microbatches). Three steps of plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process
 within 1e-4 relative, loss and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key
@@ -48,7 +52,8 @@ _MLA = dict(num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, 
             qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
 EXTRA = {"deepseek_v3": _MLA, "deepseek_v2": _MLA,
-         "gpt_neo": dict(attention_types=[[["global", "local"], 2]], num_key_value_heads=None, head_dim=None)}
+         "gpt_neo": dict(attention_types=[[["global", "local"], 2]], num_key_value_heads=None, head_dim=None),
+         "xlm": dict(dff=128), "xlnet": dict(d_inner=128, d_head=16, max_position_embeddings=None, dropout=0.0)}
 FAMILIES = tuple(hf.FAMILY_FIELDS) + tuple(EXTRA)
 MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
          "cp2": dict(cp_size=2, cp_mode="ring"), "pp2": dict(pp_size=2, num_microbatches=2)}
@@ -63,7 +68,10 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("deepseek_v3", "sp"): "experts stay whole on every tp rank",
            ("deepseek_v2", "sp"): "experts stay whole on every tp rank",
            ("gpt_neo", "cp2"): "AttentionInterface",
-           ("falcon-mq-alibi", "cp2"): "AttentionInterface"}
+           ("falcon-mq-alibi", "cp2"): "AttentionInterface",
+           ("xlm", "sp"): "has no layer list", ("xlm", "cp2"): "AttentionInterface",
+           ("xlm", "pp2"): "has no pipeline layout",
+           ("xlnet", "sp"): "does not hold", ("xlnet", "cp2"): "AttentionInterface", ("xlnet", "pp2"): "does not hold"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
