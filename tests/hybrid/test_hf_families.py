@@ -16,7 +16,11 @@ experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). T
 whose derived layout is refused by its check (its base forward scales the hidden states and adds positions
 itself). Three the sweep could not build tiny before: DeepSeek-V3 and DeepSeek-V2 (multi-head latent attention;
 V2's plan runs the ``mla_kv_a_proj`` style, engine/models/hf/mla.py; experts whole per tp rank, sp refused) and
-GPT-Neo (global and local attention layers; a built-in tp table; cp refused: no attention registry).
+GPT-Neo (global and local attention layers; a built-in tp table; cp refused: no attention registry). Two given
+built-in tp tables later: XLM (four parallel layer lists: sp and pp refused) and XLNet (its relative attention holds
+bare parameters: only its MLP is cut). Doge's cp2 is refused (its attention adds a mask computed from its values,
+which the ring would drop). Multi-query attention's packed weight (GPT-BigCode, Falcon) is a row shard per tp rank
+that ``save_model`` writes whole and ``load_model`` reads back (``test_multi_query_...``, in the same world).
 Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2
 microbatches). Three steps of plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process
 within 1e-4 relative, loss and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key
@@ -48,13 +52,15 @@ _MLA = dict(num_key_value_heads=4, head_dim=8, q_lora_rank=32, kv_lora_rank=32, 
             qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
 EXTRA = {"deepseek_v3": _MLA, "deepseek_v2": _MLA,
-         "gpt_neo": dict(attention_types=[[["global", "local"], 2]], num_key_value_heads=None, head_dim=None)}
+         "gpt_neo": dict(attention_types=[[["global", "local"], 2]], num_key_value_heads=None, head_dim=None),
+         "xlm": dict(dff=128), "xlnet": dict(d_inner=128, d_head=16, max_position_embeddings=None, dropout=0.0)}
 FAMILIES = tuple(hf.FAMILY_FIELDS) + tuple(EXTRA)
 MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
          "cp2": dict(cp_size=2, cp_mode="ring"), "pp2": dict(pp_size=2, num_microbatches=2)}
 # what a config rules out, refused before any group: (family, mode) -> words of the error
 REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
+           ("doge", "cp2"): "prepare_dynamic_mask",
            ("camembert", "sp"): "closes them outside itself",
            ("qwen3_moe", "sp"): "experts stay whole on every tp rank",
            ("falcon", "cp2"): "AttentionInterface",
@@ -62,7 +68,10 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("deepseek_v3", "sp"): "experts stay whole on every tp rank",
            ("deepseek_v2", "sp"): "experts stay whole on every tp rank",
            ("gpt_neo", "cp2"): "AttentionInterface",
-           ("falcon-mq-alibi", "cp2"): "AttentionInterface"}
+           ("falcon-mq-alibi", "cp2"): "AttentionInterface",
+           ("xlm", "sp"): "has no layer list", ("xlm", "cp2"): "AttentionInterface",
+           ("xlm", "pp2"): "has no pipeline layout",
+           ("xlnet", "sp"): "does not hold", ("xlnet", "cp2"): "AttentionInterface", ("xlnet", "pp2"): "does not hold"}
 CASES = [(f, m) for f in FAMILIES for m in MODES]
 
 
@@ -97,13 +106,49 @@ def _train(family, mode):
     return {"losses": losses, "norms": norms}
 
 
-def _all(rank, world):
-    return {case: _train(*case) for case in CASES}
+# multi-query attention's packed q | k | v (multi_query.py): stored as a row shard, checkpointed whole
+MULTI_QUERY = {"gpt_bigcode": "transformer.h.0.attn.c_attn.weight",
+               "falcon-mq-alibi": "transformer.h.0.self_attention.query_key_value.weight"}
+CKPT_IDS = torch.arange(2 * T).view(2, T) * 7 % 250 + 1
+
+
+def _logits(model):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=CKPT_IDS).logits.detach().float().cpu()
+
+
+def _checkpoint(family, root):
+    """tp2: the packed weight's rows on this rank, the logits of the model saved with ``save_model``, and those of
+    another seed's model after ``load_model`` of that directory."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    plugin = HybridParallelPlugin(tp_size=2)
+    booster = Booster(plugin=plugin)
+    model, *_ = booster.boost(_build(family))
+    local = dict(model.named_model_parameters())[MULTI_QUERY[family]].to_local().shape[0]
+    path = f"{root}/{family}"
+    booster.save_model(model, path, shard=True, size_per_shard=0.05)
+    saved = _logits(model)
+    other, *_ = booster.boost(hf.from_config(family, seed=hf.SEED + 1))
+    before = _logits(other)
+    booster.load_model(other, path)
+    out = {"rows": local, "saved": saved, "before": before, "loaded": _logits(other)}
+    plugin.close()
+    return out
+
+
+def _all(rank, world, root):
+    out = {case: _train(*case) for case in CASES}
+    out["checkpoints"] = {f: _checkpoint(f, root) for f in MULTI_QUERY}
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_all, 2, timeout=900)
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("multi_query"))
+    return root, run_distributed(_all, 2, root, timeout=900)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +177,7 @@ def _release_refusal(case):
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
+    runs = runs[1]
     want = _release_refusal(case) or REFUSED.get(case)
     if want:
         for r in runs:
@@ -148,6 +194,27 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
         assert_follows(case, losses, got["norms"], ref, ref_norms)
     assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
+
+
+@pytest.mark.parametrize("family", tuple(MULTI_QUERY))
+def test_multi_query_weight_is_a_row_shard_and_checkpoints_whole(runs, family):
+    """Multi-query's packed q | k | v holds (q + tail) / tp rows per rank; ``save_model`` writes the model's whole
+    packed weight (transformers loads it into one process: the plain model's logits, which the tp2 model gave
+    too), and ``load_model`` reads it back into another seed's tp2 model."""
+    from transformers import AutoModelForCausalLM
+
+    root, ranks = runs
+    model = _build(family)
+    rows = dict(model.named_parameters())[MULTI_QUERY[family]].shape[0]
+    plain = _logits(model)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(f"{root}/{family}")), plain,
+                               rtol=0, atol=1e-5)
+    for r in ranks:
+        got = r["checkpoints"][family]
+        assert got["rows"] == rows // 2, (got["rows"], rows)
+        torch.testing.assert_close(got["saved"], plain, rtol=0, atol=1e-5)
+        assert not torch.allclose(got["before"], plain, atol=1e-3)  # another seed: the load has work to do
+        torch.testing.assert_close(got["loaded"], plain, rtol=0, atol=1e-5)
 
 
 def _configure_error(model, **kw) -> str:

@@ -217,13 +217,20 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, user_plan: Optional[dict] =
 
 def share_heads(model: nn.Module, parents: set, tp: int, rank: int) -> None:
     """Once the plan's linears under ``parents`` are cut: the table's head counts become one rank's share
-    and ALiBi attentions among them take only this rank's heads' bias (:mod:`.alibi`)."""
+    and ALiBi attentions (or ones handed another per-head bias: the table's ``head_bias``) among them take only
+    this rank's heads' bias (:mod:`.alibi`)."""
     _per_rank(model, parents, tp)
-    alibi = _prefixed(model, dict.fromkeys(TABLES.get(getattr(model.config, "model_type", None), {}).get("alibi", ())))
+    table = TABLES.get(getattr(model.config, "model_type", None), {})
+    alibi = _prefixed(model, dict.fromkeys(table.get("alibi", ())))
     if alibi:  # ALiBi attentions whose heads the plan cut: each its rank's slice of the bias
         from .alibi import slice_alibi
 
         slice_alibi(model, alibi, rank, tp, only=parents)
+    bias = _prefixed(model, table.get("head_bias"))
+    if bias:  # a per-head bias the base model hands each attention (CPM-Ant's position_bias): its rank's heads
+        from .alibi import slice_head_bias
+
+        slice_head_bias(model, bias, rank, tp, only=parents)
 
 
 def _per_rank(model: nn.Module, parents: set, tp: int) -> None:

@@ -32,7 +32,9 @@ Refused before any work, naming the option: a model outside the registry, non-ca
 (encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers; a
 ``config.layer_types`` naming linear, hybrid, convolution or indexed-sparse layers),
 attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
-sequence, a cache (generation), and Ulysses heads that do not divide over tp_size * cp_size.
+sequence, a cache (generation), an attention that adds a mask it computes from its values to its scores
+(``prepare_dynamic_mask``: the ring drops the mask it is handed), and Ulysses heads that do not divide over
+tp_size * cp_size.
 transformers is imported only inside the functions that need it (an HF model exists).
 """
 
@@ -110,6 +112,11 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
         if float(getattr(cfg, key, 0.0) or 0.0) > 0:
             raise ValueError(f"{where}: config.{key}={getattr(cfg, key)} (attention dropout) is not applied by "
                              f"ring / Ulysses attention; set config.{key}=0.0 or cp_size=1")
+    dynamic = sorted({type(m).__name__ for m in model.modules() if callable(getattr(m, "prepare_dynamic_mask", None))})
+    if dynamic:
+        raise ValueError(f"{where}: {name}'s attention adds a mask it computes from its values to the scores "
+                         f"({dynamic} prepare_dynamic_mask: a learned bias per key), which ring / Ulysses attention "
+                         "does not apply; set cp_size=1")
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"{where}: config.attn_logit_softcapping={cfg.attn_logit_softcapping} is not applied by "
                          "ring / Ulysses attention; set it to None or cp_size=1")

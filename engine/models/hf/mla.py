@@ -7,29 +7,17 @@ a norm into ``kv_b_proj`` (column-parallel: its backward already sums the input'
 gradient on each rank covers that rank's heads. The module stays whole on every tp rank; its output's last
 ``qk_rope_head_dim`` features pass through an identity whose backward sums the gradient over the tp group, so the
 projection's (replicated) weight gets the whole gradient. What transformers' ``MlaKvAProjParallel`` does
-(``distributed/tensor_parallel.py``), built here on a forward hook and :func:`colossal_lab.engine.comm.all_reduce`.
+(``distributed/tensor_parallel.py``), built here on a forward hook and DTensor (a replicated tensor handed back
+with a ``Partial`` gradient placement: the same redistribution a column layer's input takes, as
+:mod:`.local_linear` and :mod:`.multi_query`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
-
-from ... import comm
-
-
-class _SumGradOverTp(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group``."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous().clone(), group=ctx.group), None
 
 
 class MlaKvAProj(ParallelStyle):
@@ -42,14 +30,17 @@ class MlaKvAProj(ParallelStyle):
         self.rope_dim = rope_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        group, rope = device_mesh.get_group(), self.rope_dim
+        rope = self.rope_dim
 
         def hook(mod, args, out):
             if out.shape[-1] <= rope:
                 raise ValueError(f"mla_kv_a_proj: {type(mod).__name__} gives {out.shape[-1]} features, not more "
                                  f"than qk_rope_head_dim={rope}")
             kv, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
-            return torch.cat([kv, _SumGradOverTp.apply(rot, group)], dim=-1)
+            # identity forward; backward sums the ranks' partial gradients (each covers its own heads) over tp
+            rot = DTensor.from_local(rot, device_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()])
+            return torch.cat([kv, rot], dim=-1)
 
         module.register_forward_hook(hook)
         return module

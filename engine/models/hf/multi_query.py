@@ -3,16 +3,21 @@ shared by every rank.
 
 Multi-query attention (GPT-BigCode / StarCoder; Falcon-7B's layout) packs its projection's output as
 ``q | k | v`` with ``q`` all heads wide and ``k``, ``v`` one head each. Every query head attends to that one
-key/value head, so under tensor parallelism a rank needs its own query heads' rows and the whole ``k | v`` tail:
-no DTensor placement of the one weight gives that (a shard is a contiguous or strided slice of every part). The
-weight therefore stays whole on every rank, a plain parameter the model's own checkpoints and the optimizer see
-as it is; each rank's forward uses the rows ``[r*q/tp, (r+1)*q/tp)`` and the tail (the compute is split, the
-weight's memory is not). A rank's gradient covers its own query rows and its heads' share of the key/value rows,
-so a hook sums each backward's gradient over the tp group (as :mod:`.grad_sum`); the replicated input's gradient
-is summed over tp too, as for any column layer. The output is this rank's ``q_r | k | v``, which the attention
-splits by its per-rank ``embed_dim`` (the table's ``per_rank``). Built on ``torch.distributed.tensor``
-(``DTensor.from_local``, ``Partial``) and :class:`.local_linear.LocalColwise` (so sequence parallelism treats it
-as the column layer opening a region).
+key/value head, so under tensor parallelism a rank computes with its own query heads' rows
+``[r*q/tp, (r+1)*q/tp)`` and the whole ``k | v`` tail.
+
+What a rank *stores* is a plain row shard of the packed weight (and bias): a DTensor ``Shard(0)`` of the model's
+own layout, ``(q + tail) / tp`` rows, so its memory, gradient and optimizer state split as any column weight's,
+and checkpoints, the clip norm and the optimizer read it through its placement (``full_tensor()`` is the model's
+packed weight). No placement stores the rows a rank computes with (its query rows next to a tail every rank
+holds), so each forward gathers the weight (``full_tensor``: an all-gather) and takes those rows; the gather's
+gradient is marked partial (a rank's gradient covers its own query rows and its heads' share of ``k | v``), so
+backward reduce-scatters it onto the shards: the shared tail's gradient summed over tp, each query row's from
+the rank that used it. An all-gather plus a reduce-scatter of the weight moves the bytes of one all-reduce of its
+gradient. The replicated input's gradient is summed over tp, as for any column layer. The output is this rank's
+``q_r | k | v``, which the attention splits by its per-rank ``embed_dim`` (the table's ``per_rank``). Built on
+``torch.distributed.tensor`` (``distribute_tensor``, ``full_tensor(grad_placements=...)``, ``Partial``) and
+:class:`.local_linear.LocalColwise` (so sequence parallelism treats it as the column layer opening a region).
 """
 
 from __future__ import annotations
@@ -22,15 +27,14 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from .grad_sum import sum_grads_over
 from .local_linear import LocalColwise
 
 
 class MultiQueryColwise(LocalColwise):
     """``nn.Linear`` whose output is ``q | k | v``, ``q`` as wide as its input (the hidden size) and ``k | v`` the
-    shared head(s): ``q`` cut by rows over tp, the tail whole on every rank; the weight kept whole."""
+    shared head(s): stored as a row shard, computed with this rank's ``q`` rows and the whole tail."""
 
     def __init__(self):
         super().__init__(parts=1, gather=False)
@@ -44,14 +48,20 @@ class MultiQueryColwise(LocalColwise):
                              f"q ({q}, divisible by tp={tp}) followed by a shared key/value tail")
         r = device_mesh.get_local_rank()
         rows = torch.cat([torch.arange(r * q // tp, (r + 1) * q // tp), torch.arange(q, q + tail)])
-        sum_grads_over(module, device_mesh.get_group())  # each rank's gradient covers its own rows only
+        module.weight = nn.Parameter(distribute_tensor(module.weight.data, device_mesh, [Shard(0)]))
+        if module.bias is not None:
+            module.bias = nn.Parameter(distribute_tensor(module.bias.data, device_mesh, [Shard(0)]))
+
+        def rows_of(t: DTensor, idx: torch.Tensor) -> torch.Tensor:
+            # all-gather the rows; backward: the ranks' partial gradients reduce-scattered onto the shards
+            return t.full_tensor(grad_placements=[Partial()]).index_select(0, idx)
 
         def forward(mod, x):
             # replicated input: forward unchanged, backward sums the ranks' partial input gradients
             x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-            idx = rows.to(mod.weight.device)
-            b = mod.bias.index_select(0, idx) if mod.bias is not None else None
-            return F.linear(x, mod.weight.index_select(0, idx), b)  # (..., q / tp + tail)
+            idx = rows.to(x.device)
+            b = rows_of(mod.bias, idx) if mod.bias is not None else None
+            return F.linear(x, rows_of(mod.weight, idx), b)  # (..., q / tp + tail)
 
         module.forward = types.MethodType(forward, module)
         return module

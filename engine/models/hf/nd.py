@@ -83,6 +83,8 @@ def nd_roles(model: nn.Module, plan: dict, mode: str) -> Dict[str, Union[str, tu
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if TABLES.get(model_type, {}).get("alibi") and getattr(model.config, "alibi", True):  # Falcon: by flag
         raise _refuse(f"{type(model).__name__} adds an ALiBi bias per head", mode)
+    if TABLES.get(model_type, {}).get("head_bias"):  # CPM-Ant: a relative position bias per head
+        raise _refuse(f"{type(model).__name__} hands its attentions a bias per head", mode)
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     roles: Dict[str, Union[str, tuple]] = {}
     for pattern, name, mod in _matches(plan, model):

@@ -138,8 +138,7 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj") \
-            or opts.get("multi_query"):
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
         return None
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary

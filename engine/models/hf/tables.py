@@ -4,7 +4,8 @@ Keyed by ``config.model_type``; names are the base model's (as transformers' ``b
 and a head's entries (``lm_head``) are the task model's own. ``per_rank`` names the attributes of a
 module that count heads or widths and must hold one rank's share once its linears are sharded (a
 forward that reshapes with ``-1`` needs none); ``alibi`` names the attention modules whose ALiBi bias is
-sliced to the rank's heads (:mod:`.alibi`). Values are style names (:mod:`.styles`) or
+sliced to the rank's heads (:mod:`.alibi`), and ``head_bias`` the modules handed another per-head bias (pattern
+-> argument name). Values are style names (:mod:`.styles`) or
 ``(name, options)``. ``pp`` is the pipeline layout transformers' ``base_model_pp_plan`` gives other
 families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
 does not own it runs instead (:mod:`.pipeline`), and the task head (``head``); families with neither a
@@ -216,7 +217,7 @@ TABLES = {
         },
         "head": {},
         "per_rank": {"h.*.self_attention": ("num_heads", "num_kv_heads")},
-        # multi-query (Falcon-7B): q | k | v with one key/value head, kept whole on every rank (multi_query.py;
+        # multi-query (Falcon-7B): q | k | v with one key/value head every rank computes with (multi_query.py;
         # its num_kv_heads of 1 stays 1); ALiBi: each rank's heads' bias, and the mask the bias is folded into
         "base_if": {"multi_query": ({"h.*.self_attention.query_key_value": ("colwise", {"multi_query": True})},
                                     "new_decoder_architecture")},
@@ -230,8 +231,9 @@ TABLES = {
     },
     # GPT-BigCode (StarCoder): GPT-2's blocks as nn.Linear. Without multi-query c_attn packs each head's q, k, v
     # together ((heads, 3 * head_dim) outputs): a contiguous cut gives whole heads. With multi-query (every
-    # released checkpoint) it is q | k | v, k and v one head each that every query head reads: q cut, k | v whole
-    # on every rank (multi_query.py), and the attention's key/value-group count becomes one rank's share too
+    # released checkpoint) it is q | k | v, k and v one head each that every query head reads: each rank computes
+    # its q rows and all of k | v (multi_query.py: the weight stored as a row shard), and the attention's
+    # key/value-group count becomes one rank's share too
     "gpt_bigcode": {
         "base": {
             "wte": "embedding_rowwise",
@@ -245,6 +247,46 @@ TABLES = {
         # the attention splits c_attn's output by embed_dim, views its heads by num_heads and repeats its one
         # key/value head num_key_value_groups times (1 without multi-query: left so)
         "per_rank": {"h.*.attn": ("embed_dim", "num_heads", "num_key_value_groups")},
+    },
+    # XLM: four parallel lists (attentions, layer_norm1, ffns, layer_norm2; no pipeline layout), nn.Linear q/k/v/out
+    # reshaped by n_heads; its head (pred_layer.proj) is tied to the embeddings: both stay whole
+    "xlm": {
+        "base": {
+            "attentions.*.q_lin": "colwise",
+            "attentions.*.k_lin": "colwise",
+            "attentions.*.v_lin": "colwise",
+            "attentions.*.out_lin": "rowwise",
+            "ffns.*.lin1": "colwise",
+            "ffns.*.lin2": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"attentions.*": ("n_heads",)},
+    },
+    # CPM-Ant: q/k/v/attention_out reshaped by num_heads, a gated MLP (w_in.w_0 gate, w_in.w_1 up, w_out); the base
+    # model builds one relative position bias for every head, (batch, heads, q, k), handed to each attention by
+    # position: sliced to the rank's heads (head_bias, alibi.py); its head is tied to the embeddings: both whole
+    "cpmant": {
+        "base": {
+            "encoder.layers.*.self_att.self_attention.project_q": "colwise",
+            "encoder.layers.*.self_att.self_attention.project_k": "colwise",
+            "encoder.layers.*.self_att.self_attention.project_v": "colwise",
+            "encoder.layers.*.self_att.self_attention.attention_out": "rowwise",
+            "encoder.layers.*.ffn.ffn.w_in.w_0": "colwise",
+            "encoder.layers.*.ffn.ffn.w_in.w_1": "colwise",
+            "encoder.layers.*.ffn.ffn.w_out": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"encoder.layers.*.self_att.self_attention": ("num_heads",)},
+        "head_bias": {"encoder.layers.*.self_att.self_attention": "position_bias"},
+    },
+    # XLNet: its two-stream relative attention holds bare (d_model, heads, head_dim) parameters (q, k, v, o, r) and
+    # per-head biases, no linear to cut: attention stays whole, the MLP is cut (as DeepSeek-V3's own plan does)
+    "xlnet": {
+        "base": {
+            "layer.*.ff.layer_1": "colwise",
+            "layer.*.ff.layer_2": "rowwise",
+        },
+        "head": {},
     },
 }
 
