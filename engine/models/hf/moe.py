@@ -95,11 +95,12 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
     if not found:
         return []
     ep, tp = plugin.ep_size, plugin.tp_size
-    if tp > 1 and (plugin.sequence_parallel or plugin.tp_mode != "1d"):
-        raise ValueError(f"HybridParallelPlugin(tp_size={tp}, tp_mode={plugin.tp_mode!r}, sequence_parallel="
-                         f"{plugin.sequence_parallel}): {type(model).__name__}'s experts stay whole on every tp rank, "
-                         "which only 1D tensor parallelism without sequence parallelism gives them so far; use "
-                         "tp_mode='1d', sequence_parallel=False")
+    if tp > 1 and plugin.tp_mode != "1d":
+        raise ValueError(f"HybridParallelPlugin(tp_size={tp}, tp_mode={plugin.tp_mode!r}): {type(model).__name__}'s "
+                         "experts stay whole on every tp rank, which only 1D tensor parallelism gives them so far; "
+                         "use tp_mode='1d'")
+    if tp > 1 and plugin.sequence_parallel:
+        check_sequence_parallel(model, plugin)
     for name, mod, attrs in found:
         if ep > 1 and not attrs and hasattr(mod, "base_layer"):  # peft's ParamWrapper around the experts
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} carries LoRA adapters on its grouped expert "
@@ -109,6 +110,29 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
                              f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
     return [(name, n_experts(mod, attrs)) for name, mod, attrs in found]
+
+
+def check_sequence_parallel(model: nn.Module, plugin) -> None:
+    """Under sequence parallelism an MoE block runs on this rank's shard of the tokens, as a norm does
+    (:mod:`.sequence`): right only while it is a per-token function of whole weights. Refused, naming what
+    works: expert parallelism beside it (not built with it yet), per-batch capacity (token dropping) and
+    router statistics (``output_router_logits``: the aux loss would be taken over each shard's tokens)."""
+    where = f"HybridParallelPlugin(tp_size={plugin.tp_size}, sequence_parallel=True"
+    if plugin.ep_size > 1:
+        raise ValueError(f"{where}, ep_size={plugin.ep_size}): {type(model).__name__}'s experts under expert "
+                         "parallelism do not run beside sequence parallelism yet; use ep_size=1 (the experts whole "
+                         "on every tp rank, each rank routing its own tokens) or sequence_parallel=False")
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    for field in ("expert_capacity", "capacity_factor", "moe_capacity_factor"):
+        if getattr(config, field, None):
+            raise ValueError(f"{where}): {type(model).__name__} drops tokens beyond an expert's capacity "
+                             f"(config.{field}={getattr(config, field)!r}), which counts over the whole batch, not "
+                             f"per token; set config.{field}=None (dropless) or sequence_parallel=False")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"{where}): {type(model).__name__}'s router aux loss (config.output_router_logits=True) "
+                         "would be taken over each rank's shard of the tokens, not the whole batch; set "
+                         "output_router_logits=False or sequence_parallel=False")
 
 
 def whole_experts(model: nn.Module, plan: dict) -> dict:

@@ -14,6 +14,13 @@ class holding only 1-D parameters). For each direct child of a decoder layer:
   back to the shard by the plan's own row-parallel layers inside it (``RowwiseParallel(output_layouts=
   Shard(1))``: a reduce-scatter where plain tp all-reduces), or, where it has none (a region the plan
   leaves whole, ``Conv1D``'s row style), by cutting its whole output;
+* a mixture-of-experts block (a child holding an experts module of the model's ep plan, :mod:`.moe`), whose
+  router and experts stay whole on every tp rank, is a per-token function (each token routed on its own,
+  dropless): it runs on the shard as a norm does, no gather, ``1/tp`` of the expert work per rank, and every
+  whole parameter in it has its gradient summed over tp (:mod:`.grad_sum`). A part the plan cuts inside it
+  (a shared expert's column / row layers) gathers the whole sequence on entry and cuts its whole output (after
+  its row layer's all-reduce: the block may hand it the tokens flattened, where ``Shard(1)`` would cut features).
+  What is not per-token (capacity, router statistics, expert parallelism) is refused in :func:`.moe.check`;
 * a bare column-parallel layer (OPT's ``fc1``) gathers on entry, a bare row-parallel one (``fc2``) cuts
   its output; parameter-free children (dropouts, activations) run on what they are handed.
 
@@ -158,6 +165,45 @@ def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> No
                          "sequence_parallel=False")
 
 
+def _experts_inside(model: nn.Module) -> List[str]:
+    """The experts modules the model's ep plan names (:mod:`.moe`): what marks a child of a layer an MoE block."""
+    from .moe import expert_modules
+
+    return [name for name, _, _ in expert_modules(model)]
+
+
+def _holds(name: str, inner: List[str]) -> bool:
+    return any(n == name or n.startswith(name + ".") for n in inner)
+
+
+def _per_token_block(block: nn.Module, name: str, styles: Dict[str, object], tp_mesh) -> List[tuple]:
+    """An MoE block on the shard: its whole parameters' gradients summed over tp, and each child the plan cuts
+    (a shared expert) a region of its own, whole sequence in, its whole output cut back to the shard."""
+    from .grad_sum import ReplicatedGradSum
+
+    if styles.get(name) is not None:
+        raise ValueError(f"HybridParallelPlugin(sequence_parallel=True): the MoE block {name} has a tp style of "
+                         f"its own ({type(styles[name]).__name__}); its experts stay whole, so it cannot be cut; "
+                         "set sequence_parallel=False")
+    hooks, regions = [], []
+    for child_name, child in block.named_children():
+        sub = f"{name}.{child_name}"
+        if not any(_holds(sub, [n]) for n, s in styles.items() if not isinstance(s, ReplicatedGradSum)):
+            continue
+        if styles.get(sub) is not None:  # a cut layer straight in the block: its output is not whole features
+            raise ValueError(f"HybridParallelPlugin(sequence_parallel=True): {sub} ({type(child).__name__}) is cut "
+                             f"by the tp plan ({type(styles[sub]).__name__}) directly inside the MoE block {name}, "
+                             "not within a part of its own that closes it; set sequence_parallel=False")
+        _check_closed(child, sub, styles)
+        regions.append(sub)
+        hooks.append((child, "pre", _OnInput(tp_mesh, True, sub, _all_torch_styles(child, sub, styles))))
+        hooks.append((child, "post", _OnOutput(tp_mesh, False, sub)))
+    for sub, mod in block.named_modules(prefix=name):
+        if not _holds(sub, regions) and styles.get(sub) is None and any(True for _ in mod.parameters(recurse=False)):
+            styles[sub] = ReplicatedGradSum()  # whole weights, each rank's gradient from its tokens only
+    return hooks
+
+
 def check_regions(model: nn.Module, styles: Dict[str, object]) -> None:
     """:func:`_check_closed` on every region of every layer, before any process group (``styles``: the torch
     plan, module name -> style)."""
@@ -182,6 +228,7 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
     lay = _layout_or_raise(model)
     hooks: List[tuple] = []
     layers = list(model.get_submodule(lay.layers).named_children())
+    experts = _experts_inside(model)
     first, last = getattr(model, "_cl_stage", (True, True))[:2]  # a pipeline stage's place, or the whole model
     if not first:  # the previous stage's shard, gathered whole for this stage's base forward (positions, mask)
         hooks.append((model, "pre", _OnInput(tp_mesh, True, "the stage's input (the previous stage's shard)")))
@@ -192,7 +239,9 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
         for child_name, child in layer.named_children():
             name = f"{prefix}.{child_name}"
             own = styles.get(name)
-            if is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
+            if _holds(name, experts):  # an MoE block: per token, on the shard
+                hooks += _per_token_block(child, name, styles, tp_mesh)
+            elif is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
                 styles[name] = ReplicatedGradSum()
             elif own is not None and "Rowwise" in type(own).__name__:  # closes a region a sibling opened
                 hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
