@@ -11,16 +11,19 @@ Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a
 attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
 cp2 counts them on the whole sequence; BERT's built-in tp plan, shared by structure, and a pipeline layout
 read from its module tree; sp refused: BERT-style blocks) and Qwen3-MoE (tp2 splits attention and keeps the
-experts whole on each tp rank; sequence parallelism refused; cp2 and pp2 run). Two with built-in tables
+experts whole on each tp rank; under sequence parallelism its MoE blocks run on each rank's shard of the
+tokens; cp2 and pp2 run). Two with built-in tables
 (engine/models/hf/tables.py) and layouts read from the module tree: Falcon (grouped query_key_value) and CTRL,
 whose derived layout is refused by its check (its base forward scales the hidden states and adds positions
 itself). Three the sweep could not build tiny before: DeepSeek-V3 and DeepSeek-V2 (multi-head latent attention;
-V2's plan runs the ``mla_kv_a_proj`` style, engine/models/hf/mla.py; experts whole per tp rank, sp refused) and
+V2's plan runs the ``mla_kv_a_proj`` style, engine/models/hf/mla.py; experts whole per tp rank, their MoE blocks
+on the sequence shard under sp) and
 GPT-Neo (global and local attention layers; a built-in tp table; cp refused: no attention registry). Two given
 built-in tp tables later: XLM (four parallel layer lists: sp and pp refused) and XLNet (its relative attention holds
 bare parameters: only its MLP is cut). Doge's cp2 is refused (its attention adds a mask computed from its values,
 which the ring would drop). Multi-query attention's packed weight (GPT-BigCode, Falcon) is a row shard per tp rank
 that ``save_model`` writes whole and ``load_model`` reads back (``test_multi_query_...``, in the same world).
+Qwen2-MoE (a shared expert the plan cuts, fed flattened tokens) and Mixtral run under sp only.
 Each tiny, random, fp32, on 2 ranks under tp2, tp2 with sequence parallelism, cp2 (ring) and pp2 (1F1B, 2
 microbatches). Three steps of plain SGD with clipping at 0.1 (acting every step) follow the same loop in one process
 within 1e-4 relative, loss and gradient norm. SGD, not AdamW: AdamW scales a gradient that is rounding noise (a key
@@ -62,17 +65,20 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
            ("doge", "cp2"): "prepare_dynamic_mask",
            ("camembert", "sp"): "closes them outside itself",
-           ("qwen3_moe", "sp"): "experts stay whole on every tp rank",
            ("falcon", "cp2"): "AttentionInterface",
            ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back",
-           ("deepseek_v3", "sp"): "experts stay whole on every tp rank",
-           ("deepseek_v2", "sp"): "experts stay whole on every tp rank",
            ("gpt_neo", "cp2"): "AttentionInterface",
            ("falcon-mq-alibi", "cp2"): "AttentionInterface",
            ("xlm", "sp"): "has no layer list", ("xlm", "cp2"): "AttentionInterface",
            ("xlm", "pp2"): "has no pipeline layout",
            ("xlnet", "sp"): "does not hold", ("xlnet", "cp2"): "AttentionInterface", ("xlnet", "pp2"): "does not hold"}
-CASES = [(f, m) for f in FAMILIES for m in MODES]
+# MoE blocks on the sequence shard (engine/models/hf/sequence.py): Qwen2-MoE's shared expert (cut by the plan,
+# fed the tokens flattened to (B*T, C)) and its whole shared_expert_gate; Mixtral's plain router and experts
+SP_ONLY = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64),
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+EXTRA.update(SP_ONLY)
+CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY]
 
 
 def _loop(model, opt, booster=None, pipelined=False):
@@ -168,7 +174,8 @@ def _release_refusal(case):
     model = _meta(family)
     if mode in ("tp2", "sp") and not read_plan(model)[0]:
         return "carries no tensor-parallel plan"
-    if mode in ("tp2", "sp") and family in ("qwen3_moe", "deepseek_v3", "deepseek_v2") and not ep_plan(model):
+    if mode in ("tp2", "sp") and family in ("qwen3_moe", "deepseek_v3", "deepseek_v2", *SP_ONLY) \
+            and not ep_plan(model):
         return "'moe_tp_experts'"
     if mode == "cp2" and not getattr(model, "_supports_attention_backend", False):
         return "AttentionInterface"
