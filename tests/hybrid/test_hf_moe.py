@@ -2,9 +2,11 @@
 top-2, fp32) on 4 real gloo ranks follow the one-process curve within 1e-4 over 5 steps at ep2×dp2 and ep4, also
 with experts starved of tokens; the all-to-all bytes counted equal the routing's; the gathered state dict has
 transformers' names and shapes and equals the one-process model's; LoRA (peft, attention) trains under ep2 with only
-its adapters moving; ep2 × pp2 (Mixtral, 1F1B) follows it too. One distributed world; every case runs inside the rank
-function."""
+its adapters moving; ep2 × pp2 (Mixtral, Qwen2-MoE, Qwen3-MoE; 1F1B and GPipe; starved too) follows it too; with the
+families' own aux loss on (``output_router_logits=True``) ep2×dp2 follows one process averaging it over the same
+split of the batch, and pipelines refuse it. One distributed world; every case runs inside the rank function."""
 
+import functools
 from functools import partial
 
 import pytest
@@ -29,6 +31,13 @@ LAYOUTS = {"ep2xdp2": (2, 1), "ep4": (4, 1), "ep2xtp2": (2, 2)}
 # (every expert of EP rank 1: its experts module runs the zero-row forward, its FSDP2 unit still reduces)
 ZERO2, ZERO2_STARVED = "ep2xdp2-zero2", {"mixtral": True, "qwen2_moe": (2, 3)}
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+# the families' load-balancing loss on: weighted well above the default 1e-3, so that adding it over each rank's tokens
+# and over the whole batch (or not at all) give curves further apart than the 1e-4 the tests hold them to
+AUX_COEF = 0.1
+# ep2 x pp2 runs beyond Mixtral under 1F1B: (family, pp_style, starved experts: False, True for STARVED, or a tuple);
+# Qwen2-MoE's (2, 3) are every expert of EP rank 1 (its stage's experts module runs the zero-row forward)
+PP_RUNS = [("qwen2_moe", "1f1b", False), ("qwen3_moe", "1f1b", False), ("qwen2_moe", "gpipe", (2, 3)),
+           ("mixtral", "gpipe", True)]
 
 
 def _starve(gate, args, out, experts=STARVED):
@@ -42,16 +51,23 @@ def _starve(gate, args, out, experts=STARVED):
     return logits, top.to(logits.dtype), idx
 
 
-def build(family: str, starve=False):
+def build(family: str, starve=False, aux: bool = False):
     """A tiny random model of ``family`` (hidden 64, 2 layers, every MLP an MoE of 4 experts, top-2); ``starve``:
-    True starves ``STARVED``, a tuple those experts."""
+    True starves ``STARVED``, a tuple those experts; ``aux``: the family's own load-balancing loss on (``AUX_COEF``)."""
     common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                   vocab_size=256, max_position_embeddings=64, num_experts_per_tok=TOP_K)
+    if aux:
+        common.update(output_router_logits=True, router_aux_loss_coef=AUX_COEF)
     torch.manual_seed(SEED)
     if family == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
         model = MixtralForCausalLM(MixtralConfig(intermediate_size=32, num_local_experts=E, **common))
+    elif family == "qwen3_moe":  # no shared expert, top-k weights renormalised
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32, num_experts=E,
+                                                   norm_topk_prob=True, **common))
     else:  # a shared expert and its gate beside the routed ones; top-k weights not renormalised
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -70,13 +86,21 @@ def _with_lora(model):
     return get_peft_model(model, LoraConfig(**LORA))
 
 
-def reference(family: str, starve: bool = False, lora: bool = False):
-    """One process, whole batches, plain torch AdamW + clip: (losses, gradient norms, final state)."""
-    model = build(family, starve)
+@functools.lru_cache(maxsize=None)  # several tests compare with the same run; callers only read it
+def reference(family: str, starve=False, lora: bool = False, aux=None):
+    """One process, whole batches, plain torch AdamW + clip: (losses, gradient norms, final state). ``aux``: the
+    family's load-balancing loss on, over the whole batch (``"whole"``) or each of ``WORLD`` row slices of it
+    (``"split"``: the step's loss the mean of the slices' losses, as dp's ranks compute it)."""
+    model = build(family, starve, aux=aux is not None)
     if lora:
         model = _with_lora(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses, norms = loop(model, opt, steps=STEPS, clip=CLIP)
+
+    def split_loss(model, s):
+        parts = [batch(s, r, WORLD)[0].contiguous() for r in range(WORLD)]
+        return sum(model(input_ids=x, labels=x).loss for x in parts) / WORLD
+
+    losses, norms = loop(model, opt, steps=STEPS, clip=CLIP, loss_of=split_loss if aux == "split" else None)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -97,7 +121,7 @@ def _a2a_formula(tokens, ep_group, d: int) -> int:
     return total
 
 
-def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
+def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0, aux=False):
     from peft import LoraConfig
 
     from colossal_lab.engine import Booster, telemetry
@@ -107,7 +131,7 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
 
     plugin = HybridParallelPlugin(ep_size=ep, tp_size=tp, zero_stage=zero)
     booster = Booster(plugin=plugin)
-    model = build(family, starve)
+    model = build(family, starve, aux=aux)
     if lora:
         torch.manual_seed(SEED + 1)
         model = booster.enable_lora(model, lora_config=LoraConfig(**LORA))
@@ -143,15 +167,15 @@ def _run(rank, world, family, ep, starve, lora, save=None, tp=1, zero=0):
     return out
 
 
-def _run_pp(rank, world, family):
-    """ep2 × pp2 (1F1B, 2 microbatches): each stage's two dp ranks form its EP group. A step's loss is the mean of
-    the dp replicas' last-stage losses, as one process's over the whole batch."""
+def _run_pp(rank, world, family, style="1f1b", starve=False):
+    """ep2 × pp2 (``style``, 2 microbatches): each stage's two dp ranks form its EP group. A step's loss is the mean
+    of the dp replicas' last-stage losses, as one process's over the whole batch."""
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import HybridParallelPlugin
 
-    plugin = HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2)
+    plugin = HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2, pp_style=style)
     booster = Booster(plugin=plugin)
-    model = build(family)
+    model = build(family, starve)
     model, opt, *_ = booster.boost(model, torch.optim.AdamW(model.parameters(), lr=LR))
 
     def batch_of(s):
@@ -168,8 +192,10 @@ def _run_pp(rank, world, family):
     dist.all_reduce(total)
     plugin.close()
     load = [(e.step, e.layer, sum(e.tokens)) for e in events if isinstance(e, telemetry.ExpertLoad)]
-    return {"losses": (total / plugin.dp_size).tolist(), "norms": norms, "load": load,
-            "assignments": batch_of(0)["input_ids"].numel() * TOP_K}
+    starved = [e.tokens for e in events if isinstance(e, telemetry.ExpertLoad)]  # this rank's per expert, per step
+    local = {n: tuple(p.shape) for n, p in model.stage_modules[0].inner.named_parameters() if ".experts." in n}
+    return {"losses": (total / plugin.dp_size).tolist(), "norms": norms, "load": load, "tokens": starved,
+            "local": local, "assignments": batch_of(0)["input_ids"].numel() * TOP_K}
 
 
 def _load(rank, world, path, ep):
@@ -280,6 +306,10 @@ def _rank(rank, world, path):
             save = path + "_" + ZERO2 if family == "mixtral" and not starve else None
             out[(family, ZERO2, starve)] = _run(rank, world, family, 2, starve, lora=False, save=save, zero=2)
     out["ep2xpp2"] = _run_pp(rank, world, "mixtral")  # losses and norms only
+    for family, style, starve in PP_RUNS:
+        out[("pp", family, style, starve)] = _run_pp(rank, world, family, style, starve)
+    for family in FAMILIES:  # the families' own aux loss, over each rank's tokens
+        out[(family, "ep2xdp2", "aux")] = _run(rank, world, family, 2, False, lora=False, aux=True)
     for family in FAMILIES:
         for starve in (False, True):
             save = path + "_gemini" if family == "mixtral" and not starve else None
@@ -324,7 +354,7 @@ def test_follows_one_process(runs, family):
 def test_all_to_all_bytes_equal_routing(runs):
     for per in runs:
         for key, r in per.items():
-            if key in ("loaded_ep4", "ep2xpp2"):
+            if key in ("loaded_ep4", "ep2xpp2") or key[0] == "pp":
                 continue
             assert r["counted"] == r["formula"], key
             assert min(r["counted"]) > 0 and r["labels"] == ["combine", "counts", "dispatch"], key
@@ -334,7 +364,7 @@ def test_expert_load_events(runs):
     """One ExpertLoad per MoE layer per step on every rank, with the tokens its router sent to each expert."""
     for rank, per in enumerate(runs):
         for key, r in per.items():
-            if key in ("loaded_ep4", "ep2xpp2") or key[2] in ("lora", "zero1"):
+            if key in ("loaded_ep4", "ep2xpp2") or key[0] == "pp" or key[2] in ("lora", "zero1"):
                 continue
             load = r["load"]
             assert [e[:3] for e in load] == [(rank, s, f"model.layers.{b}.mlp") for s in range(STEPS)
@@ -409,6 +439,39 @@ def test_ep2_by_pp2_expert_load_counts_only_the_training_forwards(runs):
     assert stages == {"model.layers.0.mlp", "model.layers.1.mlp"}
 
 
+@pytest.mark.parametrize("family, style, starve", PP_RUNS)
+def test_ep2_by_pp2_families_and_schedules(runs, family, style, starve):
+    """ep2 × pp2 beyond Mixtral under 1F1B: Qwen2-MoE (its shared expert beside the routed ones) and Qwen3-MoE under
+    1F1B, Qwen2-MoE with every expert of EP rank 1 starved and Mixtral with experts 1 and 2 starved under GPipe: the
+    one-process curve within 1e-4 over 5 steps on every rank; each rank holds E/2 experts of its stage's layer, which
+    reports one ExpertLoad a step with this rank's assignments, none to a starved expert."""
+    ref, ref_norms, _ = reference(family, starve)
+    for rank, per in enumerate(runs):
+        r = per[("pp", family, style, starve)]
+        assert_follows((family, style, starve, rank), r["losses"], r["norms"], ref, ref_norms)
+        assert len(r["local"]) == 2 and all(shape[0] == E // 2 for shape in r["local"].values()), r["local"]
+        assert [n for _, _, n in r["load"]] == [r["assignments"]] * STEPS
+        if starve:
+            assert all(t[e] == 0 for t in r["tokens"] for e in (STARVED if starve is True else starve))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_aux_loss_under_ep2_follows_the_same_split(runs, family):
+    """``output_router_logits=True`` at ep2×dp2: each rank's forward adds the family's load-balancing loss over its
+    own tokens (as Colossal-AI's and Megatron's default do, per rank and microbatch), so the run follows one process
+    whose loss is the mean over the same 4 row slices of (LM loss + coef × aux) within 1e-4 over 5 steps, the state
+    too; it is told apart from the aux loss over the whole batch and from no aux loss (each > 1e-4 away)."""
+    ref, ref_norms, ref_state = reference(family, aux="split")
+    for rank, per in enumerate(runs):
+        r = per[(family, "ep2xdp2", "aux")]
+        assert_follows((family, "aux", rank), r["losses"], r["norms"], ref, ref_norms)
+    for other in (reference(family, aux="whole"), reference(family)):
+        close = r["losses"] == pytest.approx(other[0], rel=1e-4) and r["norms"] == pytest.approx(other[1], rel=1e-4)
+        assert not close, (family, r["losses"], other[0], r["norms"], other[1])
+    state = runs[0][(family, "ep2xdp2", "aux")]["state"]
+    assert max((state[k] - v).abs().max().item() for k, v in ref_state.items()) < 1e-4
+
+
 def test_lora_under_ep2(runs):
     """peft adapters on the attention of a Mixtral under ep2×dp2: the one-process PEFT curve, only adapters moved."""
     ref, ref_norms, ref_state = reference("mixtral", lora=True)
@@ -452,7 +515,12 @@ def test_refused_before_any_group():
     cases = [(HybridParallelPlugin(ep_size=3), build("mixtral"), r"ep_size in \[1, 2, 4\]"),
              (HybridParallelPlugin(ep_size=2, tp_size=2, sequence_parallel=True), build("qwen2_moe"),
               "sequence_parallel=False"),
-             (HybridParallelPlugin(ep_size=2), llama(), "has no MoE block")]
+             (HybridParallelPlugin(ep_size=2), llama(), "has no MoE block"),
+             # the families' aux loss under a pipeline: the last stage lacks the earlier stages' router logits
+             (HybridParallelPlugin(ep_size=2, pp_size=2, num_microbatches=2), build("mixtral", aux=True),
+              r"output_router_logits=True.*set config.output_router_logits=False under pp_size > 1, or use pp_size=1"),
+             (HybridParallelPlugin(pp_size=2, num_microbatches=2), build("qwen2_moe", aux=True),
+              "output_router_logits=False")]
     for plugin, model, match in cases:
         with pytest.raises(ValueError, match=match):
             Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))

@@ -91,6 +91,7 @@ def n_experts(module: nn.Module, attrs: List[str]) -> int:
 def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
     """``[(experts module, its expert count)]`` of a transformers MoE model (empty for any other model),
     refusing what does not run yet, before any process group exists."""
+    check_aux_loss(model, plugin)
     found = expert_modules(model, strict=plugin.ep_size > 1)
     if not found:
         return []
@@ -133,6 +134,24 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}): {type(model).__name__}'s router aux loss (config.output_router_logits=True) "
                          "would be taken over each rank's shard of the tokens, not the whole batch; set "
                          "output_router_logits=False or sequence_parallel=False")
+
+
+def check_aux_loss(model: nn.Module, plugin) -> None:
+    """The families' own load-balancing loss (``config.output_router_logits=True``: transformers'
+    ``load_balancing_loss_func`` over the router logits of every layer, weighted by ``router_aux_loss_coef``) runs
+    inside the task model's forward, on the rows it is given: under dp / ep / tp each rank adds it over its own
+    tokens, and the gradients' mean over dp is that of one process averaging it over the same split of the batch
+    (docs/moe.md). A pipeline's last stage holds only its own layers' router logits and computes the LM loss alone
+    (``models/hf/loss.py``): the aux loss would be silently dropped, so ``pp_size > 1`` refuses it, before any group."""
+    cfg = getattr(model, "config", None)
+    pp = getattr(plugin, "pp_size", 1)
+    if pp > 1 and getattr(cfg, "output_router_logits", False) is True:
+        raise ValueError(f"HybridParallelPlugin(pp_size={pp}): {type(model).__name__} has "
+                         "config.output_router_logits=True, whose load-balancing loss (router_aux_loss_coef="
+                         f"{getattr(cfg, 'router_aux_loss_coef', None)}) needs the router logits of every layer, "
+                         "while a pipeline's last stage holds only its own layers' and computes the LM loss alone; "
+                         "set config.output_router_logits=False under pp_size > 1, or use pp_size=1 (dp, ep_size, "
+                         "tp_size and ZeRO add it over each dp rank's tokens)")
 
 
 def whole_experts(model: nn.Module, plan: dict) -> dict:
