@@ -174,8 +174,8 @@ def _release_refusal(case):
     model = _meta(family)
     if mode in ("tp2", "sp") and not read_plan(model)[0]:
         return "carries no tensor-parallel plan"
-    if mode in ("tp2", "sp") and family in ("qwen3_moe", "deepseek_v3", "deepseek_v2", *SP_ONLY) \
-            and not ep_plan(model):
+    # Qwen2-MoE's 5.5 plan names no experts (its experts a list of plain MLPs): it runs there as a dense model
+    if mode in ("tp2", "sp") and not ep_plan(model) and "moe_tp_experts" in map(str, read_plan(model)[0].values()):
         return "'moe_tp_experts'"
     if mode == "cp2" and not getattr(model, "_supports_attention_backend", False):
         return "AttentionInterface"
