@@ -31,9 +31,6 @@ def check_plugin(plugin) -> None:
         raise ValueError(f"GeminiPlugin(ep_size={ep!r}): must be an int >= 1 (1: every expert on every rank)")
     if ep == 1:
         return
-    if plugin.precision == "fp16":
-        raise ValueError(f"GeminiPlugin(ep_size={ep}, precision='fp16'): fp16 under expert parallelism has not "
-                         "been checked against one process yet; use precision='fp32' or 'bf16'")
     if plugin.activation_checkpointing:
         raise ValueError(f"GeminiPlugin(ep_size={ep}, activation_checkpointing={plugin.activation_checkpointing!r}): "
                          "recomputing MoE blocks (their all-to-alls) inside Gemini's backward is not built; use "

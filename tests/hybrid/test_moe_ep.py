@@ -1,8 +1,10 @@
 """Expert parallelism under HybridParallelPlugin(ep_size=...) and GeminiPlugin(ep_size=...): 4 real gloo ranks
 follow the single-process MoE GPT within 1e-4 over 5 steps (also when some experts get no token), and the
-all-to-all bytes counted equal the formula from the routing. One distributed world; the layouts run inside the
-rank function."""
+all-to-all bytes counted equal the formula from the routing; precision="fp16" under both follows one-process fp16
+(loss scale and skipped step exactly, with an overflow on one rank). One distributed world; the layouts run inside
+the rank function."""
 
+import math
 import os
 
 import pytest
@@ -28,6 +30,12 @@ LAYOUTS = {"ep2xdp2": dict(ep_size=2), "ep4_zero2": dict(ep_size=4, num_microbat
 GEMINI = {"gemini_ep2": dict(ep_size=2, placement_policy="cpu"), "gemini_ep4": dict(ep_size=4),
           "gemini_ep2_nvme": dict(ep_size=2, placement_policy="auto", nvme_offload_frac=1.0,
                                   device_memory_limit=8_000_000)}
+# precision="fp16" under ep2 x dp2 (hybrid) and Gemini's ep2, against one process (fp16_reference). At
+# OVERFLOW_STEP rank OVERFLOW_RANK's slice of blocks.0's expert gradient w1 is made inf: after the expert-dp sum
+# only that rank and its expert-dp partner hold an inf, yet every rank must skip the step and halve the scale
+FP16 = {"ep2xdp2_fp16": ("hybrid", dict(ep_size=2)), "gemini_ep2_fp16": ("gemini", dict(ep_size=2,
+                                                                                        placement_policy="cpu"))}
+OVERFLOW_STEP, OVERFLOW_RANK = 2, 1
 # the zero-bubble V schedule holds two stages per rank (stages 0 and 3 on one, 1 and 2 on the other) and splits
 # each backward into its input and weight parts: a 4-block model
 N_LAYER = {"ep2xpp2_zbv": 4}
@@ -134,7 +142,43 @@ def _rank(rank, world, tmp):
     for name, kw in GEMINI.items():
         for starve in (False, True):
             out[(name, starve)] = _gemini_case(rank, world, name, kw, starve, os.path.join(tmp, f"{name}-{starve}"))
+    for name, (kind, kw) in FP16.items():
+        for starve in (False, True):
+            out[(name, starve)] = _fp16_case(rank, world, kind, kw, starve)
     return out
+
+
+def _fp16_case(rank, world, kind, kw, starve):
+    """5 fp16 steps, the inf put into one rank's expert gradient at OVERFLOW_STEP: per step the batch loss, the
+    loss scale the backward ran with, whether the step was skipped, the gradient norm; the full state after."""
+    from colossal_lab.engine import Booster
+    from colossal_lab.engine.plugins import GeminiPlugin, HybridParallelPlugin
+
+    plugin = (HybridParallelPlugin if kind == "hybrid" else GeminiPlugin)(precision="fp16", **kw)
+    booster = Booster(plugin=plugin)
+    model = tiny_moe(starve)
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
+    w1 = _blocks(model)["0"].mlp.experts.w1
+    losses, scales, skipped, norms = [], [], [], []
+    for s in range(STEPS):
+        hook = w1.register_hook(lambda g: g * float("inf")) if (s, rank) == (OVERFLOW_STEP, OVERFLOW_RANK) else None
+        _, loss = model(*batch(s, rank, world))  # dp is the world in both layouts
+        scales.append(opt.loss_scaler.scale)
+        booster.backward(loss, opt)
+        if hook is not None:
+            hook.remove()
+        t = loss.detach().clone().float()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
+        opt.step()
+        skipped.append(opt.skipped_last)
+        opt.zero_grad()
+    scales.append(opt.loss_scaler.scale)
+    state = model.full_state_dict() if kind == "hybrid" else model.state_dict()  # collectives: every rank
+    plugin.close()
+    return dict(losses=losses, scales=scales, skipped=skipped, norms=norms, local_experts=w1.shape[0],
+                state={k: v.float() for k, v in state.items()} if rank in (0, world - 1) else None)
 
 
 def _files(d):
@@ -219,6 +263,45 @@ def _gemini_case(rank, world, name, kw, starve, where):
                 optim_diff=optim_diff, optim_shapes=optim_shapes, blocks=list(_blocks(model)))
 
 
+def fp16_reference(starve, dtype=torch.float16, aux_scaled=True):
+    """One process, plain torch: the forward under CPU autocast (``dtype``; None: fp32) as the plugins run it,
+    the plain ``loss.backward()`` (one process at this size needs no loss scale: nothing underflows that the
+    tests can see, and the aux losses weigh 1 without any multiplier), the same inf put into the experts that
+    rank OVERFLOW_RANK holds under ep2 at OVERFLOW_STEP, a step skipped where any gradient is not finite and
+    the scale run by ``DynamicLossScaler``'s rules. (losses, norms, scales, skipped, state)."""
+    from colossal_lab.engine.mixed_precision import DynamicLossScaler
+
+    model = tiny_moe(starve)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    scaler = DynamicLossScaler(sync=False)
+    per = E // 2
+    lo = OVERFLOW_RANK % 2 * per
+    losses, norms, scales, skipped = [], [], [], []
+    for s in range(STEPS):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            _, loss = model(*batch(s))
+        scales.append(scaler.scale)
+        if aux_scaled:
+            loss.backward()
+        else:  # a wrong variant (checked by hand): the aux losses weigh 1/S, as an unscaled aux gradient would
+            from colossal_lab.engine.moe.layer import aux_loss_backward_scale
+
+            with aux_loss_backward_scale(1.0 / scaler.scale):
+                loss.backward()
+        if s == OVERFLOW_STEP:
+            model.blocks["0"].mlp.experts.w1.grad[lo:lo + per] *= float("inf")
+        found = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if not found:
+            opt.step()
+        scaler.update(found)
+        skipped.append(found)
+        losses.append(loss.item())
+        opt.zero_grad()
+    scales.append(scaler.scale)
+    return losses, norms, scales, skipped, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_distributed(_rank, WORLD, str(tmp_path_factory.mktemp("moe_ep")), timeout=600, preload=True)
@@ -266,6 +349,8 @@ def test_expert_load_events(runs):
     emits them)."""
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
+            if layout in FP16:  # the fp16 runs check the scaler, not the telemetry
+                continue
             # this rank's tokens per step (batch 8, seq 32, over dp; Gemini's dp is the world)
             rows = 8 // (_dp(layout) if layout in LAYOUTS else WORLD) * 32
             load = r["load"]
@@ -377,6 +462,35 @@ def test_gemini_checkpoint_loads_in_one_process(runs, layout):
                                          for m in ("exp_avg", "exp_avg_sq", "step")}
 
 
+# ---- precision="fp16" under expert parallelism ------------------------------------------------------------------
+# Tolerances, measured (2026-11-29): one process, fp16 autocast against fp32, parts the loss curve by up to 5.1e-5
+# and the gradient norms by up to 3.5e-3 relative over these 5 steps; the ep runs sit within 5.3e-5 / 2.5e-3 of
+# one-process fp16. With the aux losses weighing 1/S (their gradient not multiplied by the loss scale) one process
+# moves by 1.1e-4 to 3.5e-4 (losses) and 8e-3 to 9.4e-3 (norms). The scale and the skips must match exactly.
+FP16_LOSS_REL, FP16_NORM_REL = 1e-4, 5e-3
+
+
+@pytest.mark.parametrize("starve", [False, True])
+@pytest.mark.parametrize("layout", sorted(FP16))
+def test_fp16_follows_single_process(runs, layout, starve):
+    """precision="fp16" under ep2: on every rank the loss scale of every step and the skipped step are one
+    process's exactly (the inf on one rank's expert slice skips the step everywhere and halves the scale once),
+    the losses and gradient norms (the skipped step's norm is inf/nan: left out) follow one-process fp16."""
+    ref, ref_norms, ref_scales, ref_skipped, _ = fp16_reference(starve)
+    assert ref_skipped == [s == OVERFLOW_STEP for s in range(STEPS)]  # the reference did skip, and only there
+    assert ref_scales == [2.0 ** 16] * (OVERFLOW_STEP + 1) + [2.0 ** 15] * (STEPS - OVERFLOW_STEP)
+    kept = [s for s in range(STEPS) if s != OVERFLOW_STEP]
+    for rank, per in enumerate(runs):
+        r = per[(layout, starve)]
+        case = (layout, starve, rank)
+        assert r["local_experts"] == E // FP16[layout][1]["ep_size"]
+        assert r["skipped"] == ref_skipped and r["scales"] == ref_scales, (case, r["skipped"], r["scales"])
+        assert r["losses"] == pytest.approx(ref, rel=FP16_LOSS_REL), (case, r["losses"], ref)
+        assert [r["norms"][s] for s in kept] == pytest.approx([ref_norms[s] for s in kept], rel=FP16_NORM_REL), (
+            case, r["norms"], ref_norms)
+        assert not math.isfinite(r["norms"][OVERFLOW_STEP])  # the overflow reached the norm on every rank
+
+
 def _moe_gpt(**kw):
     from colossal_lab.engine.models import GPT, GPTConfig
 
@@ -385,7 +499,6 @@ def _moe_gpt(**kw):
 
 @pytest.mark.parametrize("make, match", [
     (lambda P: P.GeminiPlugin(ep_size=0), r"GeminiPlugin\(ep_size=0\): must be an int >= 1"),
-    (lambda P: P.GeminiPlugin(ep_size=2, precision="fp16"), r"ep_size=2, precision='fp16'\).*use precision='fp32'"),
     (lambda P: P.GeminiPlugin(ep_size=2, activation_checkpointing=True),
      r"ep_size=2, activation_checkpointing=True\).*use activation_checkpointing=False"),
 ])

@@ -64,9 +64,6 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
     if plugin.cp_size > 1:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}, cp_size={plugin.cp_size}): expert parallelism composes "
                          "with data, tensor and pipeline parallelism so far (docs/moe.md); set cp_size=1")
-    if plugin.precision == "fp16":
-        raise ValueError(f"HybridParallelPlugin(ep_size={ep}, precision='fp16'): fp16 under expert parallelism has not "
-                         "been checked against one process yet; use precision='fp32' or 'bf16'")
     check_world(ep, plugin.tp_size * plugin.pp_size * plugin.cp_size, world)
 
 
