@@ -30,11 +30,16 @@ LAYOUTS = {"ep2xdp2": dict(ep_size=2), "ep4_zero2": dict(ep_size=4, num_microbat
 GEMINI = {"gemini_ep2": dict(ep_size=2, placement_policy="cpu"), "gemini_ep4": dict(ep_size=4),
           "gemini_ep2_nvme": dict(ep_size=2, placement_policy="auto", nvme_offload_frac=1.0,
                                   device_memory_limit=8_000_000)}
-# precision="fp16" under ep2 x dp2 (hybrid) and Gemini's ep2, against one process (fp16_reference). At
-# OVERFLOW_STEP rank OVERFLOW_RANK's slice of blocks.0's expert gradient w1 is made inf: after the expert-dp sum
-# only that rank and its expert-dp partner hold an inf, yet every rank must skip the step and halve the scale
-FP16 = {"ep2xdp2_fp16": ("hybrid", dict(ep_size=2)), "gemini_ep2_fp16": ("gemini", dict(ep_size=2,
-                                                                                        placement_policy="cpu"))}
+# precision="fp16" under the hybrid plugin and Gemini's ep2, against one process (fp16_reference). At OVERFLOW_STEP
+# rank OVERFLOW_RANK's slice of its first block's expert gradient w1 is made inf: after the expert-dp sum only that
+# rank and its expert-dp partner (if any) hold an inf, yet every rank must skip the step and halve the scale.
+# ep2xpp2 (1F1B) and ep4 (execute_pipeline's microbatch loop without a pipeline) run the aux losses' scale fixed at
+# the forward (S, or S / m), the direct calls the one set around backward
+FP16 = {"ep2xdp2_fp16": ("hybrid", dict(ep_size=2)),
+        "ep2xpp2_fp16": ("hybrid", dict(ep_size=2, pp_size=2, num_microbatches=2, pp_style="1f1b")),
+        "ep4_fp16": ("hybrid", dict(ep_size=4, num_microbatches=2)),
+        "gemini_ep2_fp16": ("gemini", dict(ep_size=2, placement_policy="cpu"))}
+FP16_HF = {"mixtral_ep2xdp2_fp16": FP16["ep2xdp2_fp16"], "mixtral_gemini_ep2_fp16": FP16["gemini_ep2_fp16"]}
 OVERFLOW_STEP, OVERFLOW_RANK = 2, 1
 # the zero-bubble V schedule holds two stages per rank (stages 0 and 3 on one, 1 and 2 on the other) and splits
 # each backward into its input and weight parts: a 4-block model
@@ -145,40 +150,62 @@ def _rank(rank, world, tmp):
     for name, (kind, kw) in FP16.items():
         for starve in (False, True):
             out[(name, starve)] = _fp16_case(rank, world, kind, kw, starve)
+    if _mixtral() is not None:  # a transformers MoE family (grouped experts, its own routing), not starved
+        for name, (kind, kw) in FP16_HF.items():
+            out[(name, False)] = _fp16_case(rank, world, kind, kw, False, family="mixtral")
     return out
 
 
-def _fp16_case(rank, world, kind, kw, starve):
+def _mixtral():
+    """A tiny random Mixtral (support.hf's sizes: hidden 64, 2 layers; 4 experts of width 32, top-2; no aux loss,
+    ``output_router_logits`` off), or None where transformers is missing or gives Mixtral no ep plan (the floor)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    if not getattr(transformers.MixtralConfig(), "base_model_ep_plan", None):
+        return None
+    from support.hf import from_config
+
+    return from_config("mixtral", layers=2, intermediate_size=32, num_local_experts=E, num_experts_per_tok=2)
+
+
+def _fp16_case(rank, world, kind, kw, starve, family="gpt"):
     """5 fp16 steps, the inf put into one rank's expert gradient at OVERFLOW_STEP: per step the batch loss, the
-    loss scale the backward ran with, whether the step was skipped, the gradient norm; the full state after."""
+    loss scale the backward ran with, whether the step was skipped, the gradient norm."""
     from colossal_lab.engine import Booster
     from colossal_lab.engine.plugins import GeminiPlugin, HybridParallelPlugin
 
     plugin = (HybridParallelPlugin if kind == "hybrid" else GeminiPlugin)(precision="fp16", **kw)
     booster = Booster(plugin=plugin)
-    model = tiny_moe(starve)
-    model, opt, *_ = booster.boost(model, torch.optim.AdamW(param_groups(model), lr=LR))
-    w1 = _blocks(model)["0"].mlp.experts.w1
+    model = tiny_moe(starve) if family == "gpt" else _mixtral()
+    groups = param_groups(model) if family == "gpt" else model.parameters()
+    model, opt, *_ = booster.boost(model, torch.optim.AdamW(groups, lr=LR))
+    # this rank's first expert weight (GPT's w1, Mixtral's gate_up_proj; under pp2 rank 1 holds blocks.1)
+    expert = next(p for n, p in model.named_parameters() if ".experts." in n)
     losses, scales, skipped, norms = [], [], [], []
     for s in range(STEPS):
-        hook = w1.register_hook(lambda g: g * float("inf")) if (s, rank) == (OVERFLOW_STEP, OVERFLOW_RANK) else None
-        _, loss = model(*batch(s, rank, world))  # dp is the world in both layouts
+        hook = expert.register_hook(lambda g: g * float("inf")) if (s, rank) == (OVERFLOW_STEP, OVERFLOW_RANK) else None
         scales.append(opt.loss_scaler.scale)
-        booster.backward(loss, opt)
+        if kind == "hybrid" and family == "gpt":
+            loss, _ = _step(model, opt, booster, plugin, s, kw.get("pp_size", 1))
+        else:
+            idx, tgt = batch(s, rank, world)  # dp is the world in these layouts
+            loss = model(idx, tgt)[1] if family == "gpt" else model(input_ids=idx, labels=idx).loss
+            booster.backward(loss, opt)
+            t = loss.detach().clone().float()
+            dist.all_reduce(t)
+            loss = t.item() / world
+        losses.append(loss)
         if hook is not None:
             hook.remove()
-        t = loss.detach().clone().float()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
         norms.append(float(booster.clip_grad_by_norm(opt, CLIP)))
         opt.step()
         skipped.append(opt.skipped_last)
         opt.zero_grad()
     scales.append(opt.loss_scaler.scale)
-    state = model.full_state_dict() if kind == "hybrid" else model.state_dict()  # collectives: every rank
     plugin.close()
-    return dict(losses=losses, scales=scales, skipped=skipped, norms=norms, local_experts=w1.shape[0],
-                state={k: v.float() for k, v in state.items()} if rank in (0, world - 1) else None)
+    return dict(losses=losses, scales=scales, skipped=skipped, norms=norms, local_experts=expert.shape[0])
 
 
 def _files(d):
@@ -263,33 +290,29 @@ def _gemini_case(rank, world, name, kw, starve, where):
                 optim_diff=optim_diff, optim_shapes=optim_shapes, blocks=list(_blocks(model)))
 
 
-def fp16_reference(starve, dtype=torch.float16, aux_scaled=True):
+def fp16_reference(starve, dtype=torch.float16, family="gpt"):
     """One process, plain torch: the forward under CPU autocast (``dtype``; None: fp32) as the plugins run it,
     the plain ``loss.backward()`` (one process at this size needs no loss scale: nothing underflows that the
-    tests can see, and the aux losses weigh 1 without any multiplier), the same inf put into the experts that
-    rank OVERFLOW_RANK holds under ep2 at OVERFLOW_STEP, a step skipped where any gradient is not finite and
-    the scale run by ``DynamicLossScaler``'s rules. (losses, norms, scales, skipped, state)."""
+    tests can see, and the aux losses weigh 1 without any multiplier), an inf put into the experts rank
+    OVERFLOW_RANK holds under ep2 at OVERFLOW_STEP, a step skipped where any gradient is not finite and the
+    scale run by ``DynamicLossScaler``'s rules. (losses, norms, scales, skipped)."""
     from colossal_lab.engine.mixed_precision import DynamicLossScaler
 
-    model = tiny_moe(starve)
-    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    model = tiny_moe(starve) if family == "gpt" else _mixtral()
+    opt = torch.optim.AdamW(param_groups(model) if family == "gpt" else model.parameters(), lr=LR)
     scaler = DynamicLossScaler(sync=False)
     per = E // 2
     lo = OVERFLOW_RANK % 2 * per
     losses, norms, scales, skipped = [], [], [], []
     for s in range(STEPS):
+        idx, tgt = batch(s)
         with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-            _, loss = model(*batch(s))
+            loss = model(idx, tgt)[1] if family == "gpt" else model(input_ids=idx, labels=idx).loss
         scales.append(scaler.scale)
-        if aux_scaled:
-            loss.backward()
-        else:  # a wrong variant (checked by hand): the aux losses weigh 1/S, as an unscaled aux gradient would
-            from colossal_lab.engine.moe.layer import aux_loss_backward_scale
-
-            with aux_loss_backward_scale(1.0 / scaler.scale):
-                loss.backward()
+        loss.backward()
         if s == OVERFLOW_STEP:
-            model.blocks["0"].mlp.experts.w1.grad[lo:lo + per] *= float("inf")
+            layer = model.blocks["0"].mlp.experts if family == "gpt" else model.model.layers[0].mlp.experts
+            (layer.w1 if family == "gpt" else layer.gate_up_proj).grad[lo:lo + per] *= float("inf")
         found = not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         if not found:
@@ -299,7 +322,7 @@ def fp16_reference(starve, dtype=torch.float16, aux_scaled=True):
         losses.append(loss.item())
         opt.zero_grad()
     scales.append(scaler.scale)
-    return losses, norms, scales, skipped, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, norms, scales, skipped
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +372,7 @@ def test_expert_load_events(runs):
     emits them)."""
     for rank, per in enumerate(runs):
         for (layout, starve), r in per.items():
-            if layout in FP16:  # the fp16 runs check the scaler, not the telemetry
+            if layout in FP16 or layout in FP16_HF:  # the fp16 runs check the scaler, not the telemetry
                 continue
             # this rank's tokens per step (batch 8, seq 32, over dp; Gemini's dp is the world)
             rows = 8 // (_dp(layout) if layout in LAYOUTS else WORLD) * 32
@@ -470,20 +493,27 @@ def test_gemini_checkpoint_loads_in_one_process(runs, layout):
 FP16_LOSS_REL, FP16_NORM_REL = 1e-4, 5e-3
 
 
-@pytest.mark.parametrize("starve", [False, True])
-@pytest.mark.parametrize("layout", sorted(FP16))
-def test_fp16_follows_single_process(runs, layout, starve):
+def _fp16_cases():
+    return [(layout, starve, "gpt") for layout in sorted(FP16) for starve in (False, True)] + [
+        (layout, False, "mixtral") for layout in sorted(FP16_HF)]
+
+
+@pytest.mark.parametrize("layout, starve, family", _fp16_cases())
+def test_fp16_follows_single_process(runs, layout, starve, family):
     """precision="fp16" under ep2: on every rank the loss scale of every step and the skipped step are one
     process's exactly (the inf on one rank's expert slice skips the step everywhere and halves the scale once),
     the losses and gradient norms (the skipped step's norm is inf/nan: left out) follow one-process fp16."""
-    ref, ref_norms, ref_scales, ref_skipped, _ = fp16_reference(starve)
+    if family == "mixtral" and _mixtral() is None:
+        pytest.skip("transformers missing, or (the floor, 5.5) without Mixtral's base_model_ep_plan, which expert "
+                    "parallelism reads")
+    ref, ref_norms, ref_scales, ref_skipped = fp16_reference(starve, family=family)
     assert ref_skipped == [s == OVERFLOW_STEP for s in range(STEPS)]  # the reference did skip, and only there
     assert ref_scales == [2.0 ** 16] * (OVERFLOW_STEP + 1) + [2.0 ** 15] * (STEPS - OVERFLOW_STEP)
     kept = [s for s in range(STEPS) if s != OVERFLOW_STEP]
     for rank, per in enumerate(runs):
         r = per[(layout, starve)]
         case = (layout, starve, rank)
-        assert r["local_experts"] == E // FP16[layout][1]["ep_size"]
+        assert r["local_experts"] == E // {**FP16, **FP16_HF}[layout][1]["ep_size"]
         assert r["skipped"] == ref_skipped and r["scales"] == ref_scales, (case, r["skipped"], r["scales"])
         assert r["losses"] == pytest.approx(ref, rel=FP16_LOSS_REL), (case, r["losses"], ref)
         assert [r["norms"][s] for s in kept] == pytest.approx([ref_norms[s] for s in kept], rel=FP16_NORM_REL), (
