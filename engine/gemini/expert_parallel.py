@@ -48,20 +48,16 @@ def check_world(ep: int, world: Optional[int]) -> None:
 
 def check_model(model: nn.Module, ep: int, world: int) -> None:
     """What ``ep_size`` needs of the model (at boost, before any group)."""
+    from ..models.hf import moe as hf_moe
     from ..moe import moe_layers
 
     name = type(model).__name__
     layers = list(moe_layers(model))
-    hf_layers = hf_experts(model, ep)
+    hf_layers = hf_moe.split_layers(model, ep, "GeminiPlugin")  # a transformers MoE family's, counts checked
     if not layers and not hf_layers:
         raise ValueError(f"GeminiPlugin(ep_size={ep}): {name} has no MoE block to split (engine/moe.MoE, or a "
                          "transformers MoE family's experts named by its config's base_model_ep_plan); build it "
                          "with experts (the reference model: n_expert=8, top_k=2 in its config) or set ep_size=1")
-    for lname, n_expert in hf_layers:
-        if n_expert % ep:
-            ok = [d for d in range(1, n_expert + 1) if n_expert % d == 0]
-            raise ValueError(f"GeminiPlugin(ep_size={ep}): {n_expert} experts ({lname}) do not divide over "
-                             f"{ep} ranks; use an ep_size in {ok}")
     for lname, moe in layers:
         if moe.n_expert % ep:
             ok = [d for d in range(1, moe.n_expert + 1) if moe.n_expert % d == 0]
@@ -72,23 +68,6 @@ def check_model(model: nn.Module, ep: int, world: int) -> None:
                          "splitting experts over EP ranks needs them materialised: build the model on the CPU, "
                          "or use ep_size=1")
     check_world(ep, world)
-
-
-def hf_experts(model: nn.Module, ep: int):
-    """``[(experts module name, its expert count)]`` of a transformers MoE family (``models/hf/moe.py`` finds
-    them through the model's own ep plan; empty for any other model), refusing what Gemini cannot split."""
-    from ..models.hf import moe as hf_moe
-
-    try:
-        found = hf_moe.expert_modules(model, strict=True)
-    except ValueError as exc:  # an ep plan style not run here: the same words, this plugin's name
-        raise ValueError(f"GeminiPlugin(ep_size={ep}): {exc}; or set ep_size=1") from None
-    for lname, mod, attrs in found:
-        if not attrs:  # e.g. peft's ParamWrapper around the grouped weights (LoRA target_parameters)
-            raise ValueError(f"GeminiPlugin(ep_size={ep}): {lname} ({type(mod).__name__}) has no "
-                             f"{hf_moe.WEIGHTS!r} weights of its model's ep plan to split (LoRA adapters on the "
-                             "grouped expert weights are not split over EP); target the attention or set ep_size=1")
-    return [(lname, hf_moe.n_experts(mod, attrs)) for lname, mod, attrs in found]
 
 
 def split_experts(model: nn.Module, optimizer, ep: int, world: int):

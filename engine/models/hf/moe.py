@@ -92,25 +92,46 @@ def check(model: nn.Module, plugin) -> List[Tuple[str, int]]:
     """``[(experts module, its expert count)]`` of a transformers MoE model (empty for any other model),
     refusing what does not run yet, before any process group exists."""
     check_aux_loss(model, plugin)
-    found = expert_modules(model, strict=plugin.ep_size > 1)
-    if not found:
-        return []
     ep, tp = plugin.ep_size, plugin.tp_size
+    if ep > 1:
+        layers = split_layers(model, ep, "HybridParallelPlugin")
+    else:  # the model runs its own experts: a plan style not run here is passed over
+        layers = [(name, n_experts(mod, attrs)) for name, mod, attrs in expert_modules(model)]
+    if not layers:
+        return []
     if tp > 1 and plugin.tp_mode != "1d":
         raise ValueError(f"HybridParallelPlugin(tp_size={tp}, tp_mode={plugin.tp_mode!r}): {type(model).__name__}'s "
                          "experts stay whole on every tp rank, which only 1D tensor parallelism gives them so far; "
                          "use tp_mode='1d'")
     if tp > 1 and plugin.sequence_parallel:
         check_sequence_parallel(model, plugin)
+    return layers
+
+
+def split_layers(model: nn.Module, ep: int, who: str) -> List[Tuple[str, int]]:
+    """``[(experts module, its expert count)]`` that ``ep_size=ep`` splits over EP ranks, refusing (``who``: the
+    plugin, named in the message) an ep plan style not run here, an experts module with no grouped weights to
+    split (peft's LoRA adapters on them) and expert counts ``ep`` does not divide. Both plugins ask it."""
+    try:
+        found = expert_modules(model, strict=True)
+    except ValueError as exc:  # an ep plan style not run here
+        raise ValueError(f"{who}(ep_size={ep}): {exc}; or set ep_size=1") from None
+    out = []
     for name, mod, attrs in found:
-        if ep > 1 and not attrs and hasattr(mod, "base_layer"):  # peft's ParamWrapper around the experts
-            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} carries LoRA adapters on its grouped expert "
-                             "weights (peft target_parameters), which are not split over EP yet; target the "
+        if not attrs and hasattr(mod, "base_layer"):  # peft's ParamWrapper around the experts
+            raise ValueError(f"{who}(ep_size={ep}): {name} ({type(mod).__name__}) carries LoRA adapters on the grouped "
+                             "expert weights (peft target_parameters), which are not split over EP yet; target the "
                              "attention (target_modules=['q_proj', 'v_proj', ...]) or set ep_size=1")
-        if ep > 1 and not attrs:
-            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} ({type(mod).__name__}) has no "
-                             f"{WEIGHTS!r} weights in its model's ep plan to split; set ep_size=1")
-    return [(name, n_experts(mod, attrs)) for name, mod, attrs in found]
+        if not attrs:
+            raise ValueError(f"{who}(ep_size={ep}): {name} ({type(mod).__name__}) has no {WEIGHTS!r} weights in its "
+                             "model's ep plan to split; set ep_size=1")
+        n = n_experts(mod, attrs)
+        if n % ep:
+            ok = [d for d in range(1, n + 1) if n % d == 0]
+            raise ValueError(f"{who}(ep_size={ep}): {n} experts ({name}) do not divide over {ep} ranks; use an "
+                             f"ep_size in {ok}")
+        out.append((name, n))
+    return out
 
 
 def check_sequence_parallel(model: nn.Module, plugin) -> None:

@@ -41,18 +41,13 @@ def check_expert_parallel(model: nn.Module, plugin, world: Optional[int]) -> Non
                          "tp_mode='1d', sequence_parallel=False")
     from ...models.hf import moe as hf_moe
 
-    hf_layers = hf_moe.check(model, plugin)  # a transformers MoE family's experts modules (models/hf/moe.py)
+    hf_layers = hf_moe.check(model, plugin)  # a transformers MoE family's experts (models/hf/moe.py), counts checked
     if ep == 1:
         return
     if not layers and not hf_layers:
         raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {type(model).__name__} has no MoE block "
                          "(engine/moe.MoE, or a transformers MoE family's experts) to split; build it with experts "
                          "(the reference model: n_expert=8, top_k=2 in its config) or set ep_size=1")
-    for name, n_expert in hf_layers:
-        if n_expert % ep:
-            ok = [d for d in range(1, n_expert + 1) if n_expert % d == 0]
-            raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {n_expert} experts ({name}) do not "
-                             f"divide over {ep} ranks; use an ep_size in {ok}")
     for name, moe in layers:
         if moe.top_k > moe.n_expert:
             raise ValueError(f"HybridParallelPlugin(ep_size={ep}): {name} routes top_k={moe.top_k} of "
