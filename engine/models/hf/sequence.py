@@ -181,9 +181,18 @@ def _kind(name: str, styles: Dict[str, object]) -> str:
     """What a region does to features: ``"closed"`` (opens and closes them inside itself: whole features out),
     ``"opens"`` (its output stays feature-sharded: BERT's ``intermediate``, ``attention.self``), ``"closes"``
     (its input is feature-sharded, its output whole: BERT's ``output``, ``attention.output``) or ``"whole"``."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
     inner = _inner(name, styles)
     opens, closes = bool(_opens(inner)), bool(_closes(inner))
-    return {(True, True): "closed", (True, False): "opens", (False, True): "closes"}.get((opens, closes), "whole")
+    if opens:
+        return "closed" if closes else "opens"
+    # closing only where nothing else in it is cut (Phi-3's attention: a packed q|k|v style of its own, then o_proj,
+    # is closed; it is run as one region)
+    only_rows = all(isinstance(s, (RowwiseParallel, ReplicatedGradSum)) for s in inner.values())
+    return "closes" if closes and only_rows else "whole"
 
 
 def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> None:
