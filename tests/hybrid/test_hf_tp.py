@@ -31,20 +31,22 @@ CLIP = 0.5  # below every model's gradient norm here, so clipping acts at every 
 # OPT, BERT, BLOOM by the adapter's built-in tables (Conv1D weights, a packed q|k|v, heads reshaped by
 # num_heads, tied heads, ALiBi); an odd vocabulary (GPT-2's real 50257 is odd too: uneven vocab shards)
 def _mamba(family="mamba", **kw):
-    """Mamba / FalconMamba: no attention; each block's mixer is cut by its inner channels (tables.py, mamba.py)."""
+    """Mamba / FalconMamba / Mamba 2: no attention; each block's mixer is cut by its channels (tables.py, mamba.py)."""
     import transformers
 
-    cls = {"mamba": "Mamba", "falcon_mamba": "FalconMamba"}[family]
+    cls = {"mamba": "Mamba", "falcon_mamba": "FalconMamba", "mamba2": "Mamba2"}[family]
     torch.manual_seed(hf.SEED)
     cfg = dict(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2, conv_kernel=4,
                time_step_rank=8, use_cache=False)
+    if family == "mamba2":  # 8 heads of 16 in 2 groups: a rank holds 4 heads and their group
+        cfg.update(num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
     return getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**cfg, **kw}))
 
 
 MODELS = {"llama": hf.llama, "gpt2": hf.gpt2, "llama_tied": lambda: hf.llama(tie_word_embeddings=True),
           "qwen2": hf.qwen2, "qwen3": hf.qwen3, "opt": lambda: hf.opt(fixed_key_bias=True), "bert": hf.bert,
           "bloom": hf.bloom, "gpt2_odd_vocab": lambda: hf.gpt2(vocab_size=257), "mamba": _mamba,
-          "falcon_mamba": lambda: _mamba("falcon_mamba")}
+          "falcon_mamba": lambda: _mamba("falcon_mamba"), "mamba2": lambda: _mamba("mamba2")}
 
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
@@ -93,8 +95,8 @@ def _train(rank, world, name, plugin_name):
         out["tied"] = head.weight is inner.get_input_embeddings().weight
         x = batch(0)[0].contiguous()
         seen, hooks = {}, []
-        if name in ("mamba", "falcon_mamba"):  # tokens a block's norm and its mixer's scan see (sp: T/2 and T)
-            for part in ("norm", "mixer.x_proj"):
+        if name in ("mamba", "falcon_mamba", "mamba2"):  # tokens a block's norm and its mixer see (sp: T/2 and T)
+            for part in ("norm", "mixer.in_proj"):
                 mod = inner.get_submodule(f"backbone.layers.0.{part}")
                 hooks.append(mod.register_forward_pre_hook(
                     lambda m, a, part=part: seen.update({part: a[0].shape[1]}) if part not in seen else None))
@@ -116,7 +118,7 @@ def _train(rank, world, name, plugin_name):
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
          ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("bloom", "tp2"), ("gpt2", "tp2_mlp_only"),
          ("gpt2_odd_vocab", "tp2"), ("llama", "tp2_gathered"), ("mamba", "tp2"), ("mamba", "tp2_sp"),
-         ("falcon_mamba", "tp2"), ("falcon_mamba", "tp2_sp"),
+         ("falcon_mamba", "tp2"), ("falcon_mamba", "tp2_sp"), ("mamba2", "tp2"), ("mamba2", "tp2_sp"),
          ("llama", "ddp"), ("llama", "zero2"), ("llama", "gemini")]
 
 
@@ -163,15 +165,18 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     bloom = runs[0][("bloom", "tp2")]
     assert "transformer.h.1.self_attention.query_key_value.weight" in bloom["sharded"] and bloom["tied"]
     for r in runs:  # sequence parallelism cut the stream at the norms; the mixer's scan ran on all the tokens
-        for name in ("mamba", "falcon_mamba"):
+        for name in ("mamba", "falcon_mamba", "mamba2"):
             T = batch(0)[0].shape[1]
-            assert r[(name, "tp2")]["tokens_seen"] == {"norm": T, "mixer.x_proj": T}
-            assert r[(name, "tp2_sp")]["tokens_seen"] == {"norm": T // 2, "mixer.x_proj": T}
+            assert r[(name, "tp2")]["tokens_seen"] == {"norm": T, "mixer.in_proj": T}
+            assert r[(name, "tp2_sp")]["tokens_seen"] == {"norm": T // 2, "mixer.in_proj": T}
     for case in [("mamba", "tp2"), ("falcon_mamba", "tp2_sp")]:  # every per-channel part of the mixer (mamba.py)
         mixer = "backbone.layers.1.mixer"
         assert {f"{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
                                          "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")} <= set(
             runs[0][case]["sharded"]), case
+    mixer = "backbone.layers.1.mixer"  # Mamba 2: by heads and groups, the packed in_proj and conv1d row shards
+    assert {f"{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                                     "norm.weight", "out_proj.weight")} <= set(runs[0][("mamba2", "tp2")]["sharded"])
 
 
 def test_the_lm_head_and_loss_are_vocabulary_parallel_where_the_plan_gathers_the_head(runs):
@@ -229,11 +234,13 @@ def test_heads_that_do_not_divide_name_the_sizes_that_work():
         _configure(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), tp_size=4)
 
 
-def test_a_mamba_width_tp_does_not_divide_names_the_sizes_that_work():
+def test_mamba_sizes_tp_does_not_divide_name_the_sizes_that_work():
     with pytest.raises(ValueError, match=r"intermediate_size=128 .*Mamba.*tp_size in \[1, 2, 4, 8, 16, 32, 64\]"):
         _configure(MODELS["mamba"](), tp_size=3)
     with pytest.raises(ValueError, match=r"FalconMambaForCausalLM has .*intermediate_size=99 .*\[1, 3, 9, 11, 33\]"):
         _configure(_mamba("falcon_mamba", hidden_size=33, expand=3), tp_size=2)
+    with pytest.raises(ValueError, match=r"Mamba2ForCausalLM has config.n_groups=1 .*groups.*tp_size in \[1\]"):
+        _configure(_mamba("mamba2", n_groups=1), tp_size=2)
 
 
 def test_unknown_and_unsupported_styles_are_named():

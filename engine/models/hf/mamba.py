@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import types
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -61,7 +62,7 @@ class MambaMixerParallel(ParallelStyle):
                 continue
             owner.register_parameter(name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)]),
                                                         requires_grad=p.requires_grad))
-            held.append((owner, name))
+            held.append((owner, name, _local))
         conv = mixer.conv1d  # depthwise: one group per channel, this rank's channels
         conv.in_channels = conv.out_channels = conv.groups = conv.weight.to_local().shape[0]
         _x_proj_parallel(mixer.x_proj, device_mesh)
@@ -89,31 +90,98 @@ def _x_proj_parallel(linear: nn.Linear, mesh) -> None:
     linear.forward = types.MethodType(forward, linear)
 
 
+def _local(p: DTensor) -> torch.Tensor:
+    return p.to_local()
+
+
 def _with_local(forward, held):
-    """``forward`` run with each of ``held``'s DTensor parameters replaced by its local shard, restored after."""
+    """``forward`` run with each of ``held``'s ``(owner, name, local)`` DTensor parameters replaced by ``local(p)``
+    (its differentiable local shard, or the rows this rank computes with), restored after."""
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        saved = [(owner, name, owner._parameters[name]) for owner, name in held]
-        for owner, name, p in saved:
-            owner._parameters[name] = p.to_local()
+        saved = [(owner, name, owner._parameters[name], local) for owner, name, local in held]
+        for owner, name, p, local in saved:
+            owner._parameters[name] = local(p)
         try:
             return forward(*args, **kwargs)
         finally:
-            for owner, name, p in saved:
+            for owner, name, p, _ in saved:
                 owner._parameters[name] = p
 
     return run
 
 
+def _rank_rows(parts, rank: int, tp: int) -> torch.Tensor:
+    """The rows of a weight packing ``parts`` (their sizes, in order) that rank ``rank`` of ``tp`` computes with: its
+    ``1/tp`` of each part, contiguous within the part."""
+    idx, start = [], 0
+    for size in parts:
+        idx.append(torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp))
+        start += size
+    return torch.cat(idx)
+
+
+def _gathered_rows(rows: torch.Tensor):
+    """A ``local`` for :func:`_with_local`: a ``Shard(0)`` DTensor gathered whole (an all-gather; backward: the
+    ranks' partial gradients reduce-scattered onto the shards), then this rank's ``rows`` (as :mod:`.multi_query`)."""
+    return lambda p: p.full_tensor(grad_placements=[Partial()]).index_select(0, rows.to(p.device))
+
+
+class Mamba2MixerParallel(ParallelStyle):
+    """A Mamba 2 block's mixer cut by heads and groups: rank ``r`` computes with its heads' ``1/tp`` of the gate, x
+    and step-size channels and its groups' ``1/tp`` of B and C. ``in_proj`` packs ``[gate | x | B | C | dt]`` and
+    ``conv1d`` runs over ``[x | B | C]``, parts of unequal sizes, so no DTensor placement stores a rank's rows of each
+    part: both are stored ``Shard(0)`` in the model's own layout and gathered whole in each forward, where the rank
+    takes its rows (an all-gather of each, and a reduce-scatter of their gradients). ``dt_bias``, ``A_log``, ``D``
+    (one per head) and the gated norm's weight (over ``I``, normalized per group: a rank holds whole groups) are
+    ``Shard(0)``; ``out_proj`` has a table entry of its own (``rowwise``)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        mixer = getattr(module, "mixer", None)
+        if mixer is None or not all(hasattr(mixer, n) for n in ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm")):
+            raise ValueError(f"mamba2_mixer: {type(module).__name__} has no Mamba 2 mixer (a 'mixer' with in_proj, "
+                             "conv1d, dt_bias, A_log, D and a gated norm)")
+        tp, r = device_mesh.size(), device_mesh.get_local_rank()
+        inner, gn, heads = mixer.intermediate_size, mixer.n_groups * mixer.ssm_state_size, mixer.num_heads
+        extra = mixer.in_proj.out_features - (2 * inner + 2 * gn + heads)
+        if extra:
+            raise ValueError(f"mamba2_mixer: {type(mixer).__name__}.in_proj has {extra} features besides [gate | x | "
+                             "B | C | dt] (an MLP part), which this cut does not take")
+        held = []
+        for owner, name, rows in ((mixer.in_proj, "weight", (inner, inner, gn, gn, heads)),
+                                  (mixer.in_proj, "bias", (inner, inner, gn, gn, heads)),
+                                  (mixer.conv1d, "weight", (inner, gn, gn)), (mixer.conv1d, "bias", (inner, gn, gn)),
+                                  (mixer, "dt_bias", None), (mixer, "A_log", None), (mixer, "D", None),
+                                  (mixer.norm, "weight", None)):
+            p = getattr(owner, name, None)
+            if p is None:
+                continue
+            owner.register_parameter(name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)]),
+                                                        requires_grad=p.requires_grad))
+            held.append((owner, name, _gathered_rows(_rank_rows(rows, r, tp)) if rows else _local))
+        conv = mixer.conv1d  # depthwise over [x | B | C]: this rank's channels of each
+        conv.in_channels = conv.out_channels = conv.groups = (inner + 2 * gn) // tp
+        proj = mixer.in_proj
+
+        def in_proj_forward(mod, x):  # replicated input: backward sums the ranks' partial input gradients
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return F.linear(x, mod.weight, mod.bias)  # the rank's rows, swapped in for the mixer's forward
+
+        proj.forward = types.MethodType(in_proj_forward, proj)
+        mixer.forward = _with_local(mixer.forward, held)
+        return module
+
+
 def check_divides(model: nn.Module, tp: int, names) -> None:
-    """Each config size in ``names`` (a Mamba mixer's ``intermediate_size``) must cut into ``tp`` equal shares:
-    otherwise an error naming the sizes that do (up to 64)."""
+    """Each config size in ``names`` (a Mamba mixer's ``intermediate_size``, Mamba 2's ``num_heads`` and
+    ``n_groups``) must cut into ``tp`` equal shares: otherwise an error naming the sizes that do (up to 64)."""
     config = getattr(model, "config", None)
     for key in names:
         width = getattr(config, key, None)
         if isinstance(width, int) and width % tp:
             valid = [d for d in range(1, min(width, 64) + 1) if width % d == 0]
             raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {type(model).__name__} has config.{key}={width} "
-                             "(each Mamba mixer's inner channels), which tensor parallelism cuts into equal shares; "
+                             "(each Mamba mixer's inner channels, heads or groups), which tensor parallelism cuts into "
+                             "equal shares; "
                              f"choose tp_size in {valid}")

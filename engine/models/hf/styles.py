@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from .grad_sum import ReplicatedGradSum
 from .local_linear import LocalColwise, LocalRowwise, is_conv1d
-from .mamba import MambaMixerParallel
+from .mamba import Mamba2MixerParallel, MambaMixerParallel
 from .mla import MlaKvAProj
 from .multi_query import MultiQueryColwise
 
@@ -47,6 +47,8 @@ SUPPORTED = {
                      "rotary part (qk_rope_head_dim) summed over tp",
     "mamba_mixer": "a Mamba block: its mixer's conv1d, dt_proj, A_log and D cut by inner channel, x_proj row-parallel "
                    "(in_proj and out_proj take entries of their own: mamba.py)",
+    "mamba2_mixer": "a Mamba 2 block: its mixer cut by heads and groups, the packed in_proj and conv1d gathered "
+                    "whole each forward for the rank's rows (out_proj takes an entry of its own: mamba.py)",
 }
 _MOE = "; expert parallelism: issue 31"
 NOT_YET = {
@@ -107,6 +109,8 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
         return MlaKvAProj(rope_dim)
     if name == "mamba_mixer":
         return MambaMixerParallel()
+    if name == "mamba2_mixer":
+        return Mamba2MixerParallel()
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
     if name in ("replicate", "sequence_parallel"):
         return None
@@ -143,7 +147,8 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj", "mamba_mixer"):
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj", "mamba_mixer",
+                "mamba2_mixer"):
         return None  # (a Mamba block's own parameters: none; its mixer's are cut inside, mamba.py)
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary

@@ -298,6 +298,18 @@ TABLES = {
     },
     # FalconMamba: Mamba's mixer plus weightless RMS norms over B, C and the step sizes, after x_proj's sum (whole)
     "falcon_mamba": {"like": "mamba"},
+    # Mamba 2: each block's mixer cut by heads and groups (mamba.py): in_proj packs [gate | x | B | C | dt] and conv1d
+    # runs over [x | B | C], parts of unequal sizes, gathered whole each forward for the rank's rows; the gated norm
+    # normalizes per group, whole groups on a rank; out_proj row-parallel
+    "mamba2": {
+        "base": {
+            "layers.*": "mamba2_mixer",
+            "layers.*.mixer.out_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.mixer": ("num_heads", "n_groups", "intermediate_size", "conv_dim")},
+        "divides": ("num_heads", "n_groups"),
+    },
     # XLNet: its two-stream relative attention holds bare (d_model, heads, head_dim) parameters (q, k, v, o, r) and
     # per-head biases, no linear to cut: attention stays whole, the MLP is cut (as DeepSeek-V3's own plan does)
     "xlnet": {
