@@ -326,9 +326,9 @@ def _from_pretrained(family, path):
     return _auto(family).from_pretrained(path).eval()
 
 
-def _close(a, b):
+def _close(a, b, tol=TOL):
     assert a.shape == b.shape
-    assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max()
+    assert torch.allclose(a, b, atol=tol, rtol=0), (a - b).abs().max()
 
 
 # ---- save: every layout writes what transformers loads --------------------------------------------------
@@ -349,7 +349,9 @@ def test_tp2_checkpoint_of_a_built_in_plan_loads_both_ways(run2, plain, family):
     the plain model's logits; a save_pretrained directory loads into tp2 alike."""
     root, out = run2[:2]
     _close(_logits(_from_pretrained(family, os.path.join(root, f"tp2-{family}"))), plain[family])
-    _close(out[("tp2", family)]["logits"], plain[family])
+    # computed under tp2: x_proj's and out_proj's sums over the ranks round apart from one process's (1.1e-6 at the
+    # floor, transformers 5.5); a wrong cut parts by whole units (3.4 with in_proj cut as one block)
+    _close(out[("tp2", family)]["logits"], plain[family], tol=1e-5)
 
 
 @pytest.mark.parametrize("family", ("llama", "gpt2"))

@@ -49,6 +49,12 @@ MODELS = {"llama": hf.llama, "gpt2": hf.gpt2, "llama_tied": lambda: hf.llama(tie
           "falcon_mamba": lambda: _mamba("falcon_mamba"), "mamba2": lambda: _mamba("mamba2")}
 
 
+def _mamba2_norm_per_group() -> bool:
+    """Whether this transformers release's Mamba 2 gated norm normalizes per group (5.5's spans the whole inner
+    width: tp refuses it, mamba.check_mixers)."""
+    return hasattr(_mamba("mamba2", num_hidden_layers=1).backbone.layers[0].mixer.norm, "group_size")
+
+
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
 GPT2_MLP_ONLY = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
 
@@ -123,7 +129,8 @@ CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp
 
 
 def _all(rank, world):
-    return {case: _train(rank, world, *case) for case in CASES}
+    skip = set() if _mamba2_norm_per_group() else {c for c in CASES if c[0] == "mamba2"}
+    return {case: _train(rank, world, *case) for case in CASES if case not in skip}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +140,9 @@ def runs():
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_hf_model_follows_its_single_process_curve(runs, case):
+    if case[0] == "mamba2" and not _mamba2_norm_per_group():
+        pytest.skip("this transformers release's Mamba 2 gated norm spans the whole inner width (no group_size): "
+                    "tp refuses it (test_mamba_sizes_tp_does_not_divide_name_the_sizes_that_work)")
     ref, ref_norms = _reference(case[0])
     for r in runs:
         assert_follows(case, r[case]["losses"], r[case]["norms"], ref, ref_norms)
@@ -151,7 +161,7 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
     assert "transformer.wte.weight" in gpt2["sharded"]
     assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
-    assert all(r[c]["whole_equals_plain"] for r in runs for c in CASES if c[1].startswith("tp2"))
+    assert all(r[c]["whole_equals_plain"] for r in runs for c in r if c[1].startswith("tp2"))
     # the same layout, and the embedding and head, which the old names shard whatever the release
     assert set(runs[0][("llama", "tp2_old_names")]["sharded"]) == set(llama["sharded"]) | {
         "model.embed_tokens.weight", "lm_head.weight"}
@@ -165,7 +175,7 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     bloom = runs[0][("bloom", "tp2")]
     assert "transformer.h.1.self_attention.query_key_value.weight" in bloom["sharded"] and bloom["tied"]
     for r in runs:  # sequence parallelism cut the stream at the norms; the mixer's scan ran on all the tokens
-        for name in ("mamba", "falcon_mamba", "mamba2"):
+        for name in ("mamba", "falcon_mamba", "mamba2")[:3 if _mamba2_norm_per_group() else 2]:
             T = batch(0)[0].shape[1]
             assert r[(name, "tp2")]["tokens_seen"] == {"norm": T, "mixer.in_proj": T}
             assert r[(name, "tp2_sp")]["tokens_seen"] == {"norm": T // 2, "mixer.in_proj": T}
@@ -174,9 +184,10 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
         assert {f"{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
                                          "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")} <= set(
             runs[0][case]["sharded"]), case
-    mixer = "backbone.layers.1.mixer"  # Mamba 2: by heads and groups, the packed in_proj and conv1d row shards
-    assert {f"{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-                                     "norm.weight", "out_proj.weight")} <= set(runs[0][("mamba2", "tp2")]["sharded"])
+    if _mamba2_norm_per_group():  # Mamba 2: by heads and groups, the packed in_proj and conv1d row shards
+        parts = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                 "out_proj.weight")
+        assert {f"backbone.layers.1.mixer.{p}" for p in parts} <= set(runs[0][("mamba2", "tp2")]["sharded"])
 
 
 def test_the_lm_head_and_loss_are_vocabulary_parallel_where_the_plan_gathers_the_head(runs):
@@ -241,6 +252,9 @@ def test_mamba_sizes_tp_does_not_divide_name_the_sizes_that_work():
         _configure(_mamba("falcon_mamba", hidden_size=33, expand=3), tp_size=2)
     with pytest.raises(ValueError, match=r"Mamba2ForCausalLM has config.n_groups=1 .*groups.*tp_size in \[1\]"):
         _configure(_mamba("mamba2", n_groups=1), tp_size=2)
+    if not _mamba2_norm_per_group():  # transformers 5.5: the gated norm spans the whole width, refused by name
+        with pytest.raises(ValueError, match=r"mixer.norm \(MambaRMSNormGated\) normalizes over the mixer's whole"):
+            _configure(_mamba("mamba2"), tp_size=2)
 
 
 def test_unknown_and_unsupported_styles_are_named():

@@ -173,6 +173,19 @@ class Mamba2MixerParallel(ParallelStyle):
         return module
 
 
+def check_mixers(model: nn.Module, tp: int, names) -> None:
+    """Before any group: :func:`check_divides`, and a Mamba 2 mixer's gated norm must normalize per group (a
+    ``group_size``): transformers 5.5's spans the whole inner width, which each rank would see only its share of."""
+    check_divides(model, tp, names)
+    for name, mod in model.named_modules():
+        norm = getattr(mod, "norm", None) if hasattr(mod, "n_groups") and hasattr(mod, "in_proj") else None
+        if norm is not None and not hasattr(norm, "group_size"):
+            raise ValueError(f"HybridParallelPlugin(tp_size={tp}): {name}.norm ({type(norm).__name__}) normalizes over "
+                             "the mixer's whole inner width, not per group (this transformers release's Mamba 2), so "
+                             "tensor parallelism, which gives each rank a share of that width, cannot cut it; use a "
+                             "transformers release whose gated norm takes group_size, or tp_size=1")
+
+
 def check_divides(model: nn.Module, tp: int, names) -> None:
     """Each config size in ``names`` (a Mamba mixer's ``intermediate_size``, Mamba 2's ``num_heads`` and
     ``n_groups``) must cut into ``tp`` equal shares: otherwise an error naming the sizes that do (up to 64)."""

@@ -147,9 +147,9 @@ def check_heads(model: nn.Module, tp: int) -> None:
     """Heads and key/value heads must both divide over ``tp`` ranks; the error names the sizes that work."""
     divides = table_for(model).get("divides")
     if divides:  # other sizes the built-in plan cuts (a Mamba mixer's channels)
-        from .mamba import check_divides
+        from .mamba import check_mixers
 
-        check_divides(model, tp, divides)
+        check_mixers(model, tp, divides)
     heads, kv = head_counts(model)
     if heads is None or (heads % tp == 0 and kv % tp == 0):
         return

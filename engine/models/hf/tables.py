@@ -11,7 +11,7 @@ families: the modules before the layer list (``pre``) and after it (``post``), e
 does not own it runs instead (:mod:`.pipeline`), and the task head (``head``); families with neither a
 ``base_model_pp_plan`` nor a ``pp`` entry get a layout read from their module tree (:mod:`.derive`).
 ``divides`` names config sizes a tp cut must divide besides the heads (Mamba's
-``intermediate_size``: :func:`.mamba.check_divides`).
+``intermediate_size``: :func:`.mamba.check_mixers`).
 ``refuse_tp`` names why a family's blocks cannot be cut by a 1-D plan at all (the error says it), ``refuse_sp`` why
 its residual stream cannot be cut for sequence parallelism;
 ``refuse_if`` maps a config flag to what it switches on that the entry's plan cannot cut (or to ``(what, other
