@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism for a Mamba (selective state-space) block's mixer.
+"""Megatron-style tensor parallelism for a Mamba (selective state-space) block's mixer (Mamba 2's:
+:class:`Mamba2MixerParallel`, by heads and groups).
 
 A Mamba mixer's work is per channel of its inner width ``I`` (``intermediate_size``): ``in_proj`` (H -> 2I) packs
 ``[x | gate]``, a depthwise ``conv1d`` runs over the x channels, ``x_proj`` (I -> dt_rank + 2N) reads all of them to
