@@ -30,9 +30,29 @@ CLIP = 0.5  # below every model's gradient norm here, so clipping acts at every 
 # Llama, Qwen2, Qwen3 by their own plans (grouped-query attention, q/k/v biases, per-head norms); GPT-2,
 # OPT, BERT, BLOOM by the adapter's built-in tables (Conv1D weights, a packed q|k|v, heads reshaped by
 # num_heads, tied heads, ALiBi); an odd vocabulary (GPT-2's real 50257 is odd too: uneven vocab shards)
+def _mamba(family="mamba", **kw):
+    """Mamba / FalconMamba / Mamba 2: no attention; each block's mixer is cut by its channels (tables.py, mamba.py)."""
+    import transformers
+
+    cls = {"mamba": "Mamba", "falcon_mamba": "FalconMamba", "mamba2": "Mamba2"}[family]
+    torch.manual_seed(hf.SEED)
+    cfg = dict(hidden_size=64, state_size=8, num_hidden_layers=2, vocab_size=256, expand=2, conv_kernel=4,
+               time_step_rank=8, use_cache=False)
+    if family == "mamba2":  # 8 heads of 16 in 2 groups: a rank holds 4 heads and their group
+        cfg.update(num_heads=8, head_dim=16, n_groups=2, chunk_size=8)
+    return getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**{**cfg, **kw}))
+
+
 MODELS = {"llama": hf.llama, "gpt2": hf.gpt2, "llama_tied": lambda: hf.llama(tie_word_embeddings=True),
           "qwen2": hf.qwen2, "qwen3": hf.qwen3, "opt": lambda: hf.opt(fixed_key_bias=True), "bert": hf.bert,
-          "bloom": hf.bloom, "gpt2_odd_vocab": lambda: hf.gpt2(vocab_size=257)}
+          "bloom": hf.bloom, "gpt2_odd_vocab": lambda: hf.gpt2(vocab_size=257), "mamba": _mamba,
+          "falcon_mamba": lambda: _mamba("falcon_mamba"), "mamba2": lambda: _mamba("mamba2")}
+
+
+def _mamba2_norm_per_group() -> bool:
+    """Whether this transformers release's Mamba 2 gated norm normalizes per group (5.5's spans the whole inner
+    width: tp refuses it, mamba.check_mixers)."""
+    return hasattr(_mamba("mamba2", num_hidden_layers=1).backbone.layers[0].mixer.norm, "group_size")
 
 
 # a user's plan for a family with a built-in one: attention left whole keeps its own head counts
@@ -56,6 +76,7 @@ def _train(rank, world, name, plugin_name):
     from colossal_lab.engine.plugins import DDPPlugin, GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     plugin = {"tp2": lambda: HybridParallelPlugin(tp_size=2), "ddp": DDPPlugin,
+              "tp2_sp": lambda: HybridParallelPlugin(tp_size=2, sequence_parallel=True),
               "tp2_old_names": lambda: HybridParallelPlugin(tp_size=2, tp_plan=OLD_NAMES),
               "tp2_mlp_only": lambda: HybridParallelPlugin(tp_size=2, tp_plan=GPT2_MLP_ONLY),
               "tp2_gathered": lambda: HybridParallelPlugin(tp_size=2, loss_parallel=False),
@@ -79,9 +100,18 @@ def _train(rank, world, name, plugin_name):
         head = inner.get_output_embeddings()
         out["tied"] = head.weight is inner.get_input_embeddings().weight
         x = batch(0)[0].contiguous()
+        seen, hooks = {}, []
+        if name in ("mamba", "falcon_mamba", "mamba2"):  # tokens a block's norm and its mixer see (sp: T/2 and T)
+            for part in ("norm", "mixer.in_proj"):
+                mod = inner.get_submodule(f"backbone.layers.0.{part}")
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, part=part: seen.update({part: a[0].shape[1]}) if part not in seen else None))
         with torch.no_grad():  # with labels: vocabulary-sharded logits; without: gathered whole
             trained = model(input_ids=x, labels=x)
             plain = model(input_ids=x).logits
+        for h in hooks:
+            h.remove()
+        out["tokens_seen"] = seen
         out["logits_with_labels"] = [str(pl) for pl in getattr(trained.logits, "placements", ())]
         out["loss_is_plain"] = type(trained.loss) is torch.Tensor
         out["logits_plain"] = type(plain) is torch.Tensor
@@ -93,12 +123,14 @@ def _train(rank, world, name, plugin_name):
 
 CASES = [("llama", "tp2"), ("gpt2", "tp2"), ("llama_tied", "tp2"), ("llama", "tp2_old_names"), ("qwen2", "tp2"),
          ("qwen3", "tp2"), ("opt", "tp2"), ("bert", "tp2"), ("bloom", "tp2"), ("gpt2", "tp2_mlp_only"),
-         ("gpt2_odd_vocab", "tp2"), ("llama", "tp2_gathered"),
+         ("gpt2_odd_vocab", "tp2"), ("llama", "tp2_gathered"), ("mamba", "tp2"), ("mamba", "tp2_sp"),
+         ("falcon_mamba", "tp2"), ("falcon_mamba", "tp2_sp"), ("mamba2", "tp2"), ("mamba2", "tp2_sp"),
          ("llama", "ddp"), ("llama", "zero2"), ("llama", "gemini")]
 
 
 def _all(rank, world):
-    return {case: _train(rank, world, *case) for case in CASES}
+    skip = set() if _mamba2_norm_per_group() else {c for c in CASES if c[0] == "mamba2"}
+    return {case: _train(rank, world, *case) for case in CASES if case not in skip}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +140,9 @@ def runs():
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_hf_model_follows_its_single_process_curve(runs, case):
+    if case[0] == "mamba2" and not _mamba2_norm_per_group():
+        pytest.skip("this transformers release's Mamba 2 gated norm spans the whole inner width (no group_size): "
+                    "tp refuses it (test_mamba_sizes_tp_does_not_divide_name_the_sizes_that_work)")
     ref, ref_norms = _reference(case[0])
     for r in runs:
         assert_follows(case, r[case]["losses"], r[case]["norms"], ref, ref_norms)
@@ -126,7 +161,7 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "transformer.h.1.attn.c_attn.weight" in gpt2["sharded"]  # from the built-in table
     assert "transformer.wte.weight" in gpt2["sharded"]
     assert gpt2["tied"] and runs[0][("llama_tied", "tp2")]["tied"] and not llama["tied"]
-    assert all(r[c]["whole_equals_plain"] for r in runs for c in CASES if c[1].startswith("tp2"))
+    assert all(r[c]["whole_equals_plain"] for r in runs for c in r if c[1].startswith("tp2"))
     # the same layout, and the embedding and head, which the old names shard whatever the release
     assert set(runs[0][("llama", "tp2_old_names")]["sharded"]) == set(llama["sharded"]) | {
         "model.embed_tokens.weight", "lm_head.weight"}
@@ -139,6 +174,20 @@ def test_tp_sharded_the_planned_layers_and_kept_the_tie(runs):
     assert "model.layers.1.self_attn.q_proj.bias" in runs[0][("qwen2", "tp2")]["sharded"]
     bloom = runs[0][("bloom", "tp2")]
     assert "transformer.h.1.self_attention.query_key_value.weight" in bloom["sharded"] and bloom["tied"]
+    for r in runs:  # sequence parallelism cut the stream at the norms; the mixer's scan ran on all the tokens
+        for name in ("mamba", "falcon_mamba", "mamba2")[:3 if _mamba2_norm_per_group() else 2]:
+            T = batch(0)[0].shape[1]
+            assert r[(name, "tp2")]["tokens_seen"] == {"norm": T, "mixer.in_proj": T}
+            assert r[(name, "tp2_sp")]["tokens_seen"] == {"norm": T // 2, "mixer.in_proj": T}
+    for case in [("mamba", "tp2"), ("falcon_mamba", "tp2_sp")]:  # every per-channel part of the mixer (mamba.py)
+        mixer = "backbone.layers.1.mixer"
+        assert {f"{mixer}.{p}" for p in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight",
+                                         "dt_proj.weight", "dt_proj.bias", "A_log", "D", "out_proj.weight")} <= set(
+            runs[0][case]["sharded"]), case
+    if _mamba2_norm_per_group():  # Mamba 2: by heads and groups, the packed in_proj and conv1d row shards
+        parts = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
+                 "out_proj.weight")
+        assert {f"backbone.layers.1.mixer.{p}" for p in parts} <= set(runs[0][("mamba2", "tp2")]["sharded"])
 
 
 def test_the_lm_head_and_loss_are_vocabulary_parallel_where_the_plan_gathers_the_head(runs):
@@ -194,6 +243,18 @@ def test_heads_that_do_not_divide_name_the_sizes_that_work():
         _configure(hf.llama(), tp_size=4)
     with pytest.raises(ValueError, match=r"6 attention heads and 6 key/value heads.*\[1, 2, 3, 6\]"):
         _configure(hf.llama(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), tp_size=4)
+
+
+def test_mamba_sizes_tp_does_not_divide_name_the_sizes_that_work():
+    with pytest.raises(ValueError, match=r"intermediate_size=128 .*Mamba.*tp_size in \[1, 2, 4, 8, 16, 32, 64\]"):
+        _configure(MODELS["mamba"](), tp_size=3)
+    with pytest.raises(ValueError, match=r"FalconMambaForCausalLM has .*intermediate_size=99 .*\[1, 3, 9, 11, 33\]"):
+        _configure(_mamba("falcon_mamba", hidden_size=33, expand=3), tp_size=2)
+    with pytest.raises(ValueError, match=r"Mamba2ForCausalLM has config.n_groups=1 .*groups.*tp_size in \[1\]"):
+        _configure(_mamba("mamba2", n_groups=1), tp_size=2)
+    if not _mamba2_norm_per_group():  # transformers 5.5: the gated norm spans the whole width, refused by name
+        with pytest.raises(ValueError, match=r"mixer.norm \(MambaRMSNormGated\) normalizes over the mixer's whole"):
+            _configure(_mamba("mamba2"), tp_size=2)
 
 
 def test_unknown_and_unsupported_styles_are_named():

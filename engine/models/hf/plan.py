@@ -145,6 +145,11 @@ def head_counts(model: nn.Module) -> Tuple[Optional[int], Optional[int]]:
 
 def check_heads(model: nn.Module, tp: int) -> None:
     """Heads and key/value heads must both divide over ``tp`` ranks; the error names the sizes that work."""
+    divides = table_for(model).get("divides")
+    if divides:  # other sizes the built-in plan cuts (a Mamba mixer's channels)
+        from .mamba import check_mixers
+
+        check_mixers(model, tp, divides)
     heads, kv = head_counts(model)
     if heads is None or (heads % tp == 0 and kv % tp == 0):
         return

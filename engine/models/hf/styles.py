@@ -6,8 +6,8 @@ names and their meanings changed across releases (transformers' ``distributed/te
 we know is read here as torch's own ``ColwiseParallel``/``RowwiseParallel`` with the layouts it stands for,
 or as :mod:`.local_linear`'s styles where the module is a ``Conv1D`` (weight transposed) or packs parts,
 or :mod:`.grad_sum`'s for a whole module with partial gradients, or :mod:`.mla`'s for multi-head latent
-attention's key/value down-projection. Names we know but do not run yet (mixture-of-experts, fused row-packed
-weights) and
+attention's key/value down-projection, or :mod:`.mamba`'s for a Mamba block's mixer. Names we know but do not
+run yet (mixture-of-experts, fused row-packed weights) and
 names we do not know each raise a ``ValueError`` that names the style and the module.
 """
 
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from .grad_sum import ReplicatedGradSum
 from .local_linear import LocalColwise, LocalRowwise, is_conv1d
+from .mamba import Mamba2MixerParallel, MambaMixerParallel
 from .mla import MlaKvAProj
 from .multi_query import MultiQueryColwise
 
@@ -44,6 +45,10 @@ SUPPORTED = {
     "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
     "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa: kept whole, the gradient of its output's "
                      "rotary part (qk_rope_head_dim) summed over tp",
+    "mamba_mixer": "a Mamba block: its mixer's conv1d, dt_proj, A_log and D cut by inner channel, x_proj row-parallel "
+                   "(in_proj and out_proj take entries of their own: mamba.py)",
+    "mamba2_mixer": "a Mamba 2 block: its mixer cut by heads and groups, the packed in_proj and conv1d gathered "
+                    "whole each forward for the rank's rows (out_proj takes an entry of its own: mamba.py)",
 }
 _MOE = "; expert parallelism: issue 31"
 NOT_YET = {
@@ -102,6 +107,10 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
                              "qk_rope_head_dim, which this config does not name; pass HybridParallelPlugin("
                              "tp_plan={...}) without it")
         return MlaKvAProj(rope_dim)
+    if name == "mamba_mixer":
+        return MambaMixerParallel()
+    if name == "mamba2_mixer":
+        return Mamba2MixerParallel()
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
     if name in ("replicate", "sequence_parallel"):
         return None
@@ -138,8 +147,9 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
-        return None
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj", "mamba_mixer",
+                "mamba2_mixer"):
+        return None  # (a Mamba block's own parameters: none; its mixer's are cut inside, mamba.py)
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary
         return 1 if col else 0

@@ -10,6 +10,8 @@ sliced to the rank's heads (:mod:`.alibi`), and ``head_bias`` the modules handed
 families: the modules before the layer list (``pre``) and after it (``post``), each with what a stage that
 does not own it runs instead (:mod:`.pipeline`), and the task head (``head``); families with neither a
 ``base_model_pp_plan`` nor a ``pp`` entry get a layout read from their module tree (:mod:`.derive`).
+``divides`` names config sizes a tp cut must divide besides the heads (Mamba's
+``intermediate_size``: :func:`.mamba.check_mixers`).
 ``refuse_tp`` names why a family's blocks cannot be cut by a 1-D plan at all (the error says it), ``refuse_sp`` why
 its residual stream cannot be cut for sequence parallelism;
 ``refuse_if`` maps a config flag to what it switches on that the entry's plan cannot cut (or to ``(what, other
@@ -278,6 +280,35 @@ TABLES = {
         "head": {},
         "per_rank": {"encoder.layers.*.self_att.self_attention": ("num_heads",)},
         "head_bias": {"encoder.layers.*.self_att.self_attention": "position_bias"},
+    },
+    # Mamba: each block's mixer is cut by its inner channels (mamba.py): in_proj packs [x | gate], each half cut
+    # alike; conv1d, x_proj, dt_proj, A_log and D by the block's "mamba_mixer" (on the block, not its mixer: a
+    # mixer without a style of its own is a sequence-parallel region, closed by its row-parallel out_proj); the
+    # mixer's intermediate_size is one rank's share (the slow path's state is shaped by it); embeddings and the
+    # head stay whole (tied by default)
+    "mamba": {
+        "base": {
+            "layers.*": "mamba_mixer",
+            "layers.*.mixer.in_proj": ("packed_colwise", {"parts": 2}),
+            "layers.*.mixer.out_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.mixer": ("intermediate_size",)},
+        "divides": ("intermediate_size",),
+    },
+    # FalconMamba: Mamba's mixer plus weightless RMS norms over B, C and the step sizes, after x_proj's sum (whole)
+    "falcon_mamba": {"like": "mamba"},
+    # Mamba 2: each block's mixer cut by heads and groups (mamba.py): in_proj packs [gate | x | B | C | dt] and conv1d
+    # runs over [x | B | C], parts of unequal sizes, gathered whole each forward for the rank's rows; the gated norm
+    # normalizes per group, whole groups on a rank; out_proj row-parallel
+    "mamba2": {
+        "base": {
+            "layers.*": "mamba2_mixer",
+            "layers.*.mixer.out_proj": "rowwise",
+        },
+        "head": {},
+        "per_rank": {"layers.*.mixer": ("num_heads", "n_groups", "intermediate_size", "conv_dim")},
+        "divides": ("num_heads", "n_groups"),
     },
     # XLNet: its two-stream relative attention holds bare (d_model, heads, head_dim) parameters (q, k, v, o, r) and
     # per-head biases, no linear to cut: attention stays whole, the MLP is cut (as DeepSeek-V3's own plan does)
