@@ -42,8 +42,10 @@ SOFTCAP = 0.02
 MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "mistral": hf.mistral, "gpt2": hf.gpt2, "opt": hf.opt,
           # attention sinks (one learned logit per head; their gradient reaches them through ring / Ulysses)
           "gpt_oss": functools.partial(hf.from_config, "gpt_oss", layers=2, num_local_experts=4, num_experts_per_tok=2),
-          # logit soft-capping; a cap of SOFTCAP bends this tiny model's scores (the default 50 would not)
-          "gemma2": lambda: hf.from_config("gemma2", layers=2, attn_logit_softcapping=SOFTCAP)}
+          # logit soft-capping; a cap of SOFTCAP bends this tiny model's scores (the default 50 would not). Eager:
+          # transformers 5.5 defaults Gemma 2 to SDPA, which drops the cap (5.24 picks eager itself)
+          "gemma2": lambda: hf.from_config("gemma2", layers=2, attn_logit_softcapping=SOFTCAP,
+                                           attn_implementation="eager")}
 
 
 def _loss(model, s):
@@ -173,8 +175,15 @@ def runs():
 TP_CASES = [("llama", "ring"), ("llama", "ulysses"), ("gpt_oss", "ring")]  # with tp_size=2: cp2 x tp2 on 4 ranks
 
 
+def _no_tp_plan(name):
+    """transformers 5.5 (the floor) ships no tensor-parallel plan for GPT-OSS (5.24 cuts its embedding only)."""
+    with torch.device("meta"):
+        model = MODELS[name]()
+    return not (getattr(model, "tp_plan", None) or getattr(model.config, "base_model_tp_plan", None))
+
+
 def _all_tp(rank, world):
-    return {case: _train(*case, tp_size=2) for case in TP_CASES}
+    return {case: {"no_plan": True} if _no_tp_plan(case[0]) else _train(*case, tp_size=2) for case in TP_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +194,10 @@ def runs_tp():
 @pytest.mark.parametrize("case", TP_CASES, ids=["-".join(c) for c in TP_CASES])
 def test_cp_composes_with_tensor_parallelism(runs_tp, case):
     """Each tp rank's attention holds half the heads (Ulysses cuts those again over cp)."""
+    if runs_tp[0][case].get("no_plan"):
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} ships no tensor-parallel plan for {case[0]}")
     ref, ref_norms = _reference(case[0])
     for r in runs_tp:
         assert_follows(case, r[case]["losses"], r[case]["norms"], ref, ref_norms)
