@@ -18,6 +18,19 @@ positions); only attention needs the whole sequence, and gets it one of two ways
   sharded) sequence, and one all-to-all turns the output back; backward all-to-alls the gradient
   and the output to heads, and dq/dk/dv back. Needs ``cp`` to divide the heads.
 
+Both take two options of the attention itself (GPT-OSS's and Gemma 2's):
+
+* **attention sinks** (``sinks``: one logit per head, ``(H,)`` for the rank's heads, in every row's
+  softmax denominator with a zero value): no kernel change. Once the blocks are merged the sink is
+  folded into the lse, ``lse' = logaddexp(lse, sink_h)``, ``out' = out * exp(lse - lse')``; the
+  backward from ``(out', lse')`` is the ordinary flash backward (``exp(s - lse')`` is each real key's
+  probability, ``delta = rowsum(dO * out')``), and ``d sink_h = -sum_rows exp(sink_h - lse') * delta``
+  (the ring: over the rank's rows; Ulysses: over the whole sequence of the rank's heads, zeros for the
+  other heads; summed over the cp group, as every parameter's gradient is).
+* **logit soft-capping** (``softcap=c``: scores ``-> c * tanh(scores / c)``): passed to each block's
+  ``flash_attention_forward`` / ``_backward``, which take it on their fp32 reference path (explicit
+  scores: O(T^2) memory per block); merging by lse is unchanged.
+
 Built on: ``torch.distributed``'s collectives through the engine's one route, ``engine/comm.py``
 (``exchange``: ``batch_isend_irecv`` for the ring; ``all_to_all_single`` for Ulysses; ``all_gather``
 in :func:`gather_sequence`), which counts their bytes and times them, and our flash-attention dispatch
@@ -41,7 +54,7 @@ API (what ``HybridParallelPlugin(cp_size=, cp_mode=)`` wires)::
     cp.gather_sequence(x, group, mode, dim=1)            # all-gather + unshard (no autograd)
     cp.positions(T, cp_rank, cp_size, mode)              # global positions of the shard (rotary)
     cp.ring_attention(q, k, v, group, causal=True)       # (B, H, T/cp, D) shards in, shards out
-    cp.ulysses_attention(q, k, v, group, causal=True)
+    cp.ulysses_attention(q, k, v, group, causal=True)    # both also: sinks=(H,) logits, softcap=c
     cp.ContextParallel(group, mode)                      # a model's handle: .attention(q, k, v, causal),
                                                          # .positions(local_T, device), .shard(x, dim),
                                                          # .check_heads(h)
@@ -191,6 +204,21 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
+def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Fold per-head sink logits ``(H,)`` into a merged softmax: rescale ``out`` (fp32, in place) and
+    return ``lse' = logaddexp(lse, sink)``."""
+    new = torch.logaddexp(lse, sinks.detach().float().view(1, -1, 1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    return new
+
+
+def _sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``d sink_h = -sum over (batch, rows) of exp(sink_h - lse') * rowsum(dO * out')``, in ``sinks``' dtype."""
+    delta = (dout.float() * out.float()).sum(-1)  # (B, H, T)
+    p = torch.exp(sinks.detach().float().view(1, -1, 1) - lse.float())
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def _block_plan(step: int, rank: int, cp: int, causal: bool, c: int):
     """At ring step ``step`` (holding the K/V of rank ``(rank - step) % cp``): ``(q rows, kv rows,
     causal)`` of the block to compute, as slices of the local 2c rows (see the module docstring)."""
@@ -206,7 +234,7 @@ def _block_plan(step: int, rank: int, cp: int, causal: bool, c: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, backend, scale):
+    def forward(ctx, q, k, v, group, causal, backend, scale, sinks, softcap):
         from colossal_lab.kernels import flash_attention_forward
 
         rank, cp, nxt, prv = _peers(group)
@@ -223,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
                 (nk, nv), works = _exchange((cur_k, cur_v), (1, 2), nxt, prv, group, "ring_kv")
             rows, cols, blk_causal = _block_plan(step, rank, cp, causal, c)
             bo, bl = flash_attention_forward(q[:, :, rows], cur_k[:, :, cols], cur_v[:, :, cols],
-                                             causal=blk_causal, backend=backend, scale=scale)
+                                             causal=blk_causal, backend=backend, scale=scale, softcap=softcap)
             if step == 0:  # covers every row
                 out.copy_(bo)
                 lse.copy_(bl)
@@ -232,17 +260,19 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(works)
                 cur_k, cur_v = nk, nv
+        if sinks is not None:
+            lse = _fold_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.backend, ctx.scale = group, causal, backend, scale
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.group, ctx.causal, ctx.backend, ctx.scale, ctx.softcap = group, causal, backend, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         from colossal_lab.kernels import flash_attention_backward
 
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, backend, scale = ctx.group, ctx.causal, ctx.backend, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        group, causal, backend, scale, softcap = ctx.group, ctx.causal, ctx.backend, ctx.scale, ctx.softcap
         rank, cp, nxt, prv = _peers(group)
         dout = dout.contiguous()
         c = q.shape[2] // 2
@@ -255,7 +285,8 @@ class _RingAttention(torch.autograd.Function):
             rows, cols, blk_causal = _block_plan(step, rank, cp, causal, c)
             bq, bk, bv = flash_attention_backward(dout[:, :, rows], q[:, :, rows], cur_k[:, :, cols],
                                                   cur_v[:, :, cols], out[:, :, rows], lse[:, :, rows],
-                                                  causal=blk_causal, backend=backend, scale=scale)
+                                                  causal=blk_causal, backend=backend, scale=scale,
+                                                  softcap=softcap)
             dq[:, :, rows] += bq.float()
             if step == 0:  # the accumulators of our own block start here
                 dk, dv = bk.float(), bv.float()
@@ -272,30 +303,39 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:
             _wait(grad_works)
             dk, dv = grad_in
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = _sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[7] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks, None
 
 
-def _check_qkv(op: str, q, k, v) -> None:
+def _check_qkv(op: str, q, k, v, sinks=None, softcap=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{op}: {name} must be a 4-D (B, H, T/cp, D) shard, got "
                              f"{getattr(t, 'shape', type(t).__name__)}")
     if not (q.shape == k.shape == v.shape):
         raise ValueError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must have one shape")
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and tuple(sinks.shape) == (q.shape[1],)):
+        raise ValueError(f"{op}: sinks must be one logit per head of this rank's q, shape ({q.shape[1]},), got "
+                         f"{tuple(getattr(sinks, 'shape', ())) or type(sinks).__name__}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r} must be a positive number (scores -> softcap * tanh(scores / "
+                         "softcap)) or None")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
-                   backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
+                   backend: Optional[str] = None, scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                   softcap: Optional[float] = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's ``(B, H, T/cp, D)`` shards of q/k/v
     (zig-zag sharded when ``causal``: :func:`shard_sequence` with ``mode="ring"``); returns this
-    rank's shard of the output, differentiable. ``backend`` goes to the flash-attention dispatch."""
-    _check_qkv("ring_attention", q, k, v)
+    rank's shard of the output, differentiable. ``backend`` goes to the flash-attention dispatch.
+    ``sinks``: ``(H,)`` sink logits (differentiable); ``softcap``: logit soft-capping (module docstring)."""
+    _check_qkv("ring_attention", q, k, v, sinks, softcap)
     cp = dist.get_world_size(group)
     if causal and cp > 1 and q.shape[2] % 2:
         raise ValueError(f"ring_attention: a causal ring holds two zig-zag chunks per rank, but this shard has "
                          f"{q.shape[2]} tokens (odd); the sequence must be divisible by 2*cp={2 * cp}")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, causal, backend, scale)
+    return _RingAttention.apply(q, k, v, group, causal, backend, scale, sinks, softcap)
 
 
 # ---- Ulysses -----------------------------------------------------------------------------------
@@ -335,28 +375,45 @@ class _UlyssesAttention(torch.autograd.Function):
     all-to-all per backward; docs/hybrid.md, "Context parallelism")."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, backend, scale):
+    def forward(ctx, q, k, v, group, causal, backend, scale, sinks, softcap):
         from colossal_lab.kernels import flash_attention_forward
 
         cp = dist.get_world_size(group)
         qkv = _seq_to_heads(torch.stack((q, k, v)), group, cp)
-        o, lse = flash_attention_forward(qkv[0], qkv[1], qkv[2], causal=causal, backend=backend, scale=scale)
+        o, lse = flash_attention_forward(qkv[0], qkv[1], qkv[2], causal=causal, backend=backend, scale=scale,
+                                         softcap=softcap)
+        if sinks is not None:  # this rank's head group of the sinks
+            o32 = o.float()
+            lse = _fold_sinks(o32, lse.float(), _head_group(sinks, group, cp))
+            o = o32.to(o.dtype)
         y = _heads_to_seq(o.unsqueeze(0), group, cp)[0]
-        ctx.save_for_backward(qkv, lse, y)
-        ctx.group, ctx.causal, ctx.backend, ctx.scale = group, causal, backend, scale
+        ctx.save_for_backward(qkv, lse, y, sinks)
+        ctx.group, ctx.causal, ctx.backend, ctx.scale, ctx.softcap = group, causal, backend, scale, softcap
         return y
 
     @staticmethod
     def backward(ctx, dy):
         from colossal_lab.kernels import flash_attention_backward
 
-        qkv, lse, y = ctx.saved_tensors
+        qkv, lse, y, sinks = ctx.saved_tensors
         cp = dist.get_world_size(ctx.group)
         do_o = _seq_to_heads(torch.stack((dy, y)), ctx.group, cp)  # the gradient and the output, as heads
         grads = flash_attention_backward(do_o[0], qkv[0], qkv[1], qkv[2], do_o[1], lse, causal=ctx.causal,
-                                         backend=ctx.backend, scale=ctx.scale)
+                                         backend=ctx.backend, scale=ctx.scale, softcap=ctx.softcap)
         dq, dk, dv = _heads_to_seq(torch.stack(grads), ctx.group, cp)
-        return dq, dk, dv, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[7]:  # this rank's heads' share; zeros for the others
+            dsinks = torch.zeros_like(sinks)
+            mine = _head_group(sinks, ctx.group, cp)
+            _head_group(dsinks, ctx.group, cp).copy_(_sink_grad(do_o[0], do_o[1], lse, mine))
+        return dq, dk, dv, None, None, None, None, dsinks, None
+
+
+def _head_group(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """This rank's contiguous ``H/cp`` slice of a per-head ``(H,)`` tensor (a view): the heads
+    :func:`_seq_to_heads` hands it."""
+    n = x.shape[0] // cp
+    return x.narrow(0, dist.get_rank(group) * n, n)
 
 
 def _heads_ok(heads: int, cp: int, op: str) -> None:
@@ -367,19 +424,21 @@ def _heads_ok(heads: int, cp: int, op: str) -> None:
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,
-                      backend: Optional[str] = None, scale: Optional[float] = None) -> torch.Tensor:
+                      backend: Optional[str] = None, scale: Optional[float] = None,
+                      sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's contiguous ``(B, H, T/cp, D)`` shards:
     all-to-all to ``(B, H/cp, T, D)``, local flash attention, all-to-all back; differentiable.
-    ``ValueError`` before any communication when ``cp`` does not divide the heads."""
-    _check_qkv("ulysses_attention", q, k, v)
+    ``ValueError`` before any communication when ``cp`` does not divide the heads. ``sinks``,
+    ``softcap``: as :func:`ring_attention`'s."""
+    _check_qkv("ulysses_attention", q, k, v, sinks, softcap)
     cp = dist.get_world_size(group)
     _heads_ok(q.shape[1], cp, "ulysses_attention")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if cp == 1:
+    if cp == 1 and sinks is None and softcap is None:
         from colossal_lab.kernels import flash_attention
 
         return flash_attention(q, k, v, causal=causal, backend=backend, scale=scale)
-    return _UlyssesAttention.apply(q, k, v, group, causal, backend, scale)
+    return _UlyssesAttention.apply(q, k, v, group, causal, backend, scale, sinks, softcap)
 
 
 # ---- a model's handle, and the model contract's entry point ------------------------------------
@@ -387,7 +446,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
 class ContextParallel:
     """One model's context-parallel setting: ``group``, ``mode`` and this rank's place in it.
 
-    Callable as an attention function, ``cp(q, k, v, causal=True)`` (ring or Ulysses by ``mode``);
+    Callable as an attention function, ``cp(q, k, v, causal=True, scale=None, sinks=None, softcap=None)``
+    (ring or Ulysses by ``mode``);
     :meth:`positions` gives the global positions of a local shard's tokens. A deep copy of a model
     (a pipeline stage) shares the handle: it holds a process group, which is not copied."""
 
@@ -398,9 +458,10 @@ class ContextParallel:
         self._positions: Dict[tuple, torch.Tensor] = {}
         self._constants: Dict[tuple, torch.Tensor] = {}
 
-    def __call__(self, q, k, v, causal: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+    def __call__(self, q, k, v, causal: bool = True, scale: Optional[float] = None,
+                 sinks: Optional[torch.Tensor] = None, softcap: Optional[float] = None) -> torch.Tensor:
         fn = ring_attention if self.mode == "ring" else ulysses_attention
-        return fn(q, k, v, self.group, causal=causal, backend=self.backend, scale=scale)
+        return fn(q, k, v, self.group, causal=causal, backend=self.backend, scale=scale, sinks=sinks, softcap=softcap)
 
     attention = __call__
 

@@ -18,6 +18,11 @@ recomputes each block's gradient from the *whole* softmax's output and lse (a bl
 the gradient needs only those two, so the shares of all blocks sum to the whole's). Their torch
 path off CUDA is ATen's fused CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
 and its backward: O(T) memory, as SDPA), else the fp32 reference.
+
+Logit soft-capping (``softcap=c``: scores ``s -> c * tanh(s / c)`` before the softmax, Gemma 2's) is taken by
+the two halves on the fp32 reference path only, whatever the device: neither the Triton kernel nor ATen's CPU
+flash kernel can apply it. That path computes each call's ``(Tq, Tk)`` scores explicitly (O(Tq * Tk) memory
+per call: per ring block under context parallelism); its backward multiplies dS by ``1 - tanh^2``.
 """
 
 from __future__ import annotations
@@ -339,34 +344,53 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 _LN2 = math.log(2.0)
 
 
-def _reference_scores(q, k, causal, scale):
+def _reference_scores(q, k, causal, scale, softcap=None):
+    """``(scores, tanh)``: the scaled (and soft-capped) scores, masked with -inf above the diagonal when
+    ``causal``, and ``tanh(raw / softcap)`` unmasked (None without a cap) for the backward's ``1 - tanh^2``."""
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
     if causal:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~mask, float("-inf"))
-    return s
+    return s, t
 
 
-def attention_reference_lse(q, k, v, causal: bool = True, scale: Optional[float] = None):
-    """``(out, lse)`` of plain fp32 softmax attention; ``lse`` is ``(B, H, Tq)`` fp32, natural log."""
+def _check_softcap(op: str, softcap) -> None:
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r} must be a positive number (scores -> softcap * tanh(scores / "
+                         "softcap)) or None")
+
+
+def attention_reference_lse(q, k, v, causal: bool = True, scale: Optional[float] = None,
+                            softcap: Optional[float] = None):
+    """``(out, lse)`` of plain fp32 softmax attention; ``lse`` is ``(B, H, Tq)`` fp32, natural log.
+    ``softcap``: scores ``s -> softcap * tanh(s / softcap)`` before the softmax (after ``scale``)."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = _reference_scores(q, k, causal, scale)
+    s, _ = _reference_scores(q, k, causal, scale, softcap)
     lse = torch.logsumexp(s, dim=-1)
     o = torch.matmul(torch.exp(s - lse[..., None]), v.float())
     return o.to(q.dtype), lse
 
 
-def attention_backward_reference(do, q, k, v, o, lse, causal: bool = True, scale: Optional[float] = None):
+def attention_backward_reference(do, q, k, v, o, lse, causal: bool = True, scale: Optional[float] = None,
+                                 softcap: Optional[float] = None):
     """FlashAttention-2's backward in fp32 from a softmax's ``o`` and ``lse``: probabilities are
     recomputed as ``exp(s - lse)`` and ``delta = rowsum(do * o)``, so passing a larger softmax's
-    ``o``/``lse`` gives this key block's share of that softmax's gradient."""
+    ``o``/``lse`` gives this key block's share of that softmax's gradient. With ``softcap`` the
+    gradient of the capped scores is carried back through the cap: times ``1 - tanh^2(s / softcap)``."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    p = torch.exp(_reference_scores(q, k, causal, scale) - lse.float()[..., None])
+    s, t = _reference_scores(q, k, causal, scale, softcap)
+    p = torch.exp(s - lse.float()[..., None])
     dof = do.float()
     dv = torch.matmul(p.transpose(-2, -1), dof)
     dp = torch.matmul(dof, v.float().transpose(-2, -1))
     delta = (dof * o.float()).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
+    if t is not None:
+        ds = ds * (1 - t * t)
     dq = torch.matmul(ds, k.float())
     dk = torch.matmul(ds.transpose(-2, -1), q.float())
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -379,10 +403,14 @@ def _cpu_flash():
     return (fwd, bwd) if fwd is not None and bwd is not None else None
 
 
-def _lse_path(op: str, q, k, v, causal, backend) -> str:
-    """``"triton"``, ``"cpu_flash"`` or ``"reference"`` by the dispatch rule."""
+def _lse_path(op: str, q, k, v, causal, backend, softcap=None) -> str:
+    """``"triton"``, ``"cpu_flash"`` or ``"reference"`` by the dispatch rule; always ``"reference"`` with a
+    ``softcap`` (which neither kernel applies)."""
     check_backend(op, backend)
     _check(op, q, k, v, causal)
+    _check_softcap(op, softcap)
+    if softcap is not None:
+        return "reference"
     if choose(op, q, backend, _unsupported(q, k, v, causal)) == "triton":
         return "triton"
     if backend is None and q.device.type == "cpu" and _cpu_flash() is not None:
@@ -392,14 +420,16 @@ def _lse_path(op: str, q, k, v, causal, backend) -> str:
 
 @torch.no_grad()
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            backend: Optional[str] = None, scale: Optional[float] = None):
+                            backend: Optional[str] = None, scale: Optional[float] = None,
+                            softcap: Optional[float] = None):
     """``(out, lse)``: attention's output (``q``'s dtype) and each query row's log-sum-exp of its
     scaled scores, ``(B, H, Tq)`` fp32 (fp64 for fp64 inputs on the CPU flash path), natural log. No
     autograd graph: pair it with :func:`flash_attention_backward` inside your own
     ``autograd.Function`` (for a differentiable call use :func:`flash_attention`). Same dispatch,
     shapes and checks as ``flash_attention``; the torch path off CUDA is ATen's fused CPU flash
-    kernel, the fallback the fp32 reference."""
-    path = _lse_path("flash_attention_forward", q, k, v, causal, backend)
+    kernel, the fallback the fp32 reference. ``softcap`` (logit soft-capping) always takes the fp32
+    reference (O(Tq * Tk) memory)."""
+    path = _lse_path("flash_attention_forward", q, k, v, causal, backend, softcap)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if path == "triton":
         B, H, Tq, _ = q.shape
@@ -408,19 +438,20 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     if path == "cpu_flash":
         o, lse = _cpu_flash()[0](q, k, v, 0.0, causal, scale=scale)
         return o, lse if q.dtype == torch.float64 else lse.float()
-    return attention_reference_lse(q, k, v, causal, scale)
+    return attention_reference_lse(q, k, v, causal, scale, softcap)
 
 
 @torch.no_grad()
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              o: torch.Tensor, lse: torch.Tensor, causal: bool = True,
-                             backend: Optional[str] = None, scale: Optional[float] = None):
+                             backend: Optional[str] = None, scale: Optional[float] = None,
+                             softcap: Optional[float] = None):
     """``(dq, dk, dv)`` of attention of ``q`` over the keys ``k``/``v`` given the upstream gradient
     ``do`` and a softmax's ``o`` and ``lse`` (as :func:`flash_attention_forward` returns them). When
     ``k``/``v`` are one block of a longer key sequence and ``o``/``lse`` belong to the softmax over
     all of it, the result is that block's share of the whole gradient (``dq`` shares sum; ``dk``,
-    ``dv`` are the block's own): what ring attention needs."""
-    path = _lse_path("flash_attention_backward", q, k, v, causal, backend)
+    ``dv`` are the block's own): what ring attention needs. ``softcap`` as in :func:`flash_attention_forward`."""
+    path = _lse_path("flash_attention_backward", q, k, v, causal, backend, softcap)
     if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"flash_attention_backward: do {tuple(do.shape)} and o {tuple(o.shape)} must have q's "
                          f"shape {tuple(q.shape)}, lse {tuple(lse.shape)} must be {tuple(q.shape[:3])}")
@@ -433,4 +464,4 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if path == "cpu_flash":
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return _cpu_flash()[1](do, q, k, v, o, lse, 0.0, causal, scale=scale)
-    return attention_backward_reference(do, q, k, v, o, lse, causal, scale)
+    return attention_backward_reference(do, q, k, v, o, lse, causal, scale, softcap)

@@ -1,7 +1,8 @@
 """Context parallelism on real gloo processes (engine/context_parallel.py).
 
 At cp=2 and cp=4: ring attention (causal with zig-zag sharding, and non-causal) and Ulysses equal
-one process's attention, output and q/k/v gradients (fp32); a tiny GPT trained 5 steps with each
+one process's attention, output and q/k/v gradients (fp32), also with attention sinks (GPT-OSS's: and their
+gradient) and with logit soft-capping (Gemma 2's), each alone and both together; a tiny GPT trained 5 steps with each
 mode follows the one-process loss curve within 1e-4 relative and its gradients match per
 parameter at every step; bytes are counted at the collective calls (checked against the
 textbook volumes) and every collective wait becomes a ``comm`` span on the telemetry bus; bad
@@ -19,6 +20,14 @@ from support.dist import run_distributed
 B, H, T, D = 2, 4, 32, 16
 STEPS = 5
 CASES = (("ring", True), ("ring", False), ("ulysses", True))
+# attention options (sinks, softcap), each alone and together, under both modes (causal)
+SOFTCAP = 1.5  # small against _qkv's scores (|s| up to ~4), so the cap bends them
+OPTIONS = {"sinks": (True, None), "softcap": (False, SOFTCAP), "both": (True, SOFTCAP)}
+OPTION_CASES = [(mode, opt) for opt in OPTIONS for mode in ("ring", "ulysses")]
+
+
+def _sinks():
+    return torch.randn(H, generator=torch.Generator().manual_seed(3))
 
 
 def _qkv(dtype=torch.float32):
@@ -61,6 +70,15 @@ def _attention_cases(rank, world, cp, out):
         o = fn(*shards, None, causal=causal)
         o.backward(cp.shard_sequence(do, rank, world, mode, dim=2))
         out[(mode, causal)] = {"o": o.detach(), "grads": [s.grad for s in shards], "bytes": dict(cp.COMM.bytes)}
+    for mode, opt in OPTION_CASES:
+        fn = cp.ring_attention if mode == "ring" else cp.ulysses_attention
+        with_sinks, softcap = OPTIONS[opt]
+        sinks = _sinks().requires_grad_(True) if with_sinks else None
+        shards = [cp.shard_sequence(t, rank, world, mode, dim=2).clone().requires_grad_(True) for t in (q, k, v)]
+        o = fn(*shards, None, causal=True, sinks=sinks, softcap=softcap)
+        o.backward(cp.shard_sequence(do, rank, world, mode, dim=2))
+        out[(mode, opt)] = {"o": o.detach(), "grads": [s.grad for s in shards],
+                            "dsinks": sinks.grad if with_sinks else None}
     if world == 2:  # the ring's blocks through the Triton kernel (the CPU interpreter), fp16
         os.environ["TRITON_INTERPRET"] = "1"
         q, k, v, do = _qkv(torch.float16)
@@ -104,6 +122,8 @@ def _errors(rank, world, cp, out):
         "no_method": lambda: cp.apply_context_parallel(torch.nn.Linear(2, 2), None, "ring"),
         "mode": lambda: cp.apply_context_parallel(_gpt(), None, "zigzag"),
         "shard_batch": lambda: cp.shard_batch({"idx": torch.zeros(2, 4 * world + 2)}, None, "ring"),
+        "sinks": lambda: cp.ring_attention(*(torch.randn(1, 4, 4, 16),) * 3, None, sinks=torch.zeros(3)),
+        "softcap": lambda: cp.ulysses_attention(*(torch.randn(1, 4, 4, 16),) * 3, None, softcap=-1.0),
     }.items():
         try:
             call()
@@ -182,6 +202,41 @@ def _reference_attention(causal, dtype=torch.float32):
     return [o.detach()] + [t.grad for t in (q, k, v)]
 
 
+def _reference_options(with_sinks, softcap):
+    """Causal attention with sinks and/or soft-capping written out in float64 with autograd, as transformers'
+    eager GPT-OSS (a sink column concatenated to the scores, dropped after the softmax) and Gemma 2 (tanh cap)
+    write it: ``[out, dq, dk, dv, dsinks]``."""
+    q, k, v, do = (t.double().requires_grad_(True) for t in _qkv())
+    sinks = _sinks().double().requires_grad_(True)
+    s = q @ k.transpose(-2, -1) / D ** 0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    if with_sinks:
+        s = torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+    p = torch.softmax(s, dim=-1)[..., :T]
+    o = p @ v
+    o.backward(do.detach())
+    return [o.detach(), q.grad, k.grad, v.grad, sinks.grad if with_sinks else None]
+
+
+@pytest.mark.parametrize("mode,opt", OPTION_CASES)
+def test_attention_with_sinks_and_softcap_matches_one_process(run, mode, opt):
+    """Sinks fold into the merged lse (no kernel change); soft-capped blocks take the fp32 reference path.
+    d sinks: each rank's share (its rows under the ring, its heads under Ulysses) summed over the cp group."""
+    world, results = run
+    want = _reference_options(*OPTIONS[opt])
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        got = _whole(results, (mode, opt), mode, None if i == 0 else i - 1)
+        err = (got.double() - want[i]).abs().max().item()
+        assert err < 2e-6, f"cp={world} {mode} {opt}: {name} differs from one process by {err}"
+    if want[4] is not None:
+        got = sum(r[(mode, opt)]["dsinks"].double() for r in results)
+        assert want[4].abs().max() > 0.1  # the sinks' gradient is no rounding noise
+        err = (got - want[4]).abs().max().item()
+        assert err < 2e-6, f"cp={world} {mode} {opt}: dsinks differs from one process by {err}"
+
+
 @pytest.mark.parametrize("mode,causal", CASES)
 def test_attention_matches_one_process(run, mode, causal):
     world, results = run
@@ -243,6 +298,8 @@ def test_bad_input_rejected_before_any_work(run):
         assert "enable_context_parallel" in e["no_method"]
         assert "mode='zigzag'" in e["mode"]
         assert f"divisible by {2 * world}" in e["shard_batch"]
+        assert "sinks must be one logit per head" in e["sinks"] and "(4,)" in e["sinks"], e["sinks"]
+        assert "softcap=-1.0 must be a positive number" in e["softcap"], e["softcap"]
 
 
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])

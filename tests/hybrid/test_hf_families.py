@@ -62,8 +62,7 @@ FAMILIES = tuple(hf.FAMILY_FIELDS) + tuple(EXTRA)
 MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
          "cp2": dict(cp_size=2, cp_mode="ring"), "pp2": dict(pp_size=2, num_microbatches=2)}
 # what a config rules out, refused before any group: (family, mode) -> words of the error
-REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
-           ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
+REFUSED = {("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
            ("doge", "cp2"): "prepare_dynamic_mask",
            ("falcon", "cp2"): "AttentionInterface",
            ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back",

@@ -31,10 +31,14 @@ its ``shift_labels``; the model's own loss divides by the batch's target count o
 Refused before any work, naming the option: a model outside the registry, non-causal attention
 (encoders), token mixing outside attention (a causal ``nn.Conv1d``: state-space and linear-attention layers; a
 ``config.layer_types`` naming linear, hybrid, convolution or indexed-sparse layers),
-attention dropout, logit soft-capping, attention sinks, a sliding window shorter than the
-sequence, a cache (generation), an attention that adds a mask it computes from its values to its scores
-(``prepare_dynamic_mask``: the ring drops the mask it is handed), and Ulysses heads that do not divide over
-tp_size * cp_size.
+attention dropout, a sliding window shorter than the sequence, a cache (generation), an attention that adds a mask
+it computes from its values to its scores (``prepare_dynamic_mask``: the ring drops the mask it is handed), and
+Ulysses heads that do not divide over tp_size * cp_size.
+Attention sinks (``s_aux``: GPT-OSS, one logit per head of the module) and logit soft-capping (``softcap``: Gemma 2)
+go to the ring / Ulysses functions, which apply them (:mod:`...context_parallel`'s docstring; a soft-capped block
+takes the fp32 reference attention, O(T^2) memory per block). Under tp the sink vector must be one logit per query
+head the rank holds (GPT-OSS's plan leaves its attention whole, so it is the whole vector); one that is not is
+refused at the forward.
 transformers is imported only inside the functions that need it (an HF model exists).
 """
 
@@ -117,9 +121,6 @@ def check_context_parallel(model: nn.Module, plugin) -> None:
         raise ValueError(f"{where}: {name}'s attention adds a mask it computes from its values to the scores "
                          f"({dynamic} prepare_dynamic_mask: a learned bias per key), which ring / Ulysses attention "
                          "does not apply; set cp_size=1")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"{where}: config.attn_logit_softcapping={cfg.attn_logit_softcapping} is not applied by "
-                         "ring / Ulysses attention; set it to None or cp_size=1")
     if _var_keyword(model) is None:
         raise ValueError(f"{where}: {name}.forward takes no **kwargs, so the shard's shift_labels and "
                          "num_items_in_batch cannot reach its loss; set cp_size=1")
@@ -142,13 +143,16 @@ def _attention_function(handle):
     def attention(module, query, key, value, attention_mask, scaling: Optional[float] = None, dropout: float = 0.0,
                   sliding_window: Optional[int] = None, softcap: Optional[float] = None, **kwargs):
         whole = query.shape[2] * handle.size
-        if softcap is not None:
-            _refuse(handle, f"softcap={softcap} (logit soft-capping) is not applied by ring / Ulysses attention")
         if dropout:
             _refuse(handle, f"attention dropout={dropout} is not applied by ring / Ulysses attention; set the "
                             "config's attention dropout to 0.0")
-        if kwargs.get("s_aux") is not None:
-            _refuse(handle, "attention sinks (s_aux) are not applied by ring / Ulysses attention")
+        sinks = kwargs.get("s_aux")
+        if sinks is not None:
+            sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks
+            if tuple(sinks.shape) != (query.shape[1],):
+                _refuse(handle, f"{type(module).__name__}'s attention sinks (s_aux) have shape {tuple(sinks.shape)}, "
+                                f"not one logit per query head ({query.shape[1]}) of this rank; leave the attention's "
+                                "heads whole under tensor parallelism (tp_plan) or set cp_size=1")
         if sliding_window is not None and sliding_window < whole:
             _refuse(handle, f"sliding_window={sliding_window} is shorter than the sequence ({whole} tokens) and is "
                             "not applied by ring / Ulysses attention; use sequences of at most sliding_window tokens")
@@ -158,7 +162,7 @@ def _attention_function(handle):
         if key.shape[1] != query.shape[1]:  # grouped-query attention: every query head its key/value head
             rep = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-        out = handle(query, key, value, causal=True, scale=scaling)  # (B, H, T/cp, D)
+        out = handle(query, key, value, causal=True, scale=scaling, sinks=sinks, softcap=softcap)  # (B, H, T/cp, D)
         return out.transpose(1, 2), None
     return attention
 
