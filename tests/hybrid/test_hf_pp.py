@@ -223,9 +223,10 @@ def test_the_planner_chooses_among_hf_decoder_layers():
 
 # families beyond the trained ones, by their own base_model_pp_plan: learned or rotary positions, sliding
 # windows, an embedding dropout in the plan (GPT-NeoX, Phi), logits soft-capped (Gemma 2) or scaled (Cohere)
-# after the head, experts (Mixtral, Qwen2-MoE)
+# after the head, experts (Mixtral, Qwen2-MoE), a derived layout whose norm runs before and after the layers
+# (NanoChat: the first stage runs its first call, the last stage its last; the middle ones neither)
 FAMILIES = ["mistral", "gemma", "gemma2", "gemma3_text", "qwen3", "granite", "cohere", "olmo2", "starcoder2",
-            "gpt_neox", "phi", "mixtral", "qwen2_moe"]
+            "gpt_neox", "phi", "mixtral", "qwen2_moe", "nanochat"]
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -271,6 +272,15 @@ def test_a_family_without_a_pipeline_layout_is_refused():
     with pytest.raises(ValueError, match=r"model_type='xlm'.*no config.base_model_pp_plan.*4 lists of 4 blocks"
                                          r".*use pp_size=1"):
         _configure(hf.from_config("xlm", dff=128), pp_size=2, num_microbatches=2)
+    # a post module run between looped layers (Dory), or twice before the layers (XLNet's dropout: on the
+    # embeddings the first stage made and on the positions every stage remakes): no stage can tell its own call
+    with pytest.raises(ValueError, match=r"model_type='dory'.*'model.norm', registered after its layer list, runs "
+                                         r"\d times in its base forward, between the layers too"):
+        _configure(hf.from_config("dory"), pp_size=2, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"model_type='xlnet'.*'transformer.dropout'.* runs 3 times in its base "
+                                         r"forward, more than once before the layers"):
+        _configure(hf.from_config("xlnet", d_inner=128, d_head=16, max_position_embeddings=None), pp_size=2,
+                   num_microbatches=2)
 
 
 def test_bad_checkpoint_layers_and_padded_batches_are_refused():
