@@ -250,6 +250,30 @@ def test_stages_chained_compute_the_unsplit_model(model_type):
             assert torch.equal(h, ref), (model_type, n)
 
 
+@pytest.mark.parametrize("family", ["bloom", "bert"])
+def test_a_derived_layout_cuts_a_model_on_the_meta_device(family):
+    """BLOOM and BERT ship no pipeline plan: their layout is read from the module tree and checked by running a
+    layer-less stage, which on the meta device (the lazy path) gets storage for what little it holds. Stages cut
+    from the meta model, each given the real model's weights, chain to the real model's output."""
+    from colossal_lab.engine.lazy import is_lazy, materialize
+    from colossal_lab.engine.models.hf import pipeline_stage
+
+    build = getattr(hf, family)
+    real = build(layers=LAYERS).eval()
+    with torch.device("meta"):
+        meta = build(layers=LAYERS)
+    weights = real.state_dict()
+    x = _x(0)[:2, :16]
+    with torch.no_grad():
+        ref = real(input_ids=x).logits
+        h = x
+        for s in range(2):
+            stage = pipeline_stage(meta, s, 2)
+            assert is_lazy(stage)
+            h = materialize(stage, "cpu", state_dict_loader=weights.get).eval()(h)
+    assert torch.equal(h, ref), family
+
+
 # ---- bad input: refused before any process group exists -------------------------------------
 
 def _configure(model, **kw):

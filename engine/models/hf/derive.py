@@ -129,6 +129,26 @@ def _both_ends(model: nn.Module, lay, events: List[str]) -> Dict[str, str]:
     return out
 
 
+def _real(part: nn.Module) -> nn.Module:
+    """A layer-less middle stage of a model on the meta device (``lazy_init``, ``from_config`` under
+    ``torch.device("meta")``), given storage on the CPU: what is left of the model in it (rotary tables, a scale,
+    the stand-ins) is small, so the check costs no more than on a real model. Initialised by the model's own rule
+    (:func:`...lazy.materialize`), else zeros."""
+    from ...lazy import is_lazy, materialize
+
+    if not is_lazy(part):
+        return part
+    part.__dict__.pop("_lazy_memo", None)
+    try:
+        return materialize(part, "cpu")
+    except Exception:  # noqa: BLE001 - a family whose init rule needs more than the part holds
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in list(part.parameters()) + list(part.buffers()):
+                t.zero_()
+        return part
+
+
 def check(model: nn.Module, lay):
     """The derived layout ``lay``, checked (module docstring), with the form a stood-in layer must return
     (``returns``: the hidden states alone, a 1-tuple or a pair, for base forwards that take ``outputs[0]``);
@@ -142,16 +162,17 @@ def check(model: nn.Module, lay):
         return done[1]
     width = hidden_width(model)
     first = next((t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
-    if width is None or first is None or first.device.type == "meta":
+    if width is None or first is None:
         raise ValueError("its layout, read from the module tree, is checked by running the base forward once, "
-                         "which needs real weights and a hidden size in the config (build the model off the meta "
-                         "device, or add a 'pp' entry to engine/models/hf/tables.py)")
+                         "which needs a hidden size in the config and a floating-point parameter (or add a 'pp' "
+                         "entry to engine/models/hf/tables.py)")
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, 5, width, generator=g, dtype=first.dtype).to(first.device)
+    device = "cpu" if first.device.type == "meta" else first.device
+    x = torch.randn(2, 5, width, generator=g, dtype=first.dtype).to(device)
     seen = []
     for returns in (0, 1, 2):
         trial = dataclasses.replace(lay, returns=returns)
-        part = _cut(model, trial, keep=range(0), first=False, last=False)
+        part = _real(_cut(model, trial, keep=range(0), first=False, last=False))
         events: List[str] = []  # the order of the post modules' and the (stood-in) layers' calls
         for n in [n for n in lay.post if _has(part, n)] + [lay.layers + f".{i}" for i in range(len(
                 part.get_submodule(lay.layers)))]:
