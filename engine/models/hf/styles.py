@@ -44,6 +44,8 @@ SUPPORTED = {
     "replicated_with_grad_allreduce": "kept whole, its gradients summed over tp (per-head norms: Qwen3's q_norm)",
     "mla_kv_a_proj": "multi-head latent attention's kv_a_proj_with_mqa: kept whole, the gradient of its output's "
                      "rotary part (qk_rope_head_dim) summed over tp",
+    "local_params": "a module whose own bare parameters the plan shards (attention sinks, planned colwise: one "
+                    "value per head) reads them as this rank's shard (local_params.py)",
 }
 _MOE = "; expert parallelism: issue 31"
 NOT_YET = {
@@ -52,7 +54,6 @@ NOT_YET = {
     "gather": "mixture-of-experts output" + _MOE, "all_reduce": "mixture-of-experts output" + _MOE,
     "moe_tp_experts": "mixture-of-experts experts" + _MOE, "moe_identity_expert": "mixture-of-experts experts" + _MOE,
     "grouped_gemm": "mixture-of-experts experts" + _MOE, "ep_router": "mixture-of-experts router" + _MOE,
-    "local_params": "bare sharded parameters",
 }
 
 
@@ -103,8 +104,8 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
                              "tp_plan={...}) without it")
         return MlaKvAProj(rope_dim)
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
-    if name in ("replicate", "sequence_parallel"):
-        return None
+    if name in ("replicate", "sequence_parallel", "local_params"):  # local_params: plan.torch_plan joins it
+        return None                                                   # with its module's parameter entries
     if name == "replicated_with_grad_allreduce":
         return ReplicatedGradSum()
     if not (conv or emb or isinstance(module, nn.Linear)):
@@ -138,7 +139,7 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
 def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
-    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj"):
+    if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj", "local_params"):
         return None
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary
