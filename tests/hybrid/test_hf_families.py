@@ -10,9 +10,10 @@ scale), OLMo 2 (full-width q/k norms), Granite (multipliers), StarCoder2 (biases
 Helium and GLM; and three the sweep (``scripts/hf_sweep.py``) turned up: Doge (a bare per-head parameter in its
 attention, which its plan leaves whole: tp refused), CamemBERT as a decoder (positions counted from the token ids:
 cp2 counts them on the whole sequence; BERT's built-in tp plan, shared by structure, and a pipeline layout
-read from its module tree; sp refused: BERT-style blocks) and Qwen3-MoE (tp2 splits attention and keeps the
-experts whole on each tp rank; under sequence parallelism its MoE blocks run on each rank's shard of the
-tokens; cp2 and pp2 run). Two with built-in tables
+read from its module tree; under sp its blocks pair the region opening features with the sibling closing
+them, as do BERT's, RoBERTa's and pre-LN XLM-R-XL's, and BERT's with a padding mask) and Qwen3-MoE (tp2
+splits attention and keeps the experts whole on each tp rank; under sequence parallelism its MoE blocks run on
+each rank's shard of the tokens; cp2 and pp2 run). Two with built-in tables
 (engine/models/hf/tables.py) and layouts read from the module tree: Falcon (grouped query_key_value) and CTRL,
 whose derived layout is refused by its check (its base forward scales the hidden states and adds positions
 itself). Three the sweep could not build tiny before: DeepSeek-V3 and DeepSeek-V2 (multi-head latent attention;
@@ -64,7 +65,6 @@ MODES = {"tp2": dict(tp_size=2), "sp": dict(tp_size=2, sequence_parallel=True),
 REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("doge", "tp2"): "one value per attention head", ("doge", "sp"): "one value per attention head",
            ("doge", "cp2"): "prepare_dynamic_mask",
-           ("camembert", "sp"): "closes them outside itself",
            ("falcon", "cp2"): "AttentionInterface",
            ("ctrl", "sp"): "does not hand x back", ("ctrl", "pp2"): "does not hand x back",
            ("gpt_neo", "cp2"): "AttentionInterface",
@@ -74,25 +74,65 @@ REFUSED = {("gemma2", "cp2"): "attn_logit_softcapping",
            ("xlnet", "sp"): "does not hold", ("xlnet", "cp2"): "AttentionInterface", ("xlnet", "pp2"): "does not hold"}
 # MoE blocks on the sequence shard (engine/models/hf/sequence.py): Qwen2-MoE's shared expert (cut by the plan,
 # fed the tokens flattened to (B*T, C)) and its whole shared_expert_gate; Mixtral's plain router and experts
+# BERT-style blocks (sequence.py pairs the region that opens features with the sibling that closes them and
+# adds the residual): BERT and RoBERTa post-LN, XLM-R-XL pre-LN (its LayerNorm inside attention), as decoders;
+# "bert-padded": BERT with a padding mask (its first row's first tokens), which the base forward builds whole
+_BERT = dict(is_decoder=True, num_key_value_heads=None, head_dim=None, hidden_dropout_prob=0.0,
+             attention_probs_dropout_prob=0.0)
 SP_ONLY = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=64),
-           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+           "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "bert": _BERT, "roberta": _BERT, "xlm-roberta-xl": _BERT, "bert-padded": _BERT}
 EXTRA.update(SP_ONLY)
 CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY]
+# under sp each rank's norms see its shard of the tokens: their weights after the steps equal one process's only
+# with their gradients summed over tp (a pre-LN norm's share of the gradient norm is too small for the curve)
+NORM_WEIGHTS = ("bert", "roberta", "xlm-roberta-xl", "bert-padded")
+PAD = 5  # padded (masked, unlabelled) tokens at the start of the first row of each "bert-padded" batch
 
 
-def _loop(model, opt, booster=None, pipelined=False):
+def _loop(family, model, opt, booster=None, pipelined=False):
+    if family == "bert-padded":
+        return _padded_loop(model, opt, booster)
     return hf.family_loop(model, opt, booster, steps=STEPS, clip=CLIP, rows=ROWS, length=T, pipelined=pipelined)
 
 
+def _padded_loop(model, opt, booster=None):
+    """hf.family_loop's steps with an attention mask: the first ``PAD`` tokens of the first row masked out and
+    unlabelled, so every later token's attention (and the loss) depends on the mask being applied."""
+    losses, norms = [], []
+    for s in range(STEPS):
+        x = hf.stream(s, ROWS, T)
+        mask = torch.ones_like(x)
+        mask[0, :PAD] = 0
+        loss = model(input_ids=x, attention_mask=mask, labels=x.masked_fill(mask == 0, -100)).loss
+        (booster.backward(loss, opt) if booster else loss.backward())
+        norm = (booster.clip_grad_by_norm(opt, CLIP) if booster
+                else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())  # tp: the same loss on every rank
+        norms.append(float(norm))
+    return losses, norms
+
+
 def _build(family):
+    if family == "bert-padded":
+        return hf.from_config("bert", **EXTRA[family])
     return hf.from_config(family, **EXTRA.get(family, {}))
+
+
+def _norm_weights(family, params):
+    """The norms' weights and biases by name (whole on every tp rank; ``params()`` lists them), for the families
+    of ``NORM_WEIGHTS``."""
+    return {n: p.detach().clone() for n, p in params() if "norm" in n.lower()} if family in NORM_WEIGHTS else {}
 
 
 @functools.lru_cache(maxsize=None)  # seeded model, fixed batches: the same curve for every mode of a family
 def _reference(family, lr=LR):
     model = _build(family)
-    return _loop(model, torch.optim.SGD(model.parameters(), lr=lr))
+    curve = _loop(family, model, torch.optim.SGD(model.parameters(), lr=lr))
+    return (*curve, _norm_weights(family, model.named_parameters))
 
 
 def _train(family, mode):
@@ -107,9 +147,10 @@ def _train(family, mode):
         model, opt, *_ = booster.boost(model, opt)
     except ValueError as e:
         return {"refused": str(e)}
-    losses, norms = _loop(model, opt, booster, pipelined=mode == "pp2")
+    losses, norms = _loop(family, model, opt, booster, pipelined=mode == "pp2")
+    weights = _norm_weights(family, model.named_model_parameters)
     plugin.close()
-    return {"losses": losses, "norms": norms}
+    return {"losses": losses, "norms": norms, "weights": weights}
 
 
 # multi-query attention's packed q | k | v (multi_query.py): stored as a row shard, checkpointed whole
@@ -190,9 +231,9 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         for r in runs:
             assert want in r[case].get("refused", ""), (case, r[case])
         return
-    ref, ref_norms = _reference(case[0])
+    ref, ref_norms, ref_weights = _reference(case[0])
     assert min(ref_norms) > CLIP  # the clip acted every step, so a wrong norm would move the curve
-    frozen, frozen_norms = _reference(case[0], lr=0.0)
+    frozen, frozen_norms, _ = _reference(case[0], lr=0.0)
     # the steps moved the curve beyond the tolerance: a rank that did not update fails
     assert frozen != pytest.approx(ref, rel=1e-4) or frozen_norms != pytest.approx(ref_norms, rel=1e-4)
     for r in runs:
@@ -200,6 +241,10 @@ def test_family_follows_its_single_process_curve_or_is_refused(runs, case):
         assert "refused" not in got, (case, got.get("refused"))
         losses = [v if v is not None else w for v, w in zip(got["losses"], ref)]  # pp: the other stage's rank
         assert_follows(case, losses, got["norms"], ref, ref_norms)
+        assert got["weights"].keys() == ref_weights.keys(), (case, sorted(got["weights"]))
+        for name, want in ref_weights.items():
+            torch.testing.assert_close(got["weights"][name], want, rtol=0, atol=1e-5,
+                                       msg=lambda m, name=name: f"{case} {name}: {m}")
     assert any(v is not None for r in runs for v in r[case]["losses"])  # some rank computed the loss
 
 
@@ -236,7 +281,7 @@ def _configure_error(model, **kw) -> str:
 def test_layouts_the_sweep_found_are_refused_before_any_group():
     """What scripts/hf_sweep.py found crashing or hanging, now refused by name before any group: a decoder
     layer reading the token ids under a pipeline (DeepSeek-V4's hash routing), a causal convolution outside
-    attention under cp (a Mamba hybrid), BERT-style blocks under sequence parallelism."""
+    attention under cp (a Mamba hybrid), a region opening features no sibling closes under sequence parallelism."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if "deepseek_v4" in CONFIG_MAPPING:  # not in the floor release (5.5)
@@ -247,8 +292,10 @@ def test_layouts_the_sweep_found_are_refused_before_any_group():
     msg = _configure_error(hf.from_config("granitemoehybrid", num_local_experts=4, num_experts_per_tok=2),
                            cp_size=2, cp_mode="ring")
     assert "mixes tokens outside attention" in msg and "cp_size=1" in msg, msg
-    msg = _configure_error(hf.bert(is_decoder=True), tp_size=2, sequence_parallel=True)
-    assert "intermediate" in msg and "sequence_parallel=False" in msg, msg
+    # a region that opens features (column layers) with no sibling after it to close them: nothing to pair it with
+    plan = {"bert.encoder.layer.*.intermediate.dense": "colwise"}
+    msg = _configure_error(hf.bert(), tp_size=2, tp_plan=plan, sequence_parallel=True)
+    assert "intermediate" in msg and "no later sibling closes" in msg and "sequence_parallel=False" in msg, msg
 
 
 def test_blocks_the_built_in_plans_cannot_cut_are_refused_before_any_group():

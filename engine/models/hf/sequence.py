@@ -22,7 +22,15 @@ class holding only 1-D parameters). For each direct child of a decoder layer:
   its row layer's all-reduce: the block may hand it the tokens flattened, where ``Shard(1)`` would cut features).
   What is not per-token (capacity, router statistics, expert parallelism) is refused in :func:`.moe.check`;
 * a bare column-parallel layer (OPT's ``fc1``) gathers on entry, a bare row-parallel one (``fc2``) cuts
-  its output; parameter-free children (dropouts, activations) run on what they are handed.
+  its output; parameter-free children (dropouts, activations) run on what they are handed;
+* a region that opens features without closing them (BERT's ``intermediate``: column layers, no row layer)
+  gathers the whole sequence on entry and hands its feature shard on; the sibling after it that closes them
+  (BERT's ``output``: row layers, no column layer, the residual handed in) has its row layers reduce-scatter to
+  the shard (``Shard(1)``), so its dropout, residual add (the shard its parent was handed) and norm run on the
+  shard, the norm's gradient summed over tp. This is Megatron's own BERT layout. A region that closes its
+  features in a child module of its own (BERT's ``attention``: ``self`` opens, ``output`` closes and adds the
+  residual; XLM-R-XL's and Megatron-BERT's also hold their pre-norm) has its children walked as a layer's are.
+  An opening or closing region without its pair among its siblings is refused, by name, before any group.
 
 The embedding output stays whole, so the base model's code before the layers (position ids, rotary
 tables, the causal mask) sees the whole sequence; the first layer cuts it, the last gathers its output
@@ -145,24 +153,92 @@ def _all_torch_styles(region: nn.Module, name: str, styles: Dict[str, object]) -
     return True
 
 
-def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> None:
-    """A region that shards features (a column-parallel layer) must end them with a row-parallel one: its
-    output is then whole features, which the walk cuts along the tokens. One whose output stays feature-sharded
-    (BERT's ``intermediate``, closed in the next sibling, which also adds the residual inside itself) cannot be
-    cut along the tokens here: refused, before any forward."""
+def _opens(inner: Dict[str, object]) -> List[str]:
+    """The layers among ``inner`` (name -> style) whose output is feature-sharded (column-parallel, not gathered)."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from .local_linear import LocalColwise, LocalRowwise
+    from .local_linear import LocalColwise
 
-    inner = {n: s for n, s in styles.items() if n.startswith(name + ".")}
-    opens = [n for n, s in inner.items() if isinstance(s, ColwiseParallel) and not
-             any(isinstance(p, Replicate) for p in s.output_layouts) or isinstance(s, LocalColwise) and not s.gather]
-    if opens and not any(isinstance(s, (RowwiseParallel, LocalRowwise)) for s in inner.values()):
+    return [n for n, s in inner.items() if isinstance(s, ColwiseParallel) and not
+            any(isinstance(p, Replicate) for p in s.output_layouts) or isinstance(s, LocalColwise) and not s.gather]
+
+
+def _closes(inner: Dict[str, object]) -> List[str]:
+    """The layers among ``inner`` that take feature-sharded input and hand out whole features (row-parallel)."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from .local_linear import LocalRowwise
+
+    return [n for n, s in inner.items() if isinstance(s, (RowwiseParallel, LocalRowwise))]
+
+
+def _inner(name: str, styles: Dict[str, object]) -> Dict[str, object]:
+    return {n: s for n, s in styles.items() if n.startswith(name + ".")}
+
+
+def _kind(name: str, styles: Dict[str, object]) -> str:
+    """What a region does to features: ``"closed"`` (opens and closes them inside itself: whole features out),
+    ``"opens"`` (its output stays feature-sharded: BERT's ``intermediate``, ``attention.self``), ``"closes"``
+    (its input is feature-sharded, its output whole: BERT's ``output``, ``attention.output``) or ``"whole"``."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
+    inner = _inner(name, styles)
+    opens, closes = bool(_opens(inner)), bool(_closes(inner))
+    if opens:
+        return "closed" if closes else "opens"
+    # closing only where nothing else in it is cut (Phi-3's attention: a packed q|k|v style of its own, then o_proj,
+    # is closed; it is run as one region)
+    only_rows = all(isinstance(s, (RowwiseParallel, ReplicatedGradSum)) for s in inner.values())
+    return "closes" if closes and only_rows else "whole"
+
+
+def _check_closed(region: nn.Module, name: str, styles: Dict[str, object]) -> None:
+    """A region that shards features (a column-parallel layer) and is run as one piece must end them with a
+    row-parallel one: its output is then whole features, which the walk cuts along the tokens. One whose output
+    stays feature-sharded is closed in a sibling, which the walk pairs it with (:func:`_walk`); where it is run as
+    one piece (inside an MoE block) it cannot be cut: refused, before any forward."""
+    opens = _opens(_inner(name, styles))
+    if opens and not _closes(_inner(name, styles)):
         raise ValueError(f"HybridParallelPlugin(sequence_parallel=True): {name} ({type(region).__name__}) shards "
                          f"features ({opens}) but closes them outside itself, so its output cannot be cut along "
-                         "the sequence (a post-norm layer with the residual inside its blocks, BERT-style); set "
-                         "sequence_parallel=False")
+                         "the sequence; set sequence_parallel=False")
+
+
+def _splits(region: nn.Module, name: str, styles: Dict[str, object]) -> bool:
+    """Whether a closed region closes its features in a child module of its own (not a bare layer): BERT's
+    ``attention``, whose ``output`` runs the row layer, then dropout and LayerNorm(x + the residual the region
+    was handed). Its children are then walked as a layer's are, so the residual it receives is the shard."""
+    return any(styles.get(f"{name}.{c}") is None and _kind(f"{name}.{c}", styles) == "closes"
+               for c, _ in region.named_children())
+
+
+def _refuse(name: str, region: nn.Module, why: str):
+    return ValueError(f"HybridParallelPlugin(sequence_parallel=True): {name} ({type(region).__name__}) {why}, so "
+                      "the sequence cannot be cut around it; set sequence_parallel=False")
+
+
+def _close_on_shard(region: nn.Module, name: str, styles: Dict[str, object]) -> None:
+    """A region closing features a sibling opened (BERT's ``output``): its row-parallel layers reduce-scatter to
+    the shard, so what follows them inside it (dropout, the residual add with the shard its parent was handed,
+    a norm) runs on the shard; its norms' gradients are summed over tp, as a layer's norms' are."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
+    for sub, mod in region.named_modules(prefix=name):
+        style = styles.get(sub)
+        if isinstance(style, RowwiseParallel):
+            styles[sub] = _rowwise_to_shard(style)
+        elif style is None and is_norm(mod):
+            styles[sub] = ReplicatedGradSum()
+        elif style is not None and not isinstance(style, ReplicatedGradSum) or \
+                style is None and any(True for _ in mod.parameters(recurse=False)):
+            raise _refuse(name, region, f"closes features a sibling opened, but holds {sub} "
+                          f"({type(mod).__name__}, {type(style).__name__ if style else 'no tp style'}), which is "
+                          "neither torch's row-parallel layer nor a norm")
 
 
 def _experts_inside(model: nn.Module) -> List[str]:
@@ -204,25 +280,80 @@ def _per_token_block(block: nn.Module, name: str, styles: Dict[str, object], tp_
     return hooks
 
 
-def check_regions(model: nn.Module, styles: Dict[str, object]) -> None:
-    """:func:`_check_closed` on every region of every layer, before any process group (``styles``: the torch
-    plan, module name -> style)."""
-    from .pipeline import _layout_or_raise
+def _only_columns(region: nn.Module, name: str, styles: Dict[str, object]) -> bool:
+    """Whether every module of an opening region holding parameters is a torch column (or a norm the plan styles,
+    fed by them): then the gathered hidden states reach only those layers, as a DTensor. A norm of its own before
+    them (RoBERTa-PreLayerNorm's ``intermediate.LayerNorm``) takes a local tensor: it then runs on the whole
+    sequence, its input gradient all-reduced by the columns, its weight's gradient whole on every rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    lay = _layout_or_raise(model)
-    for idx, layer in model.get_submodule(lay.layers).named_children():
-        for child_name, child in layer.named_children():
-            name = f"{lay.layers}.{idx}.{child_name}"
-            if not is_norm(child) and styles.get(name) is None and any(True for _ in child.parameters()):
-                _check_closed(child, name, styles)
+    from .grad_sum import ReplicatedGradSum
+
+    return all(isinstance(styles.get(sub), (ColwiseParallel, ReplicatedGradSum))
+               for sub, mod in region.named_modules(prefix=name) if any(True for _ in mod.parameters(recurse=False)))
+
+
+def _walk(parent: nn.Module, prefix: str, styles: Dict[str, object], tp_mesh, experts: List[str]) -> List[tuple]:
+    """The hooks (and style rewrites) for the children of ``parent`` (a decoder layer, or a region that closes its
+    features in a child of its own, :func:`_splits`), handed this rank's shard of the tokens. A region that opens
+    features (column layers, no row layer) gathers the whole sequence on entry and hands its feature shard on; the
+    next sibling that closes them (row layers, no column layer) reduce-scatters to the shard inside itself; each
+    must have its pair among the siblings (in the order the parent registers them), or it is refused."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .grad_sum import ReplicatedGradSum
+
+    hooks: List[tuple] = []
+    opened = None  # the opening region whose features are not closed yet
+    for child_name, child in parent.named_children():
+        name = f"{prefix}.{child_name}"
+        own = styles.get(name)
+        kind = _kind(name, styles) if own is None else None
+        if _holds(name, experts):  # an MoE block: per token, on the shard
+            hooks += _per_token_block(child, name, styles, tp_mesh)
+        elif is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
+            styles[name] = ReplicatedGradSum()
+        elif own is not None and "Rowwise" in type(own).__name__:  # closes a region a sibling opened
+            hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
+        elif own is not None:  # opens a region (a bare column-parallel layer): whole sequence in
+            hooks.append((child, "pre", _OnInput(tp_mesh, True, name, isinstance(own, ColwiseParallel))))
+        elif not any(True for _ in child.parameters()):
+            continue
+        elif kind == "closed" and _splits(child, name, styles):  # BERT's attention: closes in a child of its own
+            hooks += _walk(child, name, styles, tp_mesh, experts)
+        elif kind == "opens":  # whole sequence in, a feature shard out to the sibling that closes it
+            if opened:
+                raise _refuse(opened, parent.get_submodule(opened[len(prefix) + 1:]),
+                              f"shards features that {name} opens again before a sibling closes them")
+            opened = name
+            hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _only_columns(child, name, styles))))
+        elif kind == "closes":  # reduce-scatters to the shard; the residual it adds is the shard its parent holds
+            if not opened:
+                raise _refuse(name, child, "takes feature-sharded input that no sibling before it opens")
+            opened = None
+            _close_on_shard(child, name, styles)
+        else:  # a region: whole sequence in
+            hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _all_torch_styles(child, name, styles))))
+            closers = [n for n, s in styles.items() if n.startswith(name + ".") and isinstance(s, RowwiseParallel)]
+            for n in closers:
+                styles[n] = _rowwise_to_shard(styles[n])
+            if not closers:  # left whole by the plan, or closed by another style: cut its whole output
+                hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
+    if opened:
+        raise _refuse(opened, parent.get_submodule(opened[len(prefix) + 1:]),
+                      "shards features that no later sibling closes")
+    return hooks
+
+
+def check_regions(model: nn.Module, styles: Dict[str, object]) -> None:
+    """The walk of :func:`sequence_parallel_plan` on a copy of ``styles`` (the torch plan, module name -> style),
+    before any process group: what it cannot pair or cut is refused here, by name."""
+    sequence_parallel_plan(model, dict(styles), None)
 
 
 def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh) -> List[tuple]:
     """Rewrite ``styles`` (module name -> torch style, before ``parallelize_module``) for sequence
     parallelism and return the hooks to register: ``[(module, "pre" | "post", hook)]``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from .grad_sum import ReplicatedGradSum
     from .pipeline import _layout_or_raise
 
     lay = _layout_or_raise(model)
@@ -236,25 +367,7 @@ def sequence_parallel_plan(model: nn.Module, styles: Dict[str, object], tp_mesh)
         prefix = f"{lay.layers}.{idx}"
         if i == 0:  # the whole embedding output, cut to this rank's shard
             hooks.append((layer, "pre", _OnInput(tp_mesh, False, f"{prefix}'s input")))
-        for child_name, child in layer.named_children():
-            name = f"{prefix}.{child_name}"
-            own = styles.get(name)
-            if _holds(name, experts):  # an MoE block: per token, on the shard
-                hooks += _per_token_block(child, name, styles, tp_mesh)
-            elif is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
-                styles[name] = ReplicatedGradSum()
-            elif own is not None and "Rowwise" in type(own).__name__:  # closes a region a sibling opened
-                hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
-            elif own is not None:  # opens a region (a bare column-parallel layer): whole sequence in
-                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, isinstance(own, ColwiseParallel))))
-            elif any(True for _ in child.parameters()):  # a region: whole sequence in
-                hooks.append((child, "pre", _OnInput(tp_mesh, True, name, _all_torch_styles(child, name, styles))))
-                _check_closed(child, name, styles)
-                closers = [n for n, s in styles.items() if n.startswith(name + ".") and isinstance(s, RowwiseParallel)]
-                for n in closers:
-                    styles[n] = _rowwise_to_shard(styles[n])
-                if not closers:  # left whole by the plan, or closed by another style: cut its whole output
-                    hooks.append((child, "post", _OnOutput(tp_mesh, False, name)))
+        hooks += _walk(layer, prefix, styles, tp_mesh, experts)
     if layers:  # the base model's code after the layers (final norm, reshapes) sees the whole sequence
         hooks.append((layers[-1][1], "post", _OnOutput(tp_mesh, True, f"{lay.layers}.{layers[-1][0]}'s output")))
     if not last:  # what the next stage receives: this rank's shard
