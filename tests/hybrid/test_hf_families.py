@@ -45,6 +45,7 @@ pytest.importorskip("transformers")
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import assert_follows  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 STEPS, LR, CLIP, ROWS, T = 3, 3.0, 0.1, 2, 16  # each step moves the weights by LR * CLIP = 0.3 in norm
 # families the sweep first built tiny in its third session, with the fields hf.from_config's defaults miss:
@@ -84,7 +85,11 @@ SP_ONLY = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermedi
            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
            "bert": _BERT, "roberta": _BERT, "xlm-roberta-xl": _BERT, "bert-padded": _BERT}
 EXTRA.update(SP_ONLY)
-CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY]
+# attention sinks planned colwise on a module planned local_params (local_params.py): Granite-SWA under tp2 and sp;
+# a derived layout whose norm runs before and after the layers (pipeline.BothEnds): NanoChat under pp2 and sp
+SOME_MODES = {"granite_swa": ("tp2", "sp"), "nanochat": ("pp2", "sp")}
+CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY] + \
+    [(f, m) for f, modes in SOME_MODES.items() if f in CONFIG_MAPPING for m in modes]  # (5.5 lacks Granite-SWA)
 # under sp each rank's norms see its shard of the tokens: their weights after the steps equal one process's only
 # with their gradients summed over tp (a pre-LN norm's share of the gradient norm is too small for the curve)
 NORM_WEIGHTS = ("bert", "roberta", "xlm-roberta-xl", "bert-padded")
@@ -119,7 +124,13 @@ def _padded_loop(model, opt, booster=None):
 def _build(family):
     if family == "bert-padded":
         return hf.from_config("bert", **EXTRA[family])
-    return hf.from_config(family, **EXTRA.get(family, {}))
+    model = hf.from_config(family, **EXTRA.get(family, {}))
+    g = torch.Generator().manual_seed(hf.SEED)
+    with torch.no_grad():  # sinks start at zero, alike for every head: a rank reading the wrong heads' would pass
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(2 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def _norm_weights(family, params):
@@ -336,3 +347,17 @@ def test_layers_reading_what_a_stage_lacks_or_features_tp_cuts_are_refused_befor
     check_tensor_parallel(hf.from_config("gemma3n_text", activation_sparsity_pattern=[0.0] * 4, **sparse),
                           HybridParallelPlugin(tp_size=2))
     assert not dist.is_initialized()
+
+
+def test_hyper_connection_streams_are_refused_under_sequence_parallelism_before_any_group():
+    """HY-V4's layers pass ``config.hc_mult`` streams between them, which its base forward widens and folds on the
+    whole sequence (the sweep saw sp crash on a shape). The check reads the config alone: a Llama told it has four
+    streams is refused by name; with one it is not."""
+    from colossal_lab.engine.models.hf import check_sequence_parallel
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    model = hf.llama()
+    check_sequence_parallel(model, HybridParallelPlugin(tp_size=2, sequence_parallel=True))
+    model.config.hc_mult = 4
+    msg = _configure_error(model, tp_size=2, sequence_parallel=True)
+    assert "hc_mult=4" in msg and "sequence_parallel=False" in msg, msg

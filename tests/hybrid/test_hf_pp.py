@@ -298,9 +298,12 @@ def test_a_family_without_a_pipeline_layout_is_refused():
         _configure(hf.from_config("xlm", dff=128), pp_size=2, num_microbatches=2)
     # a post module run between looped layers (Dory), or twice before the layers (XLNet's dropout: on the
     # embeddings the first stage made and on the positions every stage remakes): no stage can tell its own call
-    with pytest.raises(ValueError, match=r"model_type='dory'.*'model.norm', registered after its layer list, runs "
-                                         r"\d times in its base forward, between the layers too"):
-        _configure(hf.from_config("dory"), pp_size=2, num_microbatches=2)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "dory" in CONFIG_MAPPING:  # not in the floor release (5.5)
+        with pytest.raises(ValueError, match=r"model_type='dory'.*'model.norm', registered after its layer list, "
+                                             r"runs \d times in its base forward, between the layers too"):
+            _configure(hf.from_config("dory"), pp_size=2, num_microbatches=2)
     with pytest.raises(ValueError, match=r"model_type='xlnet'.*'transformer.dropout'.* runs 3 times in its base "
                                          r"forward, more than once before the layers"):
         _configure(hf.from_config("xlnet", d_inner=128, d_head=16, max_position_embeddings=None), pp_size=2,
