@@ -219,6 +219,7 @@ def _release_refusal(case):
     """What the installed transformers lacks for the case, as the refusal the engine then gives (words of it), or
     None. The floor (5.5) has no expert-parallel plan to tell MoE experts by (the plan's moe_tp_experts style is
     named), ships no tp plan for GPT-J, and has CTRL and GPT-J bypass the attention registry; 5.24 has all three."""
+    from colossal_lab.engine.models.hf.context import dispatches_attention
     from colossal_lab.engine.models.hf.moe import ep_plan
     from colossal_lab.engine.models.hf.plan import read_plan
 
@@ -229,7 +230,7 @@ def _release_refusal(case):
     # Qwen2-MoE's 5.5 plan names no experts (its experts a list of plain MLPs): it runs there as a dense model
     if mode in ("tp2", "sp") and not ep_plan(model) and "moe_tp_experts" in map(str, read_plan(model)[0].values()):
         return "'moe_tp_experts'"
-    if mode == "cp2" and not getattr(model, "_supports_attention_backend", False):
+    if mode == "cp2" and not dispatches_attention(model):  # (5.5's GPT-BigCode dispatches without declaring it)
         return "AttentionInterface"
     return None
 
