@@ -45,6 +45,7 @@ pytest.importorskip("transformers")
 from support import hf  # noqa: E402
 from support.dist import run_distributed  # noqa: E402
 from support.engine import assert_follows  # noqa: E402
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
 STEPS, LR, CLIP, ROWS, T = 3, 3.0, 0.1, 2, 16  # each step moves the weights by LR * CLIP = 0.3 in norm
 # families the sweep first built tiny in its third session, with the fields hf.from_config's defaults miss:
@@ -83,7 +84,11 @@ SP_ONLY = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermedi
            "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
            "bert": _BERT, "roberta": _BERT, "xlm-roberta-xl": _BERT, "bert-padded": _BERT}
 EXTRA.update(SP_ONLY)
-CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY]
+# attention sinks planned colwise on a module planned local_params (local_params.py): Granite-SWA under tp2 and sp;
+# a derived layout whose norm runs before and after the layers (pipeline.BothEnds): NanoChat under pp2 and sp
+SOME_MODES = {"granite_swa": ("tp2", "sp"), "nanochat": ("pp2", "sp")}
+CASES = [(f, m) for f in FAMILIES for m in MODES] + [(f, "sp") for f in SP_ONLY] + \
+    [(f, m) for f, modes in SOME_MODES.items() if f in CONFIG_MAPPING for m in modes]  # (5.5 lacks Granite-SWA)
 # under sp each rank's norms see its shard of the tokens: their weights after the steps equal one process's only
 # with their gradients summed over tp (a pre-LN norm's share of the gradient norm is too small for the curve)
 NORM_WEIGHTS = ("bert", "roberta", "xlm-roberta-xl", "bert-padded")
@@ -118,7 +123,13 @@ def _padded_loop(model, opt, booster=None):
 def _build(family):
     if family == "bert-padded":
         return hf.from_config("bert", **EXTRA[family])
-    return hf.from_config(family, **EXTRA.get(family, {}))
+    model = hf.from_config(family, **EXTRA.get(family, {}))
+    g = torch.Generator().manual_seed(hf.SEED)
+    with torch.no_grad():  # sinks start at zero, alike for every head: a rank reading the wrong heads' would pass
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(2 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def _norm_weights(family, params):
@@ -207,6 +218,7 @@ def _release_refusal(case):
     """What the installed transformers lacks for the case, as the refusal the engine then gives (words of it), or
     None. The floor (5.5) has no expert-parallel plan to tell MoE experts by (the plan's moe_tp_experts style is
     named), ships no tp plan for GPT-J, and has CTRL and GPT-J bypass the attention registry; 5.24 has all three."""
+    from colossal_lab.engine.models.hf.context import dispatches_attention
     from colossal_lab.engine.models.hf.moe import ep_plan
     from colossal_lab.engine.models.hf.plan import read_plan
 
@@ -217,7 +229,7 @@ def _release_refusal(case):
     # Qwen2-MoE's 5.5 plan names no experts (its experts a list of plain MLPs): it runs there as a dense model
     if mode in ("tp2", "sp") and not ep_plan(model) and "moe_tp_experts" in map(str, read_plan(model)[0].values()):
         return "'moe_tp_experts'"
-    if mode == "cp2" and not getattr(model, "_supports_attention_backend", False):
+    if mode == "cp2" and not dispatches_attention(model):  # (5.5's GPT-BigCode dispatches without declaring it)
         return "AttentionInterface"
     return None
 
@@ -335,3 +347,17 @@ def test_layers_reading_what_a_stage_lacks_or_features_tp_cuts_are_refused_befor
     check_tensor_parallel(hf.from_config("gemma3n_text", activation_sparsity_pattern=[0.0] * 4, **sparse),
                           HybridParallelPlugin(tp_size=2))
     assert not dist.is_initialized()
+
+
+def test_hyper_connection_streams_are_refused_under_sequence_parallelism_before_any_group():
+    """HY-V4's layers pass ``config.hc_mult`` streams between them, which its base forward widens and folds on the
+    whole sequence (the sweep saw sp crash on a shape). The check reads the config alone: a Llama told it has four
+    streams is refused by name; with one it is not."""
+    from colossal_lab.engine.models.hf import check_sequence_parallel
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    model = hf.llama()
+    check_sequence_parallel(model, HybridParallelPlugin(tp_size=2, sequence_parallel=True))
+    model.config.hc_mult = 4
+    msg = _configure_error(model, tp_size=2, sequence_parallel=True)
+    assert "hc_mult=4" in msg and "sequence_parallel=False" in msg, msg

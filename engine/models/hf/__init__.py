@@ -159,6 +159,10 @@ def check_sequence_parallel(model: nn.Module, plugin) -> None:
     if not why and getattr(getattr(model, "config", None), "hidden_size_per_layer_input", 0):
         why = ("its per-layer embeddings (config.hidden_size_per_layer_input, Gemma 3n / Gemma 4) are looked up for "
                "the whole sequence and added to every layer's shard")
+    hc = getattr(getattr(model, "config", None), "hc_mult", 1)
+    if not why and isinstance(hc, int) and hc > 1:
+        why = (f"its layers pass config.hc_mult={hc} hyper-connection streams between them (HY-V4), which the base "
+               "forward widens and folds on the whole sequence")
     if why:
         raise ValueError(f"{where}: {type(model).__name__} cannot cut its residual stream: {why}; "
                          "set sequence_parallel=False")

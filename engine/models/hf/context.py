@@ -83,11 +83,26 @@ def _layer_types(cfg) -> list:
     return out
 
 
+def dispatches_attention(model: nn.Module) -> bool:
+    """Whether every attention of ``model`` goes through transformers' ``AttentionInterface``: the class says so
+    (``_supports_attention_backend``), or, for a family that dispatches without declaring it (StableLM, BioGPT),
+    every innermost module class named ``...Attention`` calls the registry in its forward (the source test
+    transformers' own ``_can_set_attn_implementation`` makes, per class rather than per file)."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    kinds = {type(m) for m in model.modules() if "Attention" in type(m).__name__
+             and not any("Attention" in type(c).__name__ for c in m.modules() if c is not m)}
+    try:
+        return bool(kinds) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(k.forward) for k in kinds)
+    except (OSError, TypeError):
+        return False
+
+
 def check_context_parallel(model: nn.Module, plugin) -> None:
     """Everything ring / Ulysses attention needs of an HF model, before any process group exists."""
     where, cp, tp = _where(plugin), plugin.cp_size, plugin.tp_size
     name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):
+    if not dispatches_attention(model):
         raise ValueError(f"{where}: {name} does not dispatch its attention through transformers' "
                          "AttentionInterface (_supports_attention_backend is False), which is how context "
                          "parallelism reaches its attention; set cp_size=1")

@@ -16,8 +16,10 @@ Registration order is a convention, not a contract, so a derived layout is check
 model's own base forward with ``inputs_embeds=x``, must hand back ``x`` exactly. A base forward that does more
 to its input than its modules do (CTRL scales it by sqrt(d) and adds its sinusoid table in the forward itself;
 a dropout applied functionally; a loop that unpacks what a layer returns) fails that, and the family's pipeline
-is refused, naming what came back, rather than run on a wrong curve. The check runs on the model's own
-(real) tensors, once per model, before any process group.
+is refused, naming what came back, rather than run on a wrong curve. The same run records the order of the
+post modules' and the layers' calls: a post module called once before the layers and once after them with no
+weights (NanoChat's norm) becomes a ``"both_ends:2"`` stand-in (:class:`.pipeline.BothEnds`); any other repeat
+is refused. The check runs on the model's own (real) tensors, once per model, before any process group.
 """
 
 from __future__ import annotations
@@ -101,6 +103,52 @@ def _has(model: nn.Module, name: str) -> bool:
         return False
 
 
+def _both_ends(model: nn.Module, lay, events: List[str]) -> Dict[str, str]:
+    """The post modules the base forward called more than once (``events``: the order of calls of the post
+    modules and the layers), as ``"both_ends:2"`` stand-ins where one call came before the first layer and one
+    after the last and the module holds no parameters (NanoChat's norm, applied to the embeddings and at the
+    end); ``ValueError`` naming the module for any other order (between layers: a looped model; twice before
+    them: XLNet's dropout, on the embeddings the first stage made and on the relative positions every stage
+    remakes, which a stage cannot tell apart), or for one with weights (the first and the last stage would each
+    train a copy of them)."""
+    layers = [i for i, e in enumerate(events) if e.startswith(lay.layers + ".")]
+    out = {}
+    for n in dict.fromkeys(e for e in events if e in lay.post):
+        at = [i for i, e in enumerate(events) if e == n]
+        if len(at) == 1:
+            continue
+        if not (len(at) == 2 and layers and at[0] < layers[0] and at[1] > layers[-1]):
+            where = "between the layers too" if layers and any(layers[0] < i < layers[-1] for i in at) else \
+                "more than once before the layers (on what the first stage made, or on what every stage remakes?)"
+            raise ValueError(f"{n!r}, registered after its layer list, runs {len(at)} times in its base forward, "
+                             f"{where}, so a stage cannot tell which run is its own")
+        if any(True for _ in model.get_submodule(n).parameters()):
+            raise ValueError(f"{n!r}, registered after its layer list, runs before the layers and after them and "
+                             "holds weights, which the first and the last stage would each train a copy of")
+        out[n] = f"both_ends:{len(at)}"
+    return out
+
+
+def _real(part: nn.Module) -> nn.Module:
+    """A layer-less middle stage of a model on the meta device (``lazy_init``, ``from_config`` under
+    ``torch.device("meta")``), given storage on the CPU: what is left of the model in it (rotary tables, a scale,
+    the stand-ins) is small, so the check costs no more than on a real model. Initialised by the model's own rule
+    (:func:`...lazy.materialize`), else zeros."""
+    from ...lazy import is_lazy, materialize
+
+    if not is_lazy(part):
+        return part
+    part.__dict__.pop("_lazy_memo", None)
+    try:
+        return materialize(part, "cpu")
+    except Exception:  # noqa: BLE001 - a family whose init rule needs more than the part holds
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in list(part.parameters()) + list(part.buffers()):
+                t.zero_()
+        return part
+
+
 def check(model: nn.Module, lay):
     """The derived layout ``lay``, checked (module docstring), with the form a stood-in layer must return
     (``returns``: the hidden states alone, a 1-tuple or a pair, for base forwards that take ``outputs[0]``);
@@ -110,35 +158,34 @@ def check(model: nn.Module, lay):
     from .pipeline import _cut, _StageForward
 
     done = getattr(model, "_cl_pp_checked", None)
-    if done is not None and dataclasses.replace(done, returns=0) == lay:
-        return done
+    if done is not None and done[0] == lay:
+        return done[1]
     width = hidden_width(model)
     first = next((t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
-    if width is None or first is None or first.device.type == "meta":
+    if width is None or first is None:
         raise ValueError("its layout, read from the module tree, is checked by running the base forward once, "
-                         "which needs real weights and a hidden size in the config (build the model off the meta "
-                         "device, or add a 'pp' entry to engine/models/hf/tables.py)")
+                         "which needs a hidden size in the config and a floating-point parameter (or add a 'pp' "
+                         "entry to engine/models/hf/tables.py)")
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, 5, width, generator=g, dtype=first.dtype).to(first.device)
+    device = "cpu" if first.device.type == "meta" else first.device
+    x = torch.randn(2, 5, width, generator=g, dtype=first.dtype).to(device)
     seen = []
     for returns in (0, 1, 2):
         trial = dataclasses.replace(lay, returns=returns)
-        part = _cut(model, trial, keep=range(0), first=False, last=False)
-        calls = {n: 0 for n in lay.post if _has(part, n)}  # a post module must run once, at the end
-        for n in calls:
-            part.get_submodule(n).register_forward_hook(lambda *_, n=n: calls.__setitem__(n, calls[n] + 1))
+        part = _real(_cut(model, trial, keep=range(0), first=False, last=False))
+        events: List[str] = []  # the order of the post modules' and the (stood-in) layers' calls
+        for n in [n for n in lay.post if _has(part, n)] + [lay.layers + f".{i}" for i in range(len(
+                part.get_submodule(lay.layers)))]:
+            part.get_submodule(n).register_forward_hook(lambda *_, n=n: events.append(n))
         try:
             with torch.no_grad():
                 out = _StageForward(part)(x)
         except Exception as exc:  # noqa: BLE001 - whatever the model's own forward raises, named
             seen.append(f"raised {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        twice = [n for n, c in calls.items() if c > 1]
-        if twice:
-            raise ValueError(f"{twice}, registered after its layer list, run {max(calls.values())} times in its "
-                             "base forward (before the layers too), so a stage cannot tell which run is its own")
+        trial = dataclasses.replace(trial, post={**trial.post, **_both_ends(model, lay, events)})
         if isinstance(out, torch.Tensor) and out.shape == x.shape and torch.equal(out, x):
-            model._cl_pp_checked = trial
+            model._cl_pp_checked = (lay, trial)
             return trial
         seen.append(f"returned a {type(out).__name__}" if not isinstance(out, torch.Tensor) else
                     f"returned shape {tuple(out.shape)}" if out.shape != x.shape else

@@ -273,6 +273,27 @@ class Identity(StandIn):
 _STAND_INS = {"identity": Identity, "zeros": Zeros, "pass_embeds": PassEmbeds, "none": lambda: None}
 
 
+class BothEnds:
+    """A forward hook for a parameter-free module the base forward calls ``calls`` times, all but the last before
+    the layers and the last after them (NanoChat's ``norm``: once on the embeddings, once at the end; :mod:`.derive`
+    found that order): the stage that does not own an end hands the input of that end's calls back unchanged.
+    ``pre`` / ``post``: whether this stage runs the calls before the layers / the last one. The count of calls
+    is reset at each stage forward (:class:`_StageForward`)."""
+
+    def __init__(self, calls: int, pre: bool, post: bool):
+        self.calls, self.pre, self.post, self.seen = calls, pre, post, 0
+
+    def __call__(self, module, args, out):
+        at, self.seen = self.seen, self.seen + 1
+        runs = self.post if at >= self.calls - 1 else self.pre
+        return out if runs else args[0]
+
+
+def _both_ends(kind: str) -> int:
+    """The number of calls a post entry ``"both_ends:N"`` names (0 for any other stand-in kind)."""
+    return int(kind.split(":")[1]) if kind.startswith("both_ends:") else 0
+
+
 def _set(model: nn.Module, name: str, value: Optional[nn.Module]) -> None:
     owner, _, attr = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, attr, value)
@@ -296,7 +317,7 @@ def _cut(model: nn.Module, lay: Layout, keep, first: bool, last: bool) -> nn.Mod
     layers = model.get_submodule(lay.layers)
     drop = {i: m for i, m in enumerate(layers) if i not in keep}
     replaced = {n: s for n, s in lay.pre.items() if not first}
-    replaced.update({n: s for n, s in lay.post.items() if not last})
+    replaced.update({n: s for n, s in lay.post.items() if not last and not (first and _both_ends(s))})
     replaced.update({n: "none" for n in lay.head if not last})
     memo = {id(m): None for m in drop.values()}
     memo.update({id(m): None for n in replaced if (m := _module(model, n)) is not None})
@@ -306,7 +327,12 @@ def _cut(model: nn.Module, lay: Layout, keep, first: bool, last: bool) -> nn.Mod
         part_layers[i] = PassThrough.of(layer, lay.returns)
     for name, kind in replaced.items():
         if _module(model, name) is not None:
-            _set(part, name, _STAND_INS[kind]())
+            _set(part, name, _STAND_INS["identity" if _both_ends(kind) else kind]())
+    part._cl_both_ends = []  # a module at both ends, on a stage that owns one end only
+    for name, kind in lay.post.items():
+        if _both_ends(kind) and first != last and _module(part, name) is not None:
+            part._cl_both_ends.append(BothEnds(_both_ends(kind), first, last))
+            _module(part, name).register_forward_hook(part._cl_both_ends[-1])
     part._cl_stage = (first, last, lay)
     return part
 
@@ -328,6 +354,8 @@ class _StageForward:
         """``inputs``: the microbatch's per-token inputs (``attention_mask``, ``position_ids``, ... :mod:`.inputs`),
         handed to the model's own forward, which builds this stage's mask and positions from them."""
         part = self.part_ref[0]
+        for hook in getattr(part, "_cl_both_ends", ()):  # a module at both ends counts from this forward's first
+            hook.seen = 0
         runs = part if self.task else _module(part, self.lay.base)
         kw = stage_kwargs(inputs, tuple(inputs), self.first)
         kw.update({"input_ids": x} if self.first else {"inputs_embeds": x})

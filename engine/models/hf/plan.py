@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.nn as nn
 
 from . import mla
+from .local_params import LocalParams
 from .styles import check_name, translate, weight_shard_dim
 from .tables import table_for
 
@@ -117,13 +118,33 @@ def torch_plan(model: nn.Module, plan: dict) -> Dict[str, object]:
     for pattern, entry in plan.items():  # a style matching no module here must still be one we know
         if isinstance(entry, (str, tuple)):
             check_name(entry, pattern)
-    params = [n for n, _ in model.named_parameters()]
-    for pattern in unmatched(model, plan):  # transformers 5 plans may shard a bare parameter (experts)
-        if any(n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern) for n in params):
-            raise ValueError(f"tp plan entry {pattern!r} ({plan[pattern]!r}) names a parameter, not a module; "
-                             "per-parameter styles are not run yet; pass HybridParallelPlugin(tp_plan={...}) "
-                             "without it")
+    shards: Dict[str, Dict[str, int]] = {}  # owner module -> its bare parameters the plan shards, by dim
+    for pattern, owner, pname, param in _parameter_matches(model, plan):
+        entry = plan[pattern]
+        style = entry if isinstance(entry, str) else entry[0] if isinstance(entry, tuple) else None
+        if style not in ("colwise", "local_colwise") or param.dim() != 1:
+            raise ValueError(f"tp plan entry {pattern!r} ({entry!r}) names a parameter, not a module; a bare "
+                             "parameter is run only as a 1-D colwise entry (one value per head: attention sinks); "
+                             "pass HybridParallelPlugin(tp_plan={...}) without it")
+        if owner in styles:
+            raise ValueError(f"tp plan entry {pattern!r}: its module {owner!r} also has a style of its own "
+                             f"({type(styles[owner]).__name__}); a module with sharded bare parameters takes "
+                             "'local_params' or none")
+        shards.setdefault(owner, {})[pname] = 0
+    styles.update({owner: LocalParams(names) for owner, names in shards.items()})
     return styles
+
+
+def _parameter_matches(model: nn.Module, plan: dict) -> List[Tuple[str, str, str, nn.Parameter]]:
+    """``(pattern, owner module, parameter name, parameter)`` for every bare parameter a plan entry names
+    (transformers 5 plans may shard one: attention sinks, experts' grouped weights)."""
+    out = []
+    for pattern in unmatched(model, plan):
+        for n, p in model.named_parameters():
+            if n.count(".") == pattern.count(".") and fnmatch.fnmatchcase(n, pattern):
+                owner, _, pname = n.rpartition(".")
+                out.append((pattern, owner, pname, p))
+    return out
 
 
 def unmatched(model: nn.Module, plan: dict) -> List[str]:
@@ -182,9 +203,10 @@ def check_per_head_parameters(model: nn.Module, plan: dict) -> None:
     sharding = {name.rpartition(".")[0] for p, name, _ in _matches(plan, model)
                 if isinstance(plan[p], (str, tuple)) and "colwise" in (plan[p] if isinstance(plan[p], str)
                                                                        else plan[p][0])}
+    planned = {f"{owner}.{pname}" for _, owner, pname, _ in _parameter_matches(model, plan)}
     for parent in sorted(sharding):
         for pname, param in mods[parent].named_parameters(recurse=False):
-            if param.dim() == 1 and param.shape[0] in counts:
+            if param.dim() == 1 and param.shape[0] in counts and f"{parent}.{pname}" not in planned:
                 raise ValueError(f"{parent}.{pname} holds one value per attention head ({param.shape[0]}), which "
                                  f"the plan leaves whole while it shards {parent}'s heads; pass "
                                  "HybridParallelPlugin(tp_plan={...}) leaving that attention whole, or tp_size=1")

@@ -302,12 +302,14 @@ def _walk(parent: nn.Module, prefix: str, styles: Dict[str, object], tp_mesh, ex
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from .grad_sum import ReplicatedGradSum
+    from .local_params import LocalParams
 
     hooks: List[tuple] = []
     opened = None  # the opening region whose features are not closed yet
     for child_name, child in parent.named_children():
         name = f"{prefix}.{child_name}"
         own = styles.get(name)
+        own = None if isinstance(own, LocalParams) else own  # sinks read locally: a region like any other
         kind = _kind(name, styles) if own is None else None
         if _holds(name, experts):  # an MoE block: per token, on the shard
             hooks += _per_token_block(child, name, styles, tp_mesh)

@@ -49,6 +49,8 @@ SUPPORTED = {
                    "(in_proj and out_proj take entries of their own: mamba.py)",
     "mamba2_mixer": "a Mamba 2 block: its mixer cut by heads and groups, the packed in_proj and conv1d gathered "
                     "whole each forward for the rank's rows (out_proj takes an entry of its own: mamba.py)",
+    "local_params": "a module whose own bare parameters the plan shards (attention sinks, planned colwise: one "
+                    "value per head) reads them as this rank's shard (local_params.py)",
 }
 _MOE = "; expert parallelism: issue 31"
 NOT_YET = {
@@ -57,7 +59,6 @@ NOT_YET = {
     "gather": "mixture-of-experts output" + _MOE, "all_reduce": "mixture-of-experts output" + _MOE,
     "moe_tp_experts": "mixture-of-experts experts" + _MOE, "moe_identity_expert": "mixture-of-experts experts" + _MOE,
     "grouped_gemm": "mixture-of-experts experts" + _MOE, "ep_router": "mixture-of-experts router" + _MOE,
-    "local_params": "bare sharded parameters",
 }
 
 
@@ -112,8 +113,8 @@ def translate(entry, module: nn.Module, module_name: str, rope_dim=None) -> Opti
     if name == "mamba2_mixer":
         return Mamba2MixerParallel()
     conv, emb = is_conv1d(module), isinstance(module, nn.Embedding)
-    if name in ("replicate", "sequence_parallel"):
-        return None
+    if name in ("replicate", "sequence_parallel", "local_params"):  # local_params: plan.torch_plan joins it
+        return None                                                   # with its module's parameter entries
     if name == "replicated_with_grad_allreduce":
         return ReplicatedGradSum()
     if not (conv or emb or isinstance(module, nn.Linear)):
@@ -148,7 +149,7 @@ def weight_shard_dim(entry, module: nn.Module) -> Optional[int]:
     """The weight dimension a style shards (None: whole), so tied weights can be checked to agree."""
     name, opts = _parse(entry)
     if name in ("replicate", "sequence_parallel", "replicated_with_grad_allreduce", "mla_kv_a_proj", "mamba_mixer",
-                "mamba2_mixer"):
+                "mamba2_mixer", "local_params"):
         return None  # (a Mamba block's own parameters: none; its mixer's are cut inside, mamba.py)
     col = "colwise" in name
     if isinstance(module, nn.Embedding):  # (vocab, hidden): rowwise shards the vocabulary
