@@ -45,7 +45,16 @@ MODELS = {"llama": hf.llama, "qwen2": hf.qwen2, "mistral": hf.mistral, "gpt2": h
           # logit soft-capping; a cap of SOFTCAP bends this tiny model's scores (the default 50 would not). Eager:
           # transformers 5.5 defaults Gemma 2 to SDPA, which drops the cap (5.24 picks eager itself)
           "gemma2": lambda: hf.from_config("gemma2", layers=2, attn_logit_softcapping=SOFTCAP,
-                                           attn_implementation="eager")}
+                                           attn_implementation="eager"),
+          # dispatches through AttentionInterface without declaring _supports_attention_backend (context.py)
+          "stablelm": functools.partial(hf.from_config, "stablelm", layers=2)}
+
+
+def _dispatches(name) -> bool:
+    from colossal_lab.engine.models.hf.context import dispatches_attention
+
+    with torch.device("meta"):
+        return dispatches_attention(MODELS[name]())
 
 
 def _loss(model, s):
@@ -159,6 +168,7 @@ CASES = [("llama", "ring"), ("llama", "ulysses"), ("qwen2", "ring"), ("qwen2", "
          ("gpt2", "ring"), ("gpt2", "ulysses"), ("opt", "ring"), ("opt", "ulysses"),  # learned positions
          ("gpt_oss", "ring"), ("gpt_oss", "ulysses"), ("gemma2", "ring"), ("gemma2", "ulysses"),  # sinks, softcap
          ("llama", "sp"), ("qwen2", "sp"), ("mistral", "sp"), ("opt", "sp"), ("gpt2", "sp")]
+CASES += [("stablelm", "ring")] if _dispatches("stablelm") else []  # (whether the installed release dispatches)
 
 
 def _all(rank, world):
