@@ -274,6 +274,19 @@ def test_a_derived_layout_cuts_a_model_on_the_meta_device(family):
     assert torch.equal(h, ref), family
 
 
+def test_the_planner_traces_a_derived_layout_on_its_fake_copy():
+    """``cl.plan`` traces a fake (and, under tp, DTensor-sharded) copy of the model, whose activation-checkpointing
+    pass reads the pipeline layout: NanoChat's derived layout is checked there on fake tensors, which its rotary
+    table meets in the base forward (the check gives its layer-less stage real storage first; it used to be refused
+    as a layout that does not hold, under any plugin)."""
+    import colossal_lab as cl
+    from colossal_lab.engine.plugins import HybridParallelPlugin
+
+    for plugin in (HybridParallelPlugin(tp_size=2), HybridParallelPlugin(pp_size=2, num_microbatches=2)):
+        plan = cl.plan(hf.from_config("nanochat"), plugin, world_size=2, batch=2, seq=16, device="cpu")
+        assert plan.fits, plan
+
+
 # ---- bad input: refused before any process group exists -------------------------------------
 
 def _configure(model, **kw):

@@ -131,11 +131,22 @@ def _both_ends(model: nn.Module, lay, events: List[str]) -> Dict[str, str]:
 
 def _real(part: nn.Module) -> nn.Module:
     """A layer-less middle stage of a model on the meta device (``lazy_init``, ``from_config`` under
-    ``torch.device("meta")``), given storage on the CPU: what is left of the model in it (rotary tables, a scale,
-    the stand-ins) is small, so the check costs no more than on a real model. Initialised by the model's own rule
+    ``torch.device("meta")``) or of a planner's fake copy (``cl.plan`` traces on fake tensors, sharded ones as
+    DTensors), given storage on the CPU: what is left of the model in it (rotary tables, a scale, the stand-ins) is
+    small, so the check costs no more than on a real model. Initialised by the model's own rule
     (:func:`...lazy.materialize`), else zeros."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.tensor import DTensor
+
     from ...lazy import is_lazy, materialize
 
+    for mod in part.modules():  # a fake or sharded tensor: a meta one of its whole shape, materialised below
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(mod, kind)
+            for k, t in list(table.items()):
+                if isinstance(t, (FakeTensor, DTensor)):
+                    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    table[k] = nn.Parameter(meta, requires_grad=t.requires_grad) if kind == "_parameters" else meta
     if not is_lazy(part):
         return part
     part.__dict__.pop("_lazy_memo", None)
