@@ -311,6 +311,8 @@ def _walk(parent: nn.Module, prefix: str, styles: Dict[str, object], tp_mesh, ex
         own = styles.get(name)
         own = None if isinstance(own, LocalParams) else own  # sinks read locally: a region like any other
         kind = _kind(name, styles) if own is None else None
+        if kind == "closes" and not opened and styles.get(prefix) is not None:
+            kind = "whole"  # the layer's own style cuts what comes before the rows (Mamba 2's mixer): a region
         if _holds(name, experts):  # an MoE block: per token, on the shard
             hooks += _per_token_block(child, name, styles, tp_mesh)
         elif is_norm(child):  # runs on the shard; its weight's gradient summed over the shards
