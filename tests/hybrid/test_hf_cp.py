@@ -168,11 +168,11 @@ CASES = [("llama", "ring"), ("llama", "ulysses"), ("qwen2", "ring"), ("qwen2", "
          ("gpt2", "ring"), ("gpt2", "ulysses"), ("opt", "ring"), ("opt", "ulysses"),  # learned positions
          ("gpt_oss", "ring"), ("gpt_oss", "ulysses"), ("gemma2", "ring"), ("gemma2", "ulysses"),  # sinks, softcap
          ("llama", "sp"), ("qwen2", "sp"), ("mistral", "sp"), ("opt", "sp"), ("gpt2", "sp")]
-CASES += [("stablelm", "ring")] if _dispatches("stablelm") else []  # (whether the installed release dispatches)
+CASES += [("stablelm", "ring")]  # run where the installed release dispatches StableLM's attention (_all)
 
 
 def _all(rank, world):
-    out = {case: _train(*case) for case in CASES}
+    out = {case: _train(*case) if case[0] != "stablelm" or _dispatches(case[0]) else None for case in CASES}
     out["refused"] = _refusals_at_forward()
     return out
 
@@ -225,6 +225,8 @@ def _assert_sink_grads(case, got, want):
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_hf_decoder_under_cp_follows_its_single_process_curve(runs, case):
+    if any(r[case] is None for r in runs):
+        pytest.skip(f"the installed transformers' {case[0]} does not dispatch its attention through the registry")
     ref, ref_norms = _reference(case[0])
     for r in runs:
         got = r[case]
